@@ -1,0 +1,511 @@
+"""Collective operations on small JSON-able Python values.
+
+A :class:`Collective` is how core state machines talk to their peer replicas:
+broadcast a decision, sum a few metrics, gather a value from everyone. The values
+are small JSON-able Python values (``None``, ``bool``, ``int``, ``float``, ``str``,
+lists and tuples of them, dicts with ``str`` keys); on the wire they are
+:func:`encode`'d JSON text in every implementation, so a value that cannot travel
+fails the same way whichever implementation runs (with a :class:`TypeError` naming
+the value), and tuples arrive as lists.
+
+Ordering contract: every replica must call the collectives of a group in the same
+order (the n-th collective call of one replica meets the n-th call of every other
+replica). :class:`ThreadCollective` detects a different operation at the same
+position and raises :class:`CollectiveMismatch`; other differences (the order of
+two allreduces with different values) cannot be detected and give wrong results.
+
+Reductions are deterministic: :meth:`Collective.allreduce` folds the replicas'
+values in rank order, ``op(op(v0, v1), v2) ...``, on every replica, so a float sum
+is bitwise identical everywhere. ``op`` must be the same function on every replica.
+
+Implementations here: :class:`LocalCollective` (one replica) and
+:class:`ThreadCollective` (several replicas as threads of one process, for tests
+and the simulator). The torch adapter provides one over ``torch.distributed`` that
+sends :func:`encode`'d bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import attrs
+
+from adaptdl.core._validate import check_float, check_int
+
+T = TypeVar("T")
+R = TypeVar("R")
+T_co = TypeVar("T_co", covariant=True)
+
+__all__ = [
+    "Collective",
+    "CollectiveAborted",
+    "CollectiveError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "Future",
+    "LocalCollective",
+    "ThreadCollective",
+    "add",
+    "decode",
+    "encode",
+    "logical_or",
+    "maximum",
+    "run_replicas",
+]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CollectiveError(RuntimeError):
+    """A collective operation could not complete."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A peer replica did not join a collective operation in time."""
+
+
+class CollectiveMismatch(CollectiveError):
+    """Replicas called different collective operations at the same position."""
+
+
+class CollectiveAborted(CollectiveError):
+    """The group was aborted (a replica failed); no further operation can complete."""
+
+
+# --------------------------------------------------------------------------- wire format
+
+_JSON_TYPES = "None, bool, int, float, str, list, tuple or dict with str keys"
+
+
+def _check_jsonable(value: Any, path: str, stack: set[int]) -> None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple, dict)):
+        if id(value) in stack:
+            raise ValueError(f"{path} is a circular reference and cannot travel between replicas")
+        stack.add(id(value))
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"{path} has key {key!r} ({type(key).__name__}) and cannot travel "
+                        f"between replicas: dict keys of collective values must be str"
+                    )
+                _check_jsonable(item, f"{path}[{key!r}]", stack)
+        else:
+            for i, item in enumerate(value):
+                _check_jsonable(item, f"{path}[{i}]", stack)
+        stack.discard(id(value))
+        return
+    hint = "; convert it with .item() or .tolist()" if hasattr(value, "item") else ""
+    raise TypeError(
+        f"{path} = {value!r} ({type(value).__name__}) cannot travel between replicas: "
+        f"collective values must be {_JSON_TYPES}{hint}"
+    )
+
+
+def encode(value: Any) -> bytes:
+    """The wire form of ``value``: canonical JSON (sorted keys, compact, ASCII) as bytes.
+
+    ``nan`` and ``±inf`` are allowed (as JSON's common ``NaN``/``Infinity``
+    extension) because metrics legitimately take them; the text is therefore read
+    back by :func:`decode`, not by strict JSON parsers. Raises :class:`TypeError`
+    naming the offending part of ``value`` if it is not JSON-able (dict keys must be
+    ``str``: JSON would silently turn ``1`` into ``"1"``).
+    """
+    _check_jsonable(value, "value", set())
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii")
+
+
+def decode(data: bytes) -> Any:
+    """The value whose :func:`encode` is ``data``; raises ValueError for bad data."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"collective data is not valid encoded JSON: {exc}") from exc
+
+
+def _copy(value: T) -> T:
+    result: T = decode(encode(value))
+    return result
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def _combine(name: str, scalar: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            raise ValueError(
+                f"{name}: lists of different lengths {len(a)} and {len(b)} cannot be combined"
+            )
+        return [_combine(name, scalar, x, y) for x, y in zip(a, b, strict=True)]
+    if isinstance(a, dict) and isinstance(b, dict):
+        merged = dict(a)
+        for key, value in b.items():
+            merged[key] = _combine(name, scalar, merged[key], value) if key in a else value
+        return merged
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return scalar(a, b)
+    raise TypeError(
+        f"{name}: cannot combine {a!r} ({type(a).__name__}) with {b!r} ({type(b).__name__})"
+    )
+
+
+def add(a: Any, b: Any) -> Any:
+    """Sum of two values: numbers add, lists elementwise, dicts key-wise; ``None`` is zero.
+
+    Lists (and tuples) must have the same length, else ValueError; dicts combine as
+    the union of their keys, adding values under common keys. Booleans count as
+    integers. Any other combination raises TypeError.
+    """
+    return _combine("add", lambda x, y: x + y, a, b)
+
+
+def logical_or(a: Any, b: Any) -> Any:
+    """``bool(a) or bool(b)`` for scalars, elementwise/key-wise like :func:`add`."""
+    return _combine("logical_or", lambda x, y: bool(x) or bool(y), a, b)
+
+
+def _max(x: Any, y: Any) -> Any:
+    # nan wins, whatever its position, so the result does not depend on rank order.
+    if isinstance(x, float) and math.isnan(x):
+        return x
+    if isinstance(y, float) and math.isnan(y):
+        return y
+    return y if y > x else x
+
+
+def maximum(a: Any, b: Any) -> Any:
+    """The larger of two numbers (``nan`` if either is), elementwise/key-wise like :func:`add`."""
+    return _combine("maximum", _max, a, b)
+
+
+# --------------------------------------------------------------------------- protocols
+
+
+class Future(Protocol[T_co]):
+    """The pending result of an asynchronous collective."""
+
+    def result(self) -> T_co:
+        """Wait for and return the result (the same object on every call)."""
+        ...
+
+
+class Collective(Protocol):
+    """Collective operations over the replicas of one job; see the module docstring."""
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank, in ``[0, num_replicas)``."""
+        ...
+
+    @property
+    def num_replicas(self) -> int:
+        """The number of replicas in the group."""
+        ...
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        """Replica ``root``'s ``value`` on every replica (other replicas' values are ignored)."""
+        ...
+
+    def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
+        """The rank-order fold of every replica's ``value`` with ``op``."""
+        ...
+
+    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
+        """Like :meth:`allreduce`, but returns at once; ``.result()`` waits for peers."""
+        ...
+
+    def allgather(self, value: T) -> list[T]:
+        """Every replica's ``value``, in rank order."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every replica has called barrier."""
+        ...
+
+
+@attrs.frozen
+class _Ready:
+    """A future whose value is already known."""
+
+    value: Any
+
+    def result(self) -> Any:
+        return self.value
+
+
+def _check_root(root: int, num_replicas: int) -> int:
+    return check_int("root", root, min=0, max=num_replicas - 1)
+
+
+# --------------------------------------------------------------------------- local
+
+
+class LocalCollective:
+    """The collective of a job with one replica: every operation returns a copy of its input.
+
+    Values still go through :func:`encode`/:func:`decode`, so callers cannot alias
+    them and a value that could not travel fails here as it would on many replicas.
+    """
+
+    @property
+    def rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    @property
+    def num_replicas(self) -> int:
+        """Always 1."""
+        return 1
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        """A copy of ``value``; ``root`` must be 0."""
+        _check_root(root, 1)
+        return _copy(value)
+
+    def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
+        """A copy of ``value`` (a fold of one value never calls ``op``)."""
+        return _copy(value)
+
+    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
+        """A resolved future holding a copy of ``value``."""
+        return _Ready(_copy(value))
+
+    def allgather(self, value: T) -> list[T]:
+        """``[copy of value]``."""
+        return [_copy(value)]
+
+    def barrier(self) -> None:
+        """Returns at once."""
+
+
+# --------------------------------------------------------------------------- threads
+
+
+@attrs.define
+class _Round:
+    """One collective call, shared by all replicas: who has arrived and with what."""
+
+    kind: str
+    payloads: list[bytes | None]
+    arrived: list[bool]
+    reads: int = 0
+
+
+class _Exchange:
+    """The meeting point of a thread group: rounds keyed by call sequence number."""
+
+    def __init__(self, num_replicas: int, timeout: float) -> None:
+        self.num_replicas = num_replicas
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.rounds: dict[int, _Round] = {}
+        self.aborted: CollectiveError | None = None
+
+    def _raise_aborted(self) -> None:
+        # A fresh exception per replica: one object raised in several threads would
+        # share (and garble) its traceback.
+        assert self.aborted is not None
+        raise type(self.aborted)(*self.aborted.args)
+
+    def abort(self, error: CollectiveError) -> None:
+        with self.cond:
+            if self.aborted is None:
+                self.aborted = error
+            self.cond.notify_all()
+
+    def deposit(self, seq: int, rank: int, kind: str, payload: bytes | None) -> None:
+        """Record ``rank``'s arrival at call ``seq``; never waits."""
+        with self.cond:
+            if self.aborted is not None:
+                self._raise_aborted()
+            rnd = self.rounds.get(seq)
+            if rnd is None:
+                rnd = _Round(kind, [None] * self.num_replicas, [False] * self.num_replicas)
+                self.rounds[seq] = rnd
+            elif rnd.kind != kind:
+                others = [r for r, a in enumerate(rnd.arrived) if a]
+                error = CollectiveMismatch(
+                    f"collective call #{seq}: replica {rank} called {kind} but replicas "
+                    f"{others} called {rnd.kind}; every replica must call the same "
+                    f"collectives in the same order"
+                )
+                self.aborted = error
+                self.cond.notify_all()
+                raise error
+            rnd.payloads[rank] = payload
+            rnd.arrived[rank] = True
+            self.cond.notify_all()
+
+    def collect(self, seq: int, rank: int) -> list[bytes | None]:
+        """Wait until every replica has arrived at call ``seq``; return their payloads."""
+        with self.cond:
+            rnd = self.rounds[seq]
+            done = self.cond.wait_for(
+                lambda: self.aborted is not None or all(rnd.arrived), timeout=self.timeout
+            )
+            if self.aborted is not None:
+                self._raise_aborted()
+            if not done:
+                missing = [r for r, a in enumerate(rnd.arrived) if not a]
+                raise CollectiveTimeout(
+                    f"collective call #{seq} ({rnd.kind}) on replica {rank}: replicas "
+                    f"{missing} did not join within {self.timeout:g} s (a peer has gone "
+                    f"or called the collectives in another order)"
+                )
+            rnd.reads += 1
+            if rnd.reads == self.num_replicas:
+                del self.rounds[seq]
+            return list(rnd.payloads)
+
+
+class _Pending:
+    """The future of an allreduce already deposited; folds when first asked."""
+
+    def __init__(self, group: ThreadCollective, seq: int, op: Callable[[Any, Any], Any]) -> None:
+        self._group = group
+        self._seq = seq
+        self._op = op
+        self._done = False
+        self._value: Any = None
+
+    def result(self) -> Any:
+        if not self._done:
+            payloads = self._group._exchange.collect(self._seq, self._group.rank)
+            self._value = functools.reduce(
+                self._op, [decode(p) for p in payloads if p is not None]
+            )
+            self._done = True
+        return self._value
+
+
+def _op_name(op: Callable[..., Any]) -> str:
+    return str(getattr(op, "__qualname__", type(op).__name__))
+
+
+class ThreadCollective:
+    """One replica of an in-process group whose replicas are threads.
+
+    Create a group with :meth:`group`; use each member from its own thread only.
+    Every value crosses as :func:`encode`'d bytes, like the torch implementation.
+    An operation waits at most ``timeout`` seconds for the other replicas, then
+    raises :class:`CollectiveTimeout`; replicas calling different operations at the
+    same position raise :class:`CollectiveMismatch`; after :meth:`abort` every
+    operation of the group raises :class:`CollectiveAborted`.
+    """
+
+    def __init__(self, exchange: _Exchange, rank: int) -> None:
+        """Internal: use :meth:`group`."""
+        self._exchange = exchange
+        self._rank = rank
+        self._seq = 0
+
+    @classmethod
+    def group(cls, num_replicas: int, timeout: float = 60.0) -> list[ThreadCollective]:
+        """``num_replicas`` connected replicas, in rank order."""
+        num_replicas = check_int("num_replicas", num_replicas, min=1)
+        timeout = check_float("timeout", timeout, min=0.0, min_exclusive=True)
+        exchange = _Exchange(num_replicas, timeout)
+        return [cls(exchange, rank) for rank in range(num_replicas)]
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank."""
+        return self._rank
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the group."""
+        return self._exchange.num_replicas
+
+    def abort(self, reason: str) -> None:
+        """Make every pending and future operation of the whole group raise CollectiveAborted."""
+        self._exchange.abort(CollectiveAborted(f"collective group aborted: {reason}"))
+
+    def _next(self, kind: str, payload: bytes | None) -> int:
+        seq = self._seq
+        self._exchange.deposit(seq, self._rank, kind, payload)
+        self._seq += 1
+        return seq
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        """Replica ``root``'s ``value`` on every replica."""
+        root = _check_root(root, self.num_replicas)
+        payload = encode(value) if self._rank == root else None
+        seq = self._next(f"broadcast(root={root})", payload)
+        data = self._exchange.collect(seq, self._rank)[root]
+        assert data is not None
+        result: T = decode(data)
+        return result
+
+    def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
+        """The rank-order fold of every replica's ``value`` with ``op``."""
+        result: T = self.allreduce_async(value, op).result()
+        return result
+
+    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
+        """Deposit ``value`` without waiting; ``.result()`` waits for the peers and folds."""
+        payload = encode(value)
+        seq = self._next(f"allreduce({_op_name(op)})", payload)
+        return _Pending(self, seq, op)
+
+    def allgather(self, value: T) -> list[T]:
+        """Every replica's ``value``, in rank order."""
+        seq = self._next("allgather", encode(value))
+        return [decode(p) for p in self._exchange.collect(seq, self._rank) if p is not None]
+
+    def barrier(self) -> None:
+        """Return once every replica has called barrier."""
+        seq = self._next("barrier", None)
+        self._exchange.collect(seq, self._rank)
+
+
+def run_replicas(
+    num_replicas: int, fn: Callable[[ThreadCollective], R], timeout: float = 60.0
+) -> list[R]:
+    """Run ``fn`` on each replica of a new :class:`ThreadCollective` group, one thread each.
+
+    Returns the results in rank order. If any replica raises, the group is aborted
+    (so its peers stop waiting at once) and the first exception that was not caused
+    by the abort is re-raised.
+    """
+    group = ThreadCollective.group(num_replicas, timeout)
+    results: list[Any] = [None] * num_replicas
+    errors: list[tuple[int, BaseException]] = []
+    lock = threading.Lock()
+
+    def main(replica: ThreadCollective) -> None:
+        try:
+            results[replica.rank] = fn(replica)
+        except BaseException as exc:
+            with lock:
+                errors.append((replica.rank, exc))
+            replica.abort(f"replica {replica.rank} raised {exc!r}")
+
+    threads = [
+        threading.Thread(target=main, args=(replica,), name=f"replica-{replica.rank}", daemon=True)
+        for replica in group
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        primary = [exc for _, exc in errors if not isinstance(exc, CollectiveAborted)]
+        raise (primary or [exc for _, exc in errors])[0]
+    return results
