@@ -1,0 +1,985 @@
+"""The Pollux goodput model: throughput x statistical efficiency.
+
+A job's *goodput* at a configuration (nodes, replicas, atomic batch size,
+accumulation steps) is its throughput in samples per second times the
+statistical efficiency of its total batch size, the progress one sample makes
+relative to a sample at the initial batch size (Qiao et al., OSDI 2021).
+
+Throughput model, all times in seconds:
+
+* one accumulation (compute) micro-batch: ``T_c = alpha_c + beta_c * atomic_bsz``;
+* gradient synchronisation: ``T_n = 0`` for one replica, else
+  ``alpha_r + beta_r * max(replicas - 2, 0)`` inside one node and
+  ``alpha_n + beta_n * max(replicas - 2, 0)`` across nodes;
+* the optimiser micro-batch, whose backward pass overlaps synchronisation:
+  ``T_o = (T_c ** gamma + T_n ** gamma) ** (1 / gamma)``, ``gamma`` in [1, 10];
+* a step with ``k`` accumulation steps runs ``k`` micro-batches that only
+  accumulate, then the optimiser one: ``k * T_c + T_o`` for
+  ``replicas * atomic_bsz * (k + 1)`` samples.
+
+Efficiency model: with gradient statistics measured at the initial batch size
+``M0`` (``sqr``, the squared norm of the true gradient, and ``var``, the
+variance of a gradient estimate at batch size ``M0``), the gradient noise scale
+is ``B_noise = M0 * var / sqr`` samples, and a total batch size ``M >= M0`` has
+efficiency ``(B_noise + M0) / (B_noise + M) = (var + sqr) / (var + sqr * M / M0)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import scipy.optimize
+
+from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+#: Smallest value a fitted alpha or beta can take: the model's times stay positive.
+PARAM_FLOOR = 1e-8
+#: Range of the compute/communication overlap exponent.
+GAMMA_RANGE = (1.0, 10.0)
+
+# The optimiser over accumulation steps stops once no larger number of steps can
+# beat the best configuration found by more than this relative margin.
+_ACCUM_TOLERANCE = 1e-6
+# Numbers of accumulation steps examined per round, and rounds at most.
+_ACCUM_BLOCK = 4
+_ACCUM_ROUNDS = 4
+
+
+def _check_param(name: str, value: Any, *, min: float, max: float | None = None) -> float:
+    return check_float(name, value, min=min, max=max)
+
+
+def _from_mapping(cls_name: str, names: tuple[str, ...], data: Any) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ArgumentTypeError(
+            f"{cls_name}.from_dict needs a mapping, got {data!r} ({type(data).__name__})"
+        )
+    missing = [n for n in names if n not in data]
+    extra = sorted(str(k) for k in data if k not in names)
+    if missing or extra:
+        raise ValueError(
+            f"{cls_name}.from_dict needs exactly the keys {list(names)}; "
+            f"missing {missing}, unexpected {extra}"
+        )
+    return {n: data[n] for n in names}
+
+
+@attrs.frozen
+class PerfParams:
+    """Parameters of the throughput model (seconds; see the module docstring).
+
+    Every alpha and beta is finite and non-negative, ``beta_c`` is positive (the
+    compute time grows with the batch size) and ``gamma`` lies in [1, 10].
+    """
+
+    alpha_c: float
+    beta_c: float
+    alpha_n: float
+    beta_n: float
+    alpha_r: float
+    beta_r: float
+    gamma: float
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "alpha_c",
+        "beta_c",
+        "alpha_n",
+        "beta_n",
+        "alpha_r",
+        "beta_r",
+        "gamma",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        for name in self.FIELDS[:-1]:
+            value = _check_param(name, getattr(self, name), min=0.0)
+            object.__setattr__(self, name, value)
+        if self.beta_c <= 0.0:
+            raise ValueError(f"beta_c must be > 0, got {self.beta_c!r}")
+        gamma = _check_param("gamma", self.gamma, min=GAMMA_RANGE[0], max=GAMMA_RANGE[1])
+        object.__setattr__(self, "gamma", gamma)
+
+    def to_dict(self) -> dict[str, float]:
+        """Return the parameters as a JSON-ready mapping of name to float."""
+        return {name: float(getattr(self, name)) for name in self.FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PerfParams:
+        """Build from a mapping with exactly the keys of :meth:`to_dict`."""
+        return cls(**_from_mapping("PerfParams", cls.FIELDS, data))
+
+    def astuple(self) -> tuple[float, ...]:
+        """Return the parameters in field order."""
+        return tuple(float(getattr(self, name)) for name in self.FIELDS)
+
+
+@attrs.frozen
+class GradParams:
+    """Gradient statistics at the initial batch size: ``sqr`` = |E g|^2, ``var`` = E|g - E g|^2.
+
+    Both are finite and non-negative. Estimators can return negative values; clamp
+    them before building this.
+    """
+
+    sqr: float
+    var: float
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("sqr", "var")
+
+    def __attrs_post_init__(self) -> None:
+        for name in self.FIELDS:
+            object.__setattr__(self, name, _check_param(name, getattr(self, name), min=0.0))
+
+    def to_dict(self) -> dict[str, float]:
+        """Return the statistics as a JSON-ready mapping of name to float."""
+        return {"sqr": float(self.sqr), "var": float(self.var)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GradParams:
+        """Build from a mapping with exactly the keys ``sqr`` and ``var``."""
+        return cls(**_from_mapping("GradParams", cls.FIELDS, data))
+
+
+def _to_perf_params(value: PerfParams | Sequence[float]) -> PerfParams:
+    if isinstance(value, PerfParams):
+        return value
+    if isinstance(value, Mapping):
+        return PerfParams.from_dict(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(
+            f"perf_params must be a PerfParams or a sequence of 7 numbers, got {value!r}"
+        )
+    if len(value) != len(PerfParams.FIELDS):
+        raise ValueError(f"perf_params must have 7 values, got {len(value)}: {value!r}")
+    return PerfParams(*value)
+
+
+def _to_grad_params(value: GradParams | Sequence[float]) -> GradParams:
+    if isinstance(value, GradParams):
+        return value
+    if isinstance(value, Mapping):
+        return GradParams.from_dict(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(
+            f"grad_params must be a GradParams or a sequence (sqr, var), got {value!r}"
+        )
+    if len(value) != 2:
+        raise ValueError(f"grad_params must have 2 values (sqr, var), got {value!r}")
+    return GradParams(*value)
+
+
+def _check_init_batch_size(value: Any) -> int:
+    return check_int("init_batch_size", value, min=1)
+
+
+# ---------------------------------------------------------------------------
+# Array arguments
+
+
+def _as_real_array(name: str, value: Any) -> FloatArray:
+    try:
+        array = np.asarray(value)
+    except Exception as exc:  # ragged nested sequences and the like
+        raise ArgumentTypeError(f"{name} must be a number or an array of numbers: {exc}") from None
+    if array.dtype == np.bool_ or not (
+        np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+    ):
+        raise ArgumentTypeError(
+            f"{name} must be a real number or an array of them, got dtype {array.dtype}"
+        )
+    return array.astype(np.float64, copy=False)
+
+
+def _describe_bad(array: FloatArray, bad: npt.NDArray[np.bool_]) -> str:
+    return repr(array[bad].flat[0].item())
+
+
+def _check_array(
+    name: str, value: Any, *, min: float, integer: bool = False, exclusive: bool = False
+) -> FloatArray:
+    array = _as_real_array(name, value)
+    bad = ~np.isfinite(array)
+    if bad.any():
+        raise ValueError(f"{name} must be finite, got {_describe_bad(array, bad)}")
+    bad = array <= min if exclusive else array < min
+    if bad.any():
+        op = ">" if exclusive else ">="
+        raise ValueError(f"{name} must be {op} {min}, got {_describe_bad(array, bad)}")
+    if integer:
+        bad = array != np.floor(array)
+        if bad.any():
+            raise ValueError(f"{name} must be whole numbers, got {_describe_bad(array, bad)}")
+    return array
+
+
+def _check_topology(nodes: FloatArray, replicas: FloatArray) -> None:
+    bad = nodes > replicas
+    if bad.any():
+        pair = np.broadcast_arrays(nodes, replicas)
+        idx = np.flatnonzero(np.broadcast_to(bad, pair[0].shape))[0]
+        raise ValueError(
+            "num_nodes must be <= num_replicas (every node runs a replica), got "
+            f"num_nodes={pair[0].flat[idx]:g} with num_replicas={pair[1].flat[idx]:g}"
+        )
+
+
+def _is_scalar(*values: Any) -> bool:
+    return all(np.ndim(v) == 0 for v in values)
+
+
+# ---------------------------------------------------------------------------
+# Model pieces, without argument checks, on float arrays that broadcast.
+
+
+def _network_time(p: PerfParams, nodes: FloatArray, replicas: FloatArray) -> FloatArray:
+    extra = np.maximum(replicas - 2.0, 0.0)
+    inter = p.alpha_n + p.beta_n * extra
+    intra = p.alpha_r + p.beta_r * extra
+    net = np.where(nodes > 1, inter, intra)
+    return np.where(replicas > 1, net, 0.0)
+
+
+def _log_optim_time(
+    log_compute: FloatArray, log_network: FloatArray, gamma: float
+) -> tuple[FloatArray, FloatArray]:
+    """Return ``log T_o`` and ``z = gamma * (log T_n - log T_c)`` (``-inf`` if no network)."""
+    with np.errstate(invalid="ignore"):
+        z = gamma * (log_network - log_compute)
+    z = np.where(np.isnan(z), -np.inf, z)
+    # softplus(z) = log(1 + e^z), computed without overflow.
+    softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
+    return log_compute + softplus / gamma, z
+
+
+def _safe_log(x: FloatArray) -> FloatArray:
+    with np.errstate(divide="ignore"):
+        return np.log(x)
+
+
+def _efficiency(
+    sqr: float, var: float, init_batch_size: float, batch_size: FloatArray
+) -> FloatArray:
+    scale = np.maximum(batch_size, init_batch_size) / init_batch_size
+    return (var + sqr) / (var + sqr * scale)
+
+
+def _effective_grad(grad: GradParams) -> tuple[float, float]:
+    # Without any gradient information (both zero) assume no noise: a larger batch
+    # makes no more progress per step than the initial one, efficiency M0 / M.
+    if grad.sqr == 0.0 and grad.var == 0.0:
+        return 1.0, 0.0
+    return grad.sqr, grad.var
+
+
+@attrs.frozen
+class _Problem:
+    """Constants of the optimiser; per-configuration arrays broadcast against candidates."""
+
+    p: PerfParams
+    sqr: float
+    var: float
+    m0: float
+    replicas: FloatArray
+    log_network: FloatArray
+    # log(sqr) - log(M0 var): -inf without signal, +inf without noise.
+    log_sqr_minus_m0var: float
+
+    def subset(self, rows: IntArray, ndim: int = 2) -> _Problem:
+        """The same problem for some configurations, shaped to broadcast with ndim axes."""
+        shape = (len(rows),) + (1,) * (ndim - 1)
+        return attrs.evolve(
+            self,
+            replicas=self.replicas[rows].reshape(shape),
+            log_network=self.log_network[rows].reshape(shape),
+        )
+
+    def parts(
+        self, b: FloatArray, u: FloatArray
+    ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        """Return step time S, T_c, log T_o and z at atomic size b with u micro-batches."""
+        p = self.p
+        compute = p.alpha_c + p.beta_c * b
+        log_optim, z = _log_optim_time(np.log(compute), self.log_network, p.gamma)
+        step = (u - 1.0) * compute + np.exp(log_optim)
+        return step, compute, log_optim, z
+
+    def goodput(self, b: FloatArray, u: FloatArray) -> FloatArray:
+        step = self.parts(b, u)[0]
+        total = self.replicas * u * b
+        return total / step * _efficiency(self.sqr, self.var, self.m0, total)
+
+    def psi(self, x: FloatArray, u: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """Return psi and d psi / dx at b = e^x, for the region total >= M0.
+
+        psi is increasing in x, negative where goodput grows with b and zero at its
+        maximum: psi = log(sqr R u b^2 S') - log(M0 var (S - b S')).
+        """
+        p = self.p
+        b = np.exp(x)
+        step, compute, log_optim, z = self.parts(b, u)
+        optim = np.exp(log_optim)
+        log_r = np.log(compute) - log_optim  # r = T_c / T_o in (0, 1]
+        w = np.exp((p.gamma - 1.0) * log_r)  # dT_o/dT_c = r^(gamma - 1)
+        net_share = 1.0 / (1.0 + np.exp(-z))  # 1 - r^gamma = T_n^gamma / T_o^gamma
+        d1 = p.beta_c * (u - 1.0 + w)  # S'
+        rest = (u - 1.0) * p.alpha_c + p.alpha_c * w + optim * net_share  # S - b S' > 0
+        d2 = p.beta_c**2 * (p.gamma - 1.0) * np.exp((p.gamma - 2.0) * log_r) * net_share / optim
+        psi = (
+            self.log_sqr_minus_m0var
+            + np.log(self.replicas * u)
+            + 2.0 * x
+            + np.log(d1)
+            - np.log(rest)
+        )
+        dpsi = 2.0 + b * b * d2 / rest + b * d2 / d1
+        del step
+        return psi, dpsi
+
+
+def _make_problem(
+    p: PerfParams, grad: GradParams, m0: int, nodes: FloatArray, replicas: FloatArray
+) -> _Problem:
+    sqr, var = _effective_grad(grad)
+    if sqr == 0.0:
+        log_ratio = -math.inf
+    elif var == 0.0:
+        log_ratio = math.inf
+    else:
+        log_ratio = math.log(sqr) - math.log(m0 * var)
+    network = _network_time(p, nodes, replicas)
+    return _Problem(
+        p=p,
+        sqr=sqr,
+        var=var,
+        m0=float(m0),
+        replicas=replicas,
+        log_network=_safe_log(network),
+        log_sqr_minus_m0var=log_ratio,
+    )
+
+
+def _argmax_continuous(
+    prob: _Problem, u: FloatArray, lo: FloatArray, hi: FloatArray
+) -> FloatArray:
+    """Return the real b in [lo, hi] (0 < lo <= hi) that maximises goodput at u micro-batches.
+
+    Goodput is quasiconcave in b: it is b over the product of the step time (convex,
+    increasing: a norm of affine functions plus an affine one) and
+    ``var + sqr * max(total, M0) / M0`` (convex, non-decreasing). Its maximiser is
+    the root of the increasing function psi, clipped to the range; below the kink
+    total = M0 the efficiency is 1 and goodput increases with b.
+    """
+    kink = prob.m0 / (prob.replicas * u)
+    left = np.minimum(np.maximum(lo, kink), hi)
+    xl, xr = np.log(left), np.log(hi)
+    ends, _ = prob.psi(np.stack([xl, xr]), np.broadcast_to(u, (2, *xl.shape)))
+    psi_l, psi_r = ends[0], ends[1]
+    result = np.where(psi_l >= 0, xl, xr)
+    inside = (psi_l < 0) & (psi_r > 0)
+    if inside.any():
+        # Safeguarded Newton in log space, falling back to bisection of the bracket.
+        active = inside.copy()
+        lo_x, hi_x = xl.copy(), xr.copy()
+        x = 0.5 * (xl + xr)
+        for _ in range(100):
+            f, fp = prob.psi(x, u)
+            neg = f < 0
+            lo_x = np.where(neg, x, lo_x)
+            hi_x = np.where(neg, hi_x, x)
+            x_new = x - f / fp
+            x_new = np.where((x_new <= lo_x) | (x_new >= hi_x), 0.5 * (lo_x + hi_x), x_new)
+            done = (np.abs(x_new - x) < 1e-13) | (hi_x - lo_x < 1e-13)
+            x = np.where(active, x_new, x)
+            active &= ~done
+            if not active.any():
+                break
+        result = np.where(inside, x, result)
+    return np.exp(result)
+
+
+def _best_integer(
+    prob: _Problem, u: FloatArray, lo: FloatArray, hi: FloatArray
+) -> tuple[FloatArray, FloatArray]:
+    """Return the best goodput and integer b in [lo, hi] (integers, lo <= hi) at u micro-batches.
+
+    Exact: goodput is unimodal in b, so the best integer is a neighbour of the real
+    maximiser; a local search confirms it.
+    """
+    centre = np.clip(np.floor(_argmax_continuous(prob, u, lo, hi)), lo, hi)
+    offsets = np.array([-1.0, 0.0, 1.0, 2.0]).reshape((4,) + (1,) * centre.ndim)
+    cand = np.clip(centre + offsets, lo, hi)
+    values = prob.goodput(cand, u)
+    best = np.argmax(values, axis=0)
+    b = np.take_along_axis(cand, best[None], axis=0)[0]
+    g = np.take_along_axis(values, best[None], axis=0)[0]
+    # The maximum sits at an end of the window only if the real maximiser was off by
+    # more than one: walk on in that direction while goodput improves.
+    direction = np.where((best == 0) & (b > lo), -1.0, np.where((best == 3) & (b < hi), 1.0, 0.0))
+    while direction.any():
+        nxt = np.clip(b + direction, lo, hi)
+        g_next = prob.goodput(nxt, u)
+        better = (direction != 0) & (g_next > g)
+        b = np.where(better, nxt, b)
+        g = np.where(better, g_next, g)
+        direction = np.where(better & (nxt > lo) & (nxt < hi), direction, 0.0)
+    return g, b
+
+
+def _ceil_div(a: IntArray, b: IntArray) -> IntArray:
+    return -(-a // b)
+
+
+def _reachable(
+    replicas: IntArray, m0: int, m_max: int, bmin: int, bmax: int, accumulation: bool
+) -> npt.NDArray[np.bool_]:
+    """Whether some admissible configuration has a total batch size in [m0, m_max]."""
+    n_lo = _ceil_div(np.full_like(replicas, m0), replicas)
+    n_hi = m_max // replicas
+    one_step = np.maximum(n_lo, bmin) <= np.minimum(n_hi, bmax)
+    if not accumulation:
+        return one_step
+    # With accumulation a local batch n = u * b works for any b in [bmin, bmax]
+    # dividing it; a run of bmin consecutive local batches holds a multiple of bmin.
+    reach = one_step | ((n_lo <= n_hi) & (n_hi - n_lo + 1 >= bmin))
+    for r in np.unique(replicas[~reach]):
+        lo, hi = int(_ceil_div(np.int64(m0), r)), int(m_max // r)
+        if hi < max(lo, bmin):
+            continue
+        u = np.arange(2, hi // bmin + 1, dtype=np.int64)
+        ok = np.maximum(bmin, _ceil_div(np.int64(lo), u)) <= np.minimum(bmax, hi // u)
+        if ok.any():
+            reach[replicas == r] = True
+    return reach
+
+
+@attrs.frozen
+class GoodputFunction:
+    """Goodput of one job: throughput (samples/s) times statistical efficiency.
+
+    ``perf_params`` and ``grad_params`` also accept sequences in field order or
+    mappings as produced by ``to_dict``. Every method broadcasts numpy arrays of
+    configurations and returns Python scalars for scalar arguments.
+    """
+
+    perf_params: PerfParams = attrs.field(converter=_to_perf_params)
+    grad_params: GradParams = attrs.field(converter=_to_grad_params)
+    init_batch_size: int = attrs.field(converter=_check_init_batch_size)
+
+    def __call__(
+        self,
+        num_nodes: npt.ArrayLike,
+        num_replicas: npt.ArrayLike,
+        atomic_bsz: npt.ArrayLike,
+        accum_steps: npt.ArrayLike,
+    ) -> Any:
+        """Same as :meth:`evaluate`."""
+        return self.evaluate(num_nodes, num_replicas, atomic_bsz, accum_steps)
+
+    def evaluate(
+        self,
+        num_nodes: npt.ArrayLike,
+        num_replicas: npt.ArrayLike,
+        atomic_bsz: npt.ArrayLike,
+        accum_steps: npt.ArrayLike,
+    ) -> Any:
+        """Return goodput = throughput x efficiency of the total batch size."""
+        nodes, replicas, bsz, accum = self._check_config(
+            num_nodes, num_replicas, atomic_bsz, accum_steps
+        )
+        total = replicas * bsz * (accum + 1.0)
+        value = self._throughput(nodes, replicas, bsz, accum) * self._efficiency(total)
+        return _output(value, num_nodes, num_replicas, atomic_bsz, accum_steps)
+
+    def throughput(
+        self,
+        num_nodes: npt.ArrayLike,
+        num_replicas: npt.ArrayLike,
+        atomic_bsz: npt.ArrayLike,
+        accum_steps: npt.ArrayLike,
+    ) -> Any:
+        """Return samples per second: total batch size over ``k * T_c + T_o``."""
+        nodes, replicas, bsz, accum = self._check_config(
+            num_nodes, num_replicas, atomic_bsz, accum_steps
+        )
+        value = self._throughput(nodes, replicas, bsz, accum)
+        return _output(value, num_nodes, num_replicas, atomic_bsz, accum_steps)
+
+    def efficiency(self, batch_size: npt.ArrayLike) -> Any:
+        """Return the statistical efficiency of a total batch size, in (0, 1].
+
+        1 at and below the initial batch size (smaller batches are not credited with
+        more than one initial-batch sample's progress per sample), non-increasing above.
+        """
+        total = _check_array("batch_size", batch_size, min=0.0, exclusive=True)
+        return _output(self._efficiency(total), batch_size)
+
+    def optimize(
+        self,
+        num_nodes: npt.ArrayLike,
+        num_replicas: npt.ArrayLike,
+        max_batch_size: int | None = None,
+        atomic_bsz_range: tuple[int | None, int | None] | None = None,
+        accumulation: bool = False,
+    ) -> tuple[Any, Any, Any]:
+        """Return (goodput, atomic_bsz, accum_steps) of the best admissible configuration.
+
+        Admissible: integers ``min <= atomic_bsz <= max`` for ``atomic_bsz_range =
+        (min, max)`` (``None`` ends mean 1 and ``max_batch_size``), ``accum_steps``
+        0 unless ``accumulation``, total batch size at most ``max_batch_size``
+        (default: the initial batch size) and at least the initial batch size
+        whenever some admissible configuration reaches it. Where no configuration
+        is admissible (``num_replicas * min > max_batch_size``) the result is
+        (0.0, 0, 0).
+
+        Without accumulation the result is the exact optimum over every integer
+        atomic batch size; with it, within a relative 1e-6 of the exact optimum
+        over every integer pair (see the module's notes on the search).
+        """
+        nodes = _check_array("num_nodes", num_nodes, min=1.0, integer=True)
+        replicas = _check_array("num_replicas", num_replicas, min=1.0, integer=True)
+        _check_topology(nodes, replicas)
+        m0 = self.init_batch_size
+        m_max = m0 if max_batch_size is None else check_int("max_batch_size", max_batch_size)
+        if m_max < m0:
+            raise ValueError(
+                f"max_batch_size must be >= init_batch_size ({m0}), got {max_batch_size!r}"
+            )
+        bmin, bmax = _check_bsz_range(atomic_bsz_range, m_max)
+        if not isinstance(accumulation, (bool, np.bool_)):
+            raise ArgumentTypeError(f"accumulation must be a bool, got {accumulation!r}")
+        shape = np.broadcast_shapes(nodes.shape, replicas.shape)
+        nodes = np.broadcast_to(nodes, shape).ravel()
+        replicas = np.broadcast_to(replicas, shape).ravel()
+        goodput, bsz, accum = self._optimize(
+            nodes, replicas, m_max, bmin, bmax, bool(accumulation)
+        )
+        if _is_scalar(num_nodes, num_replicas):
+            return float(goodput[0]), int(bsz[0]), int(accum[0])
+        return goodput.reshape(shape), bsz.reshape(shape), accum.reshape(shape)
+
+    # -- internals ---------------------------------------------------------
+
+    def _check_config(
+        self, num_nodes: Any, num_replicas: Any, atomic_bsz: Any, accum_steps: Any
+    ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        nodes = _check_array("num_nodes", num_nodes, min=1.0, integer=True)
+        replicas = _check_array("num_replicas", num_replicas, min=1.0, integer=True)
+        _check_topology(nodes, replicas)
+        bsz = _check_array("atomic_bsz", atomic_bsz, min=0.0, exclusive=True)
+        accum = _check_array("accum_steps", accum_steps, min=0.0, integer=True)
+        return nodes, replicas, bsz, accum
+
+    def _throughput(
+        self, nodes: FloatArray, replicas: FloatArray, bsz: FloatArray, accum: FloatArray
+    ) -> FloatArray:
+        p = self.perf_params
+        compute = p.alpha_c + p.beta_c * bsz
+        network = _network_time(p, nodes, replicas)
+        log_optim, _ = _log_optim_time(np.log(compute), _safe_log(network), p.gamma)
+        step = accum * compute + np.exp(log_optim)
+        return replicas * bsz * (accum + 1.0) / step
+
+    def _efficiency(self, total: FloatArray) -> FloatArray:
+        sqr, var = _effective_grad(self.grad_params)
+        return _efficiency(sqr, var, float(self.init_batch_size), total)
+
+    def _optimize(
+        self,
+        nodes: FloatArray,
+        replicas: FloatArray,
+        m_max: int,
+        bmin: int,
+        bmax: int,
+        accumulation: bool,
+    ) -> tuple[FloatArray, IntArray, IntArray]:
+        m0 = self.init_batch_size
+        r_int = replicas.astype(np.int64)
+        feasible = r_int * bmin <= m_max
+        reach = _reachable(r_int, m0, m_max, bmin, bmax, accumulation)
+        # Lower bound on the total batch size: the initial one where reachable.
+        search = _Search(
+            prob=_make_problem(self.perf_params, self.grad_params, m0, nodes, replicas),
+            r_int=r_int,
+            floor_total=np.where(reach, m0, 0).astype(np.int64),
+            m_max=m_max,
+            bmin=bmin,
+            bmax=bmax,
+        )
+        if accumulation:
+            goodput, bsz, micro = search.with_accumulation()
+        else:
+            goodput, bsz, micro = search.without_accumulation()
+        goodput = np.where(feasible, goodput, 0.0)
+        bsz_out = np.where(feasible, bsz, 0).astype(np.int64)
+        accum = np.where(feasible, micro - 1, 0).astype(np.int64)
+        return goodput, bsz_out, accum
+
+
+def _output(value: FloatArray, *args: Any) -> Any:
+    if _is_scalar(*args):
+        return float(value)
+    return value
+
+
+def _check_bsz_range(atomic_bsz_range: Any, m_max: int) -> tuple[int, int]:
+    if atomic_bsz_range is None:
+        return 1, m_max
+    if isinstance(atomic_bsz_range, (str, bytes)) or not isinstance(atomic_bsz_range, Sequence):
+        raise ArgumentTypeError(
+            f"atomic_bsz_range must be a pair (min, max) or None, got {atomic_bsz_range!r}"
+        )
+    if len(atomic_bsz_range) != 2:
+        raise ValueError(
+            f"atomic_bsz_range must be a pair (min, max), got {len(atomic_bsz_range)} values"
+        )
+    lo, hi = atomic_bsz_range
+    bmin = 1 if lo is None else check_int("atomic_bsz_range[0]", lo, min=1)
+    bmax = m_max if hi is None else check_int("atomic_bsz_range[1]", hi, min=bmin)
+    return bmin, bmax
+
+
+@attrs.frozen
+class _Search:
+    """The integer search of :meth:`GoodputFunction.optimize` over flat configurations."""
+
+    prob: _Problem
+    r_int: IntArray
+    floor_total: IntArray
+    m_max: int
+    bmin: int
+    bmax: int
+
+    def bounds(self, u: IntArray, rows: IntArray) -> tuple[IntArray, IntArray]:
+        """Integer range of the atomic batch size at u micro-batches (rows x candidates)."""
+        per_step = self.r_int[rows, None] * u
+        lo = np.maximum(self.bmin, _ceil_div(self.floor_total[rows, None], per_step))
+        hi = np.minimum(self.bmax, self.m_max // per_step)
+        return lo, hi
+
+    def solve(self, u: IntArray, rows: IntArray) -> tuple[FloatArray, FloatArray]:
+        """Best goodput (-inf if none) and atomic batch size at each u, for the given rows."""
+        lo, hi = self.bounds(u, rows)
+        ok = lo <= hi
+        prob = self.prob.subset(rows)
+        g, b = _best_integer(prob, u.astype(float), lo.astype(float), np.maximum(lo, hi))
+        return np.where(ok, g, -np.inf), b
+
+    def without_accumulation(self) -> tuple[FloatArray, FloatArray, FloatArray]:
+        n = self.r_int.shape[0]
+        rows = np.arange(n)
+        g, b = self.solve(np.ones((n, 1), dtype=np.int64), rows)
+        return g[:, 0], b[:, 0], np.ones(n)
+
+    def with_accumulation(self) -> tuple[FloatArray, FloatArray, FloatArray]:
+        # Search over u = accum_steps + 1 micro-batches. Two facts make a short scan
+        # exact to _ACCUM_TOLERANCE:
+        # (1) for a fixed local batch u * b, fewer, larger micro-batches are never
+        #     slower (triangle inequality of the gamma-norm), so goodput over the
+        #     local batch m has an envelope G(m), reached at b = min(m, bmax), that
+        #     is quasiconcave in m. Every u below u0 = floor(m* / bmax), m* the
+        #     envelope's maximiser, is beaten by b = bmax at u0.
+        # (2) by (1) again, every configuration with u' >= u micro-batches is beaten
+        #     by the best real b at u micro-batches without atomic bounds, cheap to
+        #     compute: once that bound is no better than the best found, stop.
+        prob = self.prob
+        p = prob.p
+        m0 = prob.m0
+        replicas = prob.replicas
+        n = replicas.shape[0]
+        u_max = self.m_max // (self.r_int * self.bmin)
+        # Envelope at b = bmax: step time a0 + a1 * m, with a0 the time that
+        # synchronisation adds to T_o and a1 the compute time per sample.
+        compute = p.alpha_c + p.beta_c * self.bmax
+        log_optim, _ = _log_optim_time(np.full(n, math.log(compute)), prob.log_network, p.gamma)
+        a0 = compute * np.expm1(log_optim - math.log(compute))
+        a1 = compute / self.bmax
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m_peak = np.sqrt(a0 * prob.var * m0 / (a1 * prob.sqr * replicas))
+        m_peak = np.where(np.isnan(m_peak), np.inf, m_peak)
+        m_lo = np.maximum(self.bmin, self.floor_total / replicas)
+        m_star = np.clip(np.maximum(m_peak, m0 / replicas), m_lo, self.m_max / replicas)
+        start = np.maximum(1, np.floor(m_star / self.bmax * (1.0 - 1e-9))).astype(np.int64)
+
+        best_g = np.full(n, -np.inf)
+        best_b = np.zeros(n)
+        best_u = np.ones(n)
+        rows = np.arange(n)
+        block = np.arange(_ACCUM_BLOCK, dtype=np.int64)[None, :]
+        for _ in range(_ACCUM_ROUNDS):
+            u = start[rows, None] + block
+            g, b = self.solve(u, rows)
+            g = np.where(u <= u_max[rows, None], g, -np.inf)
+            j = np.argmax(g, axis=1)
+            pick = np.arange(len(rows))
+            gj = g[pick, j]
+            better = gj > best_g[rows]
+            sel = rows[better]
+            best_g[sel] = gj[better]
+            best_b[sel] = b[pick, j][better]
+            best_u[sel] = u[pick, j][better]
+            # Upper bound on goodput at every u >= u_next micro-batches.
+            u_next = start[rows] + _ACCUM_BLOCK
+            per_step = replicas[rows] * u_next
+            lo = np.maximum(self.floor_total[rows], 1) / per_step
+            hi = self.m_max / per_step
+            sub = prob.subset(rows, ndim=1)
+            uf = u_next.astype(float)
+            bound = sub.goodput(_argmax_continuous(sub, uf, lo, hi), uf)
+            more = (u_next <= u_max[rows]) & (bound > best_g[rows] * (1.0 + _ACCUM_TOLERANCE))
+            rows = rows[more]
+            if len(rows) == 0:
+                break
+            start[rows] += _ACCUM_BLOCK
+        else:
+            # Not settled by the scan (sparse admissible pairs, nearly flat goodput):
+            # search those configurations exactly, atomic batch size by batch size.
+            for row in rows:
+                g1, b1, u1 = self.by_atomic(int(row))
+                if g1 > best_g[row]:
+                    best_g[row], best_b[row], best_u[row] = g1, b1, u1
+        return np.maximum(best_g, 0.0), best_b, best_u
+
+    def by_atomic(self, row: int) -> tuple[float, float, float]:
+        """Exact best (goodput, atomic_bsz, micro-batches) of one configuration.
+
+        For a fixed atomic batch size b, goodput is u over a convex function of the
+        number u of micro-batches (step time (u - 1) T_c + T_o is affine in u), so
+        the best u is a neighbour of a closed-form real maximiser.
+        """
+        prob = self.prob.subset(np.array([row]), ndim=1)
+        r = int(self.r_int[row])
+        hi_b = min(self.bmax, self.m_max // r)
+        b = np.arange(self.bmin, hi_b + 1, dtype=np.int64)
+        if len(b) == 0:
+            return -math.inf, 0.0, 1.0
+        u_lo = np.maximum(1, _ceil_div(np.int64(self.floor_total[row]), r * b))
+        u_hi = self.m_max // (r * b)
+        bf = b.astype(float)
+        step1, compute, _, _ = prob.parts(bf, np.ones_like(bf))
+        extra = step1 - compute  # time synchronisation adds to the optimiser step
+        with np.errstate(divide="ignore", invalid="ignore"):
+            peak = np.sqrt(extra * prob.var * prob.m0 / (compute * prob.sqr * r * bf))
+        peak = np.where(np.isnan(peak), np.inf, peak)
+        u_real = np.clip(np.maximum(peak, prob.m0 / (r * bf)), u_lo, np.maximum(u_lo, u_hi))
+        cand = np.clip(np.stack([np.floor(u_real), np.ceil(u_real)]), u_lo, np.maximum(u_lo, u_hi))
+        values = np.where(u_lo <= u_hi, prob.goodput(bf, cand), -np.inf)
+        i, j = np.unravel_index(np.argmax(values), values.shape)
+        return float(values[i, j]), float(bf[j]), float(cand[i, j])
+
+
+# ---------------------------------------------------------------------------
+# Fitting the throughput model to measured step times
+
+# Weight of the pull of gamma towards 1: the alphas and betas are easier to fit
+# when compute and communication add up, so prefer that unless the data disagree.
+_GAMMA_PULL = 1e-3
+# Prior for network parameters across nodes when no multi-node step was observed:
+# crossing nodes costs at least this much more than staying within one node.
+_INTER_NODE_PRIOR = 1.1
+_THETA_MAX = math.log(1e6)
+
+
+@attrs.frozen
+class _Observations:
+    """Validated observations, precomputed for the objective."""
+
+    bsz: FloatArray
+    extra: FloatArray  # max(replicas - 2, 0)
+    multi: npt.NDArray[np.bool_]  # replicas > 1: a network time exists
+    inter: npt.NDArray[np.bool_]  # nodes > 1, among the multi ones
+    log_accum: FloatArray
+    log_optim: FloatArray
+
+    def objective(self, theta: FloatArray) -> tuple[float, FloatArray]:
+        """RMS log errors of both step times plus the gamma pull, and the gradient."""
+        a = np.exp(theta[:6])
+        gamma = float(theta[6])
+        n = self.bsz.shape[0]
+        compute = a[0] + a[1] * self.bsz
+        log_c = np.log(compute)
+        err1 = log_c - self.log_accum
+        extra, inter = self.extra, self.inter
+        network = np.where(inter, a[2] + a[3] * extra, a[4] + a[5] * extra)
+        log_n = np.where(self.multi, np.log(network), -np.inf)
+        log_o, z = _log_optim_time(log_c, log_n, gamma)
+        err2 = log_o - self.log_optim
+        rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
+        rms2 = math.sqrt(float(err2 @ err2) / n + 1e-18)
+        value = rms1 + rms2 + _GAMMA_PULL * (gamma - 1.0) ** 2
+        share_n = 1.0 / (1.0 + np.exp(-z))  # d log T_o / d log T_n
+        share_c = 1.0 - share_n
+        d1 = err1 / (n * rms1)
+        d2 = err2 / (n * rms2)
+        dlog_c = d1 + d2 * share_c  # d value / d log T_c per observation
+        dlog_n = np.where(self.multi, d2 * share_n / network, 0.0)
+        grad = np.empty(7)
+        grad[0] = a[0] * float(np.sum(dlog_c / compute))
+        grad[1] = a[1] * float(np.sum(dlog_c * self.bsz / compute))
+        grad[2] = a[2] * float(np.sum(np.where(inter, dlog_n, 0.0)))
+        grad[3] = a[3] * float(np.sum(np.where(inter, dlog_n * extra, 0.0)))
+        grad[4] = a[4] * float(np.sum(np.where(inter, 0.0, dlog_n)))
+        grad[5] = a[5] * float(np.sum(np.where(inter, 0.0, dlog_n * extra)))
+        log_n_safe = np.where(self.multi, log_n, 0.0)
+        dgamma = np.where(self.multi, (share_c * log_c + share_n * log_n_safe - log_o) / gamma, 0)
+        grad[6] = float(d2 @ dgamma) + 2.0 * _GAMMA_PULL * (gamma - 1.0)
+        return value, grad
+
+
+def _check_observations(
+    num_nodes: Any, num_replicas: Any, atomic_bsz: Any, accum_step_time: Any, optim_step_time: Any
+) -> tuple[FloatArray, ...]:
+    named = {
+        "num_nodes": num_nodes,
+        "num_replicas": num_replicas,
+        "atomic_bsz": atomic_bsz,
+        "accum_step_time": accum_step_time,
+        "optim_step_time": optim_step_time,
+    }
+    arrays: dict[str, FloatArray] = {}
+    for name, value in named.items():
+        array = _as_real_array(name, value)
+        if array.ndim != 1:
+            raise ValueError(
+                f"{name} must be a 1-D sequence of observations, got shape {array.shape}"
+            )
+        if array.shape[0] == 0:
+            raise ValueError(f"{name} must hold at least one observation, got none")
+        arrays[name] = array
+    lengths = {name: a.shape[0] for name, a in arrays.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"all observation arrays must have the same length, got {lengths}")
+    nodes = _check_array("num_nodes", arrays["num_nodes"], min=1.0, integer=True)
+    replicas = _check_array("num_replicas", arrays["num_replicas"], min=1.0, integer=True)
+    _check_topology(nodes, replicas)
+    bsz = _check_array("atomic_bsz", arrays["atomic_bsz"], min=0.0, exclusive=True)
+    accum = _check_array("accum_step_time", arrays["accum_step_time"], min=0.0, exclusive=True)
+    optim = _check_array("optim_step_time", arrays["optim_step_time"], min=0.0, exclusive=True)
+    return nodes, replicas, bsz, accum, optim
+
+
+def _weighted_line(x: FloatArray, y: FloatArray) -> tuple[float, float]:
+    """Least-squares line y ~ a + b x in relative error, both coefficients >= the floor."""
+    w = 1.0 / y
+    if np.ptp(x) > 0:
+        design = np.stack([w, w * x], axis=1)
+        (a, b), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+        if a >= PARAM_FLOOR and b >= PARAM_FLOOR:
+            return float(a), float(b)
+        if a < PARAM_FLOOR:  # through the origin
+            return PARAM_FLOOR, max(PARAM_FLOOR, float(np.median(y / np.maximum(x, 1e-300))))
+    return max(PARAM_FLOOR, float(np.median(y))), PARAM_FLOOR
+
+
+def fit_perf_params(
+    num_nodes: npt.ArrayLike,
+    num_replicas: npt.ArrayLike,
+    atomic_bsz: npt.ArrayLike,
+    accum_step_time: npt.ArrayLike,
+    optim_step_time: npt.ArrayLike,
+    *,
+    initial: PerfParams | None = None,
+) -> PerfParams:
+    """Fit :class:`PerfParams` to observed step times (one entry per observation).
+
+    Minimises the RMS log error of the accumulation step times against ``T_c`` plus
+    that of the optimiser step times against ``T_o`` (bounded L-BFGS-B, analytic
+    gradient), from a least-squares start at a few values of gamma, or from
+    ``initial`` alone if given. Parameters the data cannot identify take priors:
+
+    * one atomic batch size: ``alpha_c`` is fixed to half the compute time;
+    * no multi-replica step within a node (across nodes): ``alpha_r`` (``alpha_n``)
+      stays at the floor; likewise ``beta_r`` (``beta_n``) without more than two
+      replicas there (an optimistic model, so the scheduler tries the configuration);
+    * no multi-node step: afterwards ``alpha_n, beta_n >= 1.1 * (alpha_r, beta_r)``;
+    * no multi-replica step at all: ``gamma = 1``.
+    """
+    nodes, replicas, bsz, accum, optim = _check_observations(
+        num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time
+    )
+    multi = replicas > 1
+    inter = nodes > 1
+    intra = multi & ~inter
+    obs = _Observations(
+        bsz=bsz,
+        extra=np.maximum(replicas - 2.0, 0.0),
+        multi=multi,
+        inter=inter,
+        log_accum=np.log(accum),
+        log_optim=np.log(optim),
+    )
+    floor = math.log(PARAM_FLOOR)
+    lower = np.array([floor] * 6 + [GAMMA_RANGE[0]])
+    upper = np.array([_THETA_MAX] * 6 + [GAMMA_RANGE[1]])
+    pinned: dict[int, float] = {}
+    if np.unique(bsz).shape[0] == 1:
+        pinned[0] = math.log(max(PARAM_FLOOR, float(np.exp(np.mean(obs.log_accum))) / 2))
+    if not intra.any():
+        pinned[4] = floor
+    if not (intra & (replicas > 2)).any():
+        pinned[5] = floor
+    if not inter.any():
+        pinned[2] = floor
+    if not (inter & (replicas > 2)).any():
+        pinned[3] = floor
+    if not multi.any():
+        pinned[6] = 1.0
+    for i, value in pinned.items():
+        lower[i] = upper[i] = value
+
+    starts = [initial.astuple()] if initial is not None else _starts(obs, accum, optim, pinned)
+    best: Any = None
+    for start in starts:
+        theta0 = np.array([math.log(max(v, PARAM_FLOOR)) for v in start[:6]] + [start[6]])
+        theta0 = np.clip(theta0, lower, upper)
+        for i, value in pinned.items():
+            theta0[i] = value
+        result = scipy.optimize.minimize(
+            obs.objective,
+            theta0,
+            jac=True,
+            method="L-BFGS-B",
+            bounds=scipy.optimize.Bounds(lower, upper),
+        )
+        if best is None or result.fun < best.fun:
+            best = result
+    theta = np.clip(best.x, lower, upper)
+    values = [float(v) for v in np.exp(theta[:6])] + [float(theta[6])]
+    if not inter.any():
+        values[2] = max(values[2], _INTER_NODE_PRIOR * values[4])
+        values[3] = max(values[3], _INTER_NODE_PRIOR * values[5])
+    return PerfParams(*values)
+
+
+def _starts(
+    obs: _Observations, accum: FloatArray, optim: FloatArray, pinned: Mapping[int, float]
+) -> list[tuple[float, ...]]:
+    """Least-squares starting points of the fit, one per trial gamma."""
+    if 0 in pinned:
+        alpha_c = math.exp(pinned[0])
+        beta_c = max(PARAM_FLOOR, float(np.median((accum - alpha_c) / obs.bsz)))
+    else:
+        alpha_c, beta_c = _weighted_line(obs.bsz, accum)
+    compute = alpha_c + beta_c * obs.bsz
+    starts = []
+    for gamma in (1.0, 2.0, 4.0):
+        # The network time that explains each optimiser step at this gamma.
+        ratio = np.maximum(optim / compute, 1.0 + 1e-3)
+        network = compute * (ratio**gamma - 1.0) ** (1.0 / gamma)
+        params = [alpha_c, beta_c]
+        for link in (obs.multi & obs.inter, obs.multi & ~obs.inter):
+            if link.any():
+                params += list(_weighted_line(obs.extra[link], network[link]))
+            else:
+                params += [PARAM_FLOOR, PARAM_FLOOR]
+        starts.append((*params, gamma))
+        if not obs.multi.any():
+            break
+    return starts
