@@ -1,0 +1,610 @@
+"""Checkpoints: the :class:`State` protocol and stores that write a whole checkpoint atomically.
+
+A checkpoint is a set of named byte strings (one per :class:`State`) plus a little
+JSON metadata, saved under a label ``ckpt-NNNNNN`` whose number grows with every
+save. A store keeps the newest ``keep`` checkpoints. Loading verifies everything
+(manifest schema and checksum, size and SHA-256 of every entry, job id, expected
+metadata such as the dataset length) and falls back to an older checkpoint, with a
+logged warning, when the newest is damaged. Nothing is ever unpickled: entries are
+bytes and the manifest is JSON, so loading a checkpoint cannot run code.
+
+On disk (:class:`CheckpointStore`)::
+
+    root/
+      ckpt-000011/  manifest.json  entry-0000.bin  entry-0001.bin ...
+      ckpt-000012/  ...
+      .tmp-...      leftovers of a crash: ignored by load, removed by the next save
+
+A checkpoint directory gets its final name only by a rename after every file in it
+(manifest last) and the directory itself were flushed to disk, so a crash at any
+instant leaves either the new complete checkpoint or none of it.
+
+Concurrency: one process (rank 0) writes; any number of processes may read at the
+same time (a checkpoint appears and disappears by a rename). Two writers on the
+same directory are not supported.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from adaptdl.core._validate import check_int
+
+# The collective wire format is the project's one canonical JSON (sorted keys, ASCII,
+# NaN/Infinity allowed for metrics); checkpoints use the same, with the same checks.
+from adaptdl.core.collective import decode as _json_decode
+from adaptdl.core.collective import encode as _json_encode
+
+__all__ = [
+    "MANIFEST",
+    "SCHEMA",
+    "AbstractCheckpointStore",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
+    "JsonState",
+    "MemoryCheckpointStore",
+    "State",
+]
+
+SCHEMA = "adaptdl.checkpoint/1"
+"""The manifest schema this version writes and reads."""
+
+MANIFEST = "manifest.json"
+"""The name of the manifest file inside a checkpoint directory."""
+
+_LABEL = re.compile(r"ckpt-([0-9]{6,})\Z")
+_FILE = re.compile(r"entry-[0-9]{4,}\.bin\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+_TMP_PREFIX = ".tmp-"
+
+_log = logging.getLogger("adaptdl.core.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or no stored checkpoint can be used.
+
+    The message says what is wrong and which directory to fix or remove.
+    """
+
+
+class State(Protocol):
+    """A piece of job state saved in every checkpoint under its ``name``."""
+
+    @property
+    def name(self) -> str:
+        """The entry name, unique within a job."""
+        ...
+
+    def to_bytes(self) -> bytes:
+        """The state as bytes (data only: JSON, tensors saved without pickle, ...)."""
+        ...
+
+    def from_bytes(self, data: bytes) -> None:
+        """Replace the state with the one ``data`` (from :meth:`to_bytes`) describes."""
+        ...
+
+
+class JsonState(abc.ABC):
+    """Base for states that are a JSON object; subclasses provide ``name`` and the two hooks.
+
+    :meth:`to_bytes` is the canonical JSON text of :meth:`to_json` (sorted keys,
+    ASCII); :meth:`from_bytes` parses it and hands the object to :meth:`load_json`.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def to_json(self) -> dict[str, Any]:
+        """The state as a JSON object."""
+
+    @abc.abstractmethod
+    def load_json(self, data: dict[str, Any]) -> None:
+        """Replace the state with the one ``data`` (from :meth:`to_json`) describes."""
+
+    def to_bytes(self) -> bytes:
+        """Canonical JSON of :meth:`to_json`."""
+        return _json_encode(self.to_json())
+
+    def from_bytes(self, data: bytes) -> None:
+        """Parse ``data`` and pass the object to :meth:`load_json`; CheckpointError if not JSON."""
+        try:
+            value = _json_decode(data)
+        except ValueError as exc:
+            raise CheckpointError(f"state {self.name!r}: saved data is not JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            raise CheckpointError(
+                f"state {self.name!r}: saved data is a JSON {type(value).__name__}, not an object"
+            )
+        self.load_json(value)
+
+
+# --------------------------------------------------------------------------- Checkpoint
+
+
+def _freeze_entries(entries: Mapping[str, bytes]) -> Mapping[str, bytes]:
+    if not isinstance(entries, Mapping):
+        raise TypeError(f"entries must be a mapping of str to bytes, got {type(entries).__name__}")
+    frozen: dict[str, bytes] = {}
+    for name, data in entries.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"entry names must be non-empty str, got {name!r}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"entry {name!r} must be bytes, got {type(data).__name__}")
+        frozen[name] = bytes(data)
+    return types.MappingProxyType(frozen)
+
+
+def _freeze_metadata(metadata: Mapping[str, Any]) -> Mapping[str, Any]:
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    # A JSON round trip both checks that the metadata can be stored and deep-copies it.
+    copied: dict[str, Any] = _json_decode(_json_encode(dict(metadata)))
+    return types.MappingProxyType(copied)
+
+
+def _check_label(_: Any, __: Any, label: str) -> None:
+    if not isinstance(label, str) or not _LABEL.match(label):
+        raise ValueError(f"label must look like 'ckpt-000012', got {label!r}")
+
+
+@attrs.frozen
+class Checkpoint:
+    """One saved checkpoint: its label, the bytes of every entry, and its metadata."""
+
+    label: str = attrs.field(validator=_check_label)
+    entries: Mapping[str, bytes] = attrs.field(converter=_freeze_entries)
+    metadata: Mapping[str, Any] = attrs.field(factory=dict, converter=_freeze_metadata)
+
+    @property
+    def sequence(self) -> int:
+        """The number in the label; larger is newer."""
+        return _sequence(self.label)
+
+
+def _sequence(label: str) -> int:
+    match = _LABEL.match(label)
+    assert match is not None
+    return int(match.group(1))
+
+
+def _label(sequence: int) -> str:
+    return f"ckpt-{sequence:06d}"
+
+
+# --------------------------------------------------------------------------- stores
+
+
+class _Unusable(Exception):
+    """Why one stored checkpoint cannot be used."""
+
+
+def _digest(body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_json_encode(dict(body))).hexdigest()
+
+
+class AbstractCheckpointStore(abc.ABC):
+    """What every checkpoint store does; subclasses supply where the bytes live.
+
+    ``keep`` newest checkpoints are kept. ``job_id``, when given, is written into
+    every checkpoint and a checkpoint of another job is refused on load.
+    ``expected`` metadata (for example ``{"dataset_len": 50000}``) is written into
+    every checkpoint and a checkpoint whose metadata differs is refused on load.
+    ``clock`` gives the wall time recorded in each manifest.
+    """
+
+    def __init__(
+        self,
+        *,
+        keep: int = 2,
+        job_id: str | None = None,
+        expected: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._keep = check_int("keep", keep, min=1)
+        if job_id is not None and not isinstance(job_id, str):
+            raise TypeError(f"job_id must be a str or None, got {job_id!r}")
+        self._job_id = job_id
+        self._expected = _freeze_metadata({} if expected is None else expected)
+        self._clock = clock
+
+    @property
+    def keep(self) -> int:
+        """How many of the newest checkpoints are kept."""
+        return self._keep
+
+    @property
+    def job_id(self) -> str | None:
+        """The job the checkpoints belong to, or None to accept any."""
+        return self._job_id
+
+    @property
+    def expected(self) -> Mapping[str, Any]:
+        """Metadata every loaded checkpoint must have."""
+        return self._expected
+
+    # ---- subclass hooks
+
+    @abc.abstractmethod
+    def check_writable(self) -> None:
+        """Raise CheckpointError now if checkpoints could not be saved."""
+
+    @abc.abstractmethod
+    def _list(self) -> list[str]:
+        """Labels of the complete (fully written) checkpoints, in any order."""
+
+    @abc.abstractmethod
+    def _read(self, label: str, file: str) -> bytes:
+        """The bytes of ``file`` in checkpoint ``label``; OSError if absent."""
+
+    @abc.abstractmethod
+    def _write(self, label: str, files: Mapping[str, bytes], manifest: bytes) -> None:
+        """Store a new checkpoint atomically: all of it, or none of it."""
+
+    @abc.abstractmethod
+    def _remove(self, label: str) -> None:
+        """Delete checkpoint ``label`` (it stops being listed at once)."""
+
+    @abc.abstractmethod
+    def _cleanup(self) -> None:
+        """Delete leftovers of interrupted saves."""
+
+    @abc.abstractmethod
+    def _where(self, label: str | None = None) -> str:
+        """Where checkpoint ``label`` (or the whole store) lives, for messages."""
+
+    # ---- public interface
+
+    def labels(self) -> list[str]:
+        """Labels of the complete checkpoints, oldest first (damaged ones included)."""
+        return sorted(self._list(), key=_sequence)
+
+    def latest_label(self) -> str | None:
+        """The newest complete checkpoint's label, or None if there is none."""
+        labels = self.labels()
+        return labels[-1] if labels else None
+
+    def save(
+        self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
+    ) -> Checkpoint:
+        """Write a new checkpoint with ``entries`` and ``metadata`` (plus ``expected``).
+
+        Returns it once it is complete and durable; then deletes checkpoints older
+        than the newest ``keep`` and leftovers of interrupted saves.
+        """
+        frozen_entries = _freeze_entries(entries)
+        meta = dict(_freeze_metadata({} if metadata is None else metadata))
+        for key, value in self._expected.items():
+            if key in meta and meta[key] != value:
+                raise ValueError(
+                    f"metadata[{key!r}] is {meta[key]!r} but this store expects {value!r}"
+                )
+            meta[key] = value
+        labels = self.labels()
+        label = _label(_sequence(labels[-1]) + 1 if labels else 1)
+        checkpoint = Checkpoint(label, frozen_entries, meta)
+
+        files: dict[str, bytes] = {}
+        listing: dict[str, Any] = {}
+        for index, name in enumerate(sorted(frozen_entries)):
+            file = f"entry-{index:04d}.bin"
+            data = frozen_entries[name]
+            files[file] = data
+            listing[name] = {
+                "file": file,
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        body: dict[str, Any] = {
+            "schema": SCHEMA,
+            "label": label,
+            "sequence": _sequence(label),
+            "job_id": self._job_id,
+            "metadata": meta,
+            "entries": listing,
+            "created": float(self._clock()),
+        }
+        body["digest"] = _digest(body)
+        self._write(label, files, _json_encode(body))
+
+        for old in [*labels, label][: -self._keep]:
+            self._remove(old)
+        self._cleanup()
+        return checkpoint
+
+    def load(self) -> Checkpoint | None:
+        """The newest usable checkpoint, or None when no checkpoint exists at all.
+
+        A damaged newest checkpoint (or one of another job or dataset) is skipped
+        with a warning naming what is wrong, and the next older one is tried. If
+        checkpoints exist but none is usable, raises CheckpointError saying what is
+        wrong with each and which directory to remove.
+        """
+        labels = self.labels()[::-1]
+        problems: list[str] = []
+        for i, label in enumerate(labels):
+            try:
+                return self._load_one(label)
+            except _Unusable as exc:
+                problem = f"checkpoint {self._where(label)}: {exc}"
+                problems.append(problem)
+                if i + 1 < len(labels):
+                    _log.warning(
+                        "%s; falling back to the older checkpoint %s", problem, labels[i + 1]
+                    )
+        if not problems:
+            return None
+        raise CheckpointError(
+            f"no usable checkpoint in {self._where()}: "
+            + "; ".join(problems)
+            + f". Remove these checkpoint directories (or all of {self._where()} to start "
+            f"from scratch), or point the job at the checkpoint directory it owns."
+        )
+
+    def _load_one(self, label: str) -> Checkpoint:
+        try:
+            raw = self._read(label, MANIFEST)
+        except OSError as exc:
+            raise _Unusable(f"{MANIFEST} is missing or unreadable ({exc})") from None
+        manifest = self._parse_manifest(label, raw)
+        self._check_identity(manifest)
+        entries: dict[str, bytes] = {}
+        for name, info in manifest["entries"].items():
+            try:
+                data = self._read(label, info["file"])
+            except OSError as exc:
+                raise _Unusable(
+                    f"entry {name!r} ({info['file']}) is missing or unreadable ({exc})"
+                ) from None
+            if len(data) != info["size"]:
+                raise _Unusable(
+                    f"entry {name!r} ({info['file']}) has {len(data)} bytes but the manifest "
+                    f"says {info['size']} (truncated or overwritten)"
+                )
+            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+                raise _Unusable(
+                    f"entry {name!r} ({info['file']}) does not match its SHA-256 in the "
+                    f"manifest (damaged or replaced)"
+                )
+            entries[name] = data
+        return Checkpoint(label, entries, manifest["metadata"])
+
+    def _parse_manifest(self, label: str, raw: bytes) -> dict[str, Any]:
+        try:
+            manifest = _json_decode(raw)
+        except ValueError:
+            raise _Unusable(f"{MANIFEST} is not valid JSON (damaged or truncated)") from None
+        if not isinstance(manifest, dict):
+            raise _Unusable(f"{MANIFEST} is not a JSON object")
+        schema = manifest.get("schema")
+        if schema != SCHEMA:
+            raise _Unusable(
+                f"{MANIFEST} has unknown schema {schema!r} (this version of AdaptDL reads "
+                f"{SCHEMA!r})"
+            )
+        body = {k: v for k, v in manifest.items() if k != "digest"}
+        if manifest.get("digest") != _digest(body):
+            raise _Unusable(f"{MANIFEST} does not match its checksum (damaged or edited)")
+        if manifest.get("label") != label or manifest.get("sequence") != _sequence(label):
+            raise _Unusable(
+                f"{MANIFEST} describes checkpoint {manifest.get('label')!r}, not {label!r}"
+            )
+        if not isinstance(manifest.get("metadata"), dict):
+            raise _Unusable(f"{MANIFEST} has no metadata object")
+        listing = manifest.get("entries")
+        if not isinstance(listing, dict):
+            raise _Unusable(f"{MANIFEST} has no entries object")
+        for name, info in listing.items():
+            if not (
+                isinstance(info, dict)
+                and isinstance(info.get("file"), str)
+                and _FILE.match(info["file"])
+                and isinstance(info.get("size"), int)
+                and info["size"] >= 0
+                and isinstance(info.get("sha256"), str)
+                and _SHA256.match(info["sha256"])
+            ):
+                raise _Unusable(f"{MANIFEST} has a malformed record for entry {name!r}")
+        return manifest
+
+    def _check_identity(self, manifest: Mapping[str, Any]) -> None:
+        if self._job_id is not None and manifest.get("job_id") != self._job_id:
+            raise _Unusable(
+                f"it belongs to job {manifest.get('job_id')!r}, not to this job {self._job_id!r}"
+            )
+        metadata = manifest["metadata"]
+        for key, value in self._expected.items():
+            if key not in metadata:
+                raise _Unusable(f"its metadata has no {key!r} (this job has {key}={value!r})")
+            if metadata[key] != value:
+                raise _Unusable(
+                    f"it was written with {key}={metadata[key]!r} but this job has {key}={value!r}"
+                )
+
+
+class CheckpointStore(AbstractCheckpointStore):
+    """Checkpoints in a directory ``root`` (created when needed); see the module docstring."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep: int = 2,
+        job_id: str | None = None,
+        expected: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(keep=keep, job_id=job_id, expected=expected, clock=clock)
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a path, got {root!r}")
+        self._root = Path(root)
+
+    @property
+    def root(self) -> Path:
+        """The checkpoint directory."""
+        return self._root
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({str(self._root)!r}, keep={self._keep}, job_id={self._job_id!r})"
+
+    def check_writable(self) -> None:
+        """Create ``root``, write and delete a probe file in it; CheckpointError if that fails."""
+        probe = self._root / f"{_TMP_PREFIX}probe-{secrets.token_hex(4)}"
+        try:
+            os.makedirs(self._root, exist_ok=True)
+            self._write_file(probe, b"probe")
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint directory '{self._root}' cannot be created or written "
+                f"({exc.strerror or exc}); choose a writable directory for checkpoints"
+            ) from exc
+
+    def _where(self, label: str | None = None) -> str:
+        return f"'{self._root if label is None else self._root / label}'"
+
+    def _list(self) -> list[str]:
+        try:
+            names = os.listdir(self._root)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint directory '{self._root}' cannot be listed ({exc.strerror or exc})"
+            ) from exc
+        return [n for n in names if _LABEL.match(n) and (self._root / n).is_dir()]
+
+    def _read(self, label: str, file: str) -> bytes:
+        return (self._root / label / file).read_bytes()
+
+    @staticmethod
+    def _write_file(path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        # A directory's entries (new files, a rename) are durable only once it is synced.
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write(self, label: str, files: Mapping[str, bytes], manifest: bytes) -> None:
+        tmp = self._root / f"{_TMP_PREFIX}{label}-{secrets.token_hex(4)}"
+        try:
+            os.makedirs(self._root, exist_ok=True)
+            os.mkdir(tmp)
+            for file, data in files.items():
+                self._write_file(tmp / file, data)
+            self._write_file(tmp / MANIFEST, manifest)
+            self._fsync_dir(tmp)
+            os.rename(tmp, self._root / label)
+            self._fsync_dir(self._root)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"could not write checkpoint {label} into '{self._root}' "
+                f"({exc.strerror or exc}); check that the directory is writable and has space"
+            ) from exc
+
+    def _remove(self, label: str) -> None:
+        # Renamed out of the checkpoint namespace first, so an interrupted delete
+        # leaves a leftover for the next save, never a half-deleted checkpoint.
+        doomed = self._root / f"{_TMP_PREFIX}del-{label}-{secrets.token_hex(4)}"
+        os.rename(self._root / label, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _cleanup(self) -> None:
+        for name in os.listdir(self._root):
+            if name.startswith(_TMP_PREFIX):
+                path = self._root / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+
+class MemoryCheckpointStore(AbstractCheckpointStore):
+    """Checkpoints held in memory, verified exactly like :class:`CheckpointStore`'s.
+
+    For the simulator and tests; :meth:`corrupt` damages a stored checkpoint on purpose.
+    """
+
+    def __init__(
+        self,
+        *,
+        keep: int = 2,
+        job_id: str | None = None,
+        expected: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(keep=keep, job_id=job_id, expected=expected, clock=clock)
+        self._checkpoints: dict[str, dict[str, bytes]] = {}
+
+    def __repr__(self) -> str:
+        return f"MemoryCheckpointStore(keep={self._keep}, job_id={self._job_id!r})"
+
+    def check_writable(self) -> None:
+        """Memory is always writable."""
+
+    def corrupt(self, label: str, entry: str | None = None, data: bytes | None = None) -> None:
+        """Replace the bytes of ``entry`` (the manifest if None) of checkpoint ``label``.
+
+        With ``data`` None, the first byte is flipped (an empty file gains a byte).
+        """
+        files = self._checkpoints.get(label)
+        if files is None:
+            raise KeyError(f"no checkpoint {label!r}; have {self.labels()}")
+        if entry is None:
+            file = MANIFEST
+        else:
+            listing = _json_decode(files[MANIFEST])["entries"]
+            if entry not in listing:
+                raise KeyError(f"checkpoint {label} has no entry {entry!r}; has {sorted(listing)}")
+            file = listing[entry]["file"]
+        if data is None:
+            old = files[file]
+            data = bytes([old[0] ^ 0xFF]) + old[1:] if old else b"\0"
+        files[file] = bytes(data)
+
+    def _where(self, label: str | None = None) -> str:
+        return "the memory store" if label is None else label
+
+    def _list(self) -> list[str]:
+        return list(self._checkpoints)
+
+    def _read(self, label: str, file: str) -> bytes:
+        try:
+            return self._checkpoints[label][file]
+        except KeyError:
+            raise FileNotFoundError(f"no file {file!r}") from None
+
+    def _write(self, label: str, files: Mapping[str, bytes], manifest: bytes) -> None:
+        self._checkpoints[label] = {**files, MANIFEST: manifest}
+
+    def _remove(self, label: str) -> None:
+        del self._checkpoints[label]
+
+    def _cleanup(self) -> None:
+        pass
