@@ -329,7 +329,7 @@ def test_unsendable_values_fail_with_type_error_in_threads_too() -> None:
 def test_group_validates_its_arguments() -> None:
     with pytest.raises(ValueError, match="num_replicas must be >= 1, got 0"):
         ThreadCollective.group(0)
-    with pytest.raises(ValueError, match="timeout must be > 0.0"):
+    with pytest.raises(ValueError, match=r"timeout must be > 0\.0"):
         ThreadCollective.group(2, timeout=0)
     with pytest.raises(TypeError, match="num_replicas must be an int"):
         ThreadCollective.group(2.0)  # type: ignore[arg-type]
