@@ -1,0 +1,101 @@
+"""Choosing the local batch size and accumulation steps for the replicas a job has.
+
+The loader asks a `BatchSizeDecision` at the start of every pass and after every
+restart. The default divides the target batch size evenly; `GoodputDecision`
+maximises goodput with the job's own fitted model, and keeps the current choice
+unless the new one is faster by more than a threshold (a change costs little, but
+flapping between near-equal choices makes the profile harder to read).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import attrs
+
+from adaptdl.core.goodput import GoodputFunction
+
+
+@attrs.frozen
+class BatchSizeQuery:
+    """What a decision needs to know. ``current`` is (local_bsz, accum_steps) or None."""
+
+    num_nodes: int
+    num_replicas: int
+    batch_size: int
+    max_batch_size: int | None = None
+    local_bsz_bounds: tuple[int | None, int | None] | None = None
+    gradient_accumulation: bool = False
+    current: tuple[int, int] | None = None
+
+
+class BatchSizeDecision(Protocol):
+    """Returns (local_bsz, accum_steps) for a query."""
+
+    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]: ...
+
+
+def even_split(query: BatchSizeQuery) -> tuple[int, int]:
+    """Divide the target batch size evenly over the replicas (rounding up).
+
+    When the local batch size would exceed the upper local bound and accumulation
+    is allowed, split it into micro-batches instead; the lower bound is honoured
+    too, so the result always lies inside the bounds.
+    """
+    lo, hi = _bounds(query)
+    local = math.ceil(query.batch_size / query.num_replicas)
+    accum = 0
+    if hi is not None and local > hi and query.gradient_accumulation:
+        accum = math.ceil(local / hi) - 1
+        local = math.ceil(query.batch_size / (query.num_replicas * (accum + 1)))
+    if hi is not None:
+        local = min(local, hi)
+    return max(local, lo), accum
+
+
+def _bounds(query: BatchSizeQuery) -> tuple[int, int | None]:
+    if query.local_bsz_bounds is None:
+        return 1, None
+    lo, hi = query.local_bsz_bounds
+    return (1 if lo is None else lo), hi
+
+
+@attrs.define
+class GoodputDecision:
+    """Maximise goodput with the model that ``goodput_fn`` returns (None: even split)."""
+
+    goodput_fn: Callable[[], GoodputFunction | None]
+    speedup_threshold: float = 1.05
+    fallback: BatchSizeDecision = even_split
+
+    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
+        fn = self.goodput_fn() if query.max_batch_size is not None else None
+        if fn is None:
+            return self.fallback(query)
+        goodput, local, accum = fn.optimize(
+            query.num_nodes,
+            query.num_replicas,
+            max_batch_size=query.max_batch_size,
+            atomic_bsz_range=query.local_bsz_bounds,
+            accumulation=query.gradient_accumulation,
+        )
+        if int(local) < 1:
+            # No configuration fits max_batch_size on this many replicas.
+            return self.fallback(query)
+        if query.current is not None and _admissible(query, *query.current):
+            now = fn.evaluate(query.num_nodes, query.num_replicas, *query.current)
+            if goodput <= self.speedup_threshold * max(float(now), 1e-12):
+                return query.current
+        return int(local), int(accum)
+
+
+def _admissible(query: BatchSizeQuery, local: int, accum: int) -> bool:
+    lo, hi = _bounds(query)
+    if local < lo or (hi is not None and local > hi):
+        return False
+    if accum > 0 and not query.gradient_accumulation:
+        return False
+    total = local * query.num_replicas * (accum + 1)
+    return query.max_batch_size is None or total <= query.max_batch_size

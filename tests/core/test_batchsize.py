@@ -1,0 +1,88 @@
+"""Batch-size decisions: the even split and the goodput-driven choice."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, even_split
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+
+PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
+
+
+@st.composite
+def queries(draw):
+    replicas = draw(st.integers(1, 64))
+    batch_size = draw(st.integers(1, 4096))
+    lo = draw(st.one_of(st.none(), st.integers(1, batch_size)))
+    hi = draw(st.one_of(st.none(), st.integers(max(lo or 1, batch_size), 8192)))
+    bounds = draw(st.sampled_from([None, (lo, hi)]))
+    return BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=replicas,
+        batch_size=batch_size,
+        max_batch_size=None,
+        local_bsz_bounds=bounds,
+        gradient_accumulation=draw(st.booleans()),
+    )
+
+
+@given(queries())
+def test_even_split_stays_in_bounds_and_covers_the_batch(query):
+    local, accum = even_split(query)
+    lo, hi = query.local_bsz_bounds or (None, None)
+    assert local >= (lo or 1)
+    assert hi is None or local <= hi
+    assert accum == 0 or query.gradient_accumulation
+    # The total never falls below the target (rounding goes up), and never more
+    # than one sample per replica and micro-batch above it unless the lower bound forces it.
+    total = local * query.num_replicas * (accum + 1)
+    assert total >= query.batch_size
+    if lo is None or lo * query.num_replicas <= query.batch_size:
+        assert total < query.batch_size + query.num_replicas * (accum + 1)
+
+
+def test_even_split_examples():
+    q = BatchSizeQuery(num_nodes=1, num_replicas=3, batch_size=10)
+    assert even_split(q) == (4, 0)
+    q = BatchSizeQuery(
+        num_nodes=1, num_replicas=1, batch_size=100, local_bsz_bounds=(1, 30),
+        gradient_accumulation=True,
+    )
+    assert even_split(q) == (25, 3)
+
+
+def goodput_fn():
+    return GoodputFunction(PERF, GradParams(sqr=1.0, var=50.0), 32)
+
+
+def test_goodput_decision_uses_the_optimum():
+    decide = GoodputDecision(goodput_fn)
+    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512,
+                       local_bsz_bounds=(4, 128))
+    _, local, accum = goodput_fn().optimize(1, 4, max_batch_size=512, atomic_bsz_range=(4, 128))
+    assert decide(q) == (local, accum)
+
+
+def test_goodput_decision_keeps_current_below_threshold():
+    fn = goodput_fn()
+    _, local, accum = fn.optimize(1, 4, max_batch_size=512, atomic_bsz_range=(4, 128))
+    near = (local - 1, 0)
+    assert fn.evaluate(1, 4, *near) * 1.05 >= fn.evaluate(1, 4, local, accum)
+    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512,
+                       local_bsz_bounds=(4, 128), current=near)
+    assert GoodputDecision(goodput_fn)(q) == near
+    assert GoodputDecision(goodput_fn, speedup_threshold=1.0)(q) == (local, accum)
+
+
+def test_goodput_decision_replaces_inadmissible_current():
+    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512,
+                       local_bsz_bounds=(4, 128), current=(256, 0))
+    assert GoodputDecision(goodput_fn)(q) != (256, 0)
+
+
+@pytest.mark.parametrize("max_batch_size", [None, 512])
+def test_goodput_decision_without_model_splits_evenly(max_batch_size):
+    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=max_batch_size)
+    assert GoodputDecision(lambda: None)(q) == (8, 0)
+    assert GoodputDecision(goodput_fn)(q)[0] >= 8
