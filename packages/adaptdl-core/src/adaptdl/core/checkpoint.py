@@ -320,9 +320,19 @@ class AbstractCheckpointStore(abc.ABC):
         body["digest"] = _digest(body)
         self._write(label, files, _json_encode(body))
 
-        for old in [*labels, label][: -self._keep]:
-            self._remove(old)
-        self._cleanup()
+        # The new checkpoint is durable: failing to delete old ones must not fail the save.
+        try:
+            for old in [*labels, label][: -self._keep]:
+                self._remove(old)
+            self._cleanup()
+        except OSError as exc:
+            _log.warning(
+                "checkpoint %s was saved, but older checkpoints or leftovers in %s could "
+                "not be deleted (%s); they will be retried at the next save",
+                label,
+                self._where(),
+                exc,
+            )
         return checkpoint
 
     def load(self) -> Checkpoint | None:
