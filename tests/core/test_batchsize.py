@@ -46,7 +46,10 @@ def test_even_split_examples():
     q = BatchSizeQuery(num_nodes=1, num_replicas=3, batch_size=10)
     assert even_split(q) == (4, 0)
     q = BatchSizeQuery(
-        num_nodes=1, num_replicas=1, batch_size=100, local_bsz_bounds=(1, 30),
+        num_nodes=1,
+        num_replicas=1,
+        batch_size=100,
+        local_bsz_bounds=(1, 30),
         gradient_accumulation=True,
     )
     assert even_split(q) == (25, 3)
@@ -58,8 +61,9 @@ def goodput_fn():
 
 def test_goodput_decision_uses_the_optimum():
     decide = GoodputDecision(goodput_fn)
-    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512,
-                       local_bsz_bounds=(4, 128))
+    q = BatchSizeQuery(
+        num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512, local_bsz_bounds=(4, 128)
+    )
     _, local, accum = goodput_fn().optimize(1, 4, max_batch_size=512, atomic_bsz_range=(4, 128))
     assert decide(q) == (local, accum)
 
@@ -69,15 +73,27 @@ def test_goodput_decision_keeps_current_below_threshold():
     _, local, accum = fn.optimize(1, 4, max_batch_size=512, atomic_bsz_range=(4, 128))
     near = (local - 1, 0)
     assert fn.evaluate(1, 4, *near) * 1.05 >= fn.evaluate(1, 4, local, accum)
-    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512,
-                       local_bsz_bounds=(4, 128), current=near)
+    q = BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=4,
+        batch_size=32,
+        max_batch_size=512,
+        local_bsz_bounds=(4, 128),
+        current=near,
+    )
     assert GoodputDecision(goodput_fn)(q) == near
     assert GoodputDecision(goodput_fn, speedup_threshold=1.0)(q) == (local, accum)
 
 
 def test_goodput_decision_replaces_inadmissible_current():
-    q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=512,
-                       local_bsz_bounds=(4, 128), current=(256, 0))
+    q = BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=4,
+        batch_size=32,
+        max_batch_size=512,
+        local_bsz_bounds=(4, 128),
+        current=(256, 0),
+    )
     assert GoodputDecision(goodput_fn)(q) != (256, 0)
 
 

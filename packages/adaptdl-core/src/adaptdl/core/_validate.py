@@ -15,9 +15,7 @@ class ArgumentTypeError(TypeError, ValueError):
     """
 
 
-def check_int(
-    name: str, value: Any, *, min: int | None = None, max: int | None = None
-) -> int:
+def check_int(name: str, value: Any, *, min: int | None = None, max: int | None = None) -> int:
     """Return ``value`` as an int, or raise naming ``name``, the value and the range.
 
     Booleans are rejected: ``True`` is not a batch size.
@@ -39,7 +37,9 @@ def check_float(
 ) -> float:
     """Return ``value`` as a finite float, or raise naming ``name``, the value and the range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(
+            f"{name} must be a real number, got {value!r} ({type(value).__name__})"
+        )
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")

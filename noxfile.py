@@ -1,0 +1,98 @@
+"""Every entry point of the project: tests, lint, typecheck, bench, demo, sim, faults, outcome.
+
+All sessions install with the pins in constraints.txt so that torch is the CPU
+build (an unpinned torch pulls a multi-GB CUDA build). Users get the ranges in
+each package's pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "virtualenv"
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+PACKAGES = ("packages/adaptdl-core", "packages/adaptdl-torch", "packages/adaptdl-sim[plots]")
+TEST_DEPS = (
+    "pytest>=8",
+    "pytest-cov>=5",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "tensorboard>=2.10",
+)
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session, *extra: str) -> None:
+    session.install(*CONSTRAINTS, *PACKAGES, *extra)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Unit, property and end-to-end tests (real torchrun processes on CPU with gloo)."""
+    _install(session, *TEST_DEPS)
+    args = session.posargs or ["tests"]
+    session.run(
+        "pytest",
+        "--cov=adaptdl.core",
+        "--cov-report=term",
+        "--timeout=600",
+        *args,
+        env={
+            "OMP_NUM_THREADS": "1",
+            "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
+        },
+    )
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy: strict on adaptdl.core, the default rules on the adapters."""
+    _install(session, "mypy>=1.10", "pytest", "hypothesis")
+    session.run("mypy", "packages/adaptdl-core/src/adaptdl/core")
+    session.run(
+        "mypy", "packages/adaptdl-torch/src/adaptdl/torch", "packages/adaptdl-sim/src/adaptdl/sim"
+    )
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Ratio benchmarks against the peers; prints figures, asserts nothing."""
+    _install(session)
+    scripts = session.posargs or sorted(str(p) for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    for script in scripts:
+        session.run("python", script, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main demo: elastic training through restarts at 2, 3 and 1 replicas."""
+    _install(session)
+    session.run("python", "examples/elastic_demo.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def sim(session: nox.Session) -> None:
+    """Compare scheduling policies on the Pollux workloads (built-in ones without them)."""
+    _install(session)
+    pollux = ROOT.parent / "shared" / "pollux"
+    if pollux.is_dir():
+        workloads = sorted(str(p) for p in (pollux / "workloads").glob("workload-*.csv"))
+        session.run("adaptdl-sim", "compare", "--traces", str(pollux / "traces"), *workloads)
+    else:
+        session.log(f"{pollux} not found: comparing on the built-in workload")
+        session.run("adaptdl-sim", "compare")
