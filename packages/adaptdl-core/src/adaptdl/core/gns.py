@@ -1,0 +1,429 @@
+"""Gradient noise scale: running estimates of |G|^2 and tr(Sigma) from squared norms.
+
+Notation. ``G`` is the true (full-data) gradient, ``Sigma`` the covariance of the
+gradient of a *single sample*, ``g_b`` the mean gradient of ``b`` independent
+samples. Then ``E|g_b|^2 = |G|^2 + tr(Sigma) / b``. A step that averages ``S``
+micro-batches of ``b`` samples each (``S = replicas * (accum_steps + 1)``) sees
+``S`` small gradients ``g_1 .. g_S`` (batch ``b``) and their mean ``g`` (batch
+``B = S * b``). With ``m_s = (1/S) sum_i |g_i|^2`` and ``m_B = |g|^2``, the
+unbiased estimators (McCandlish et al., 2018) are::
+
+    |G|^2     ~ (B * m_B - b * m_s) / (B - b) = (S * m_B - m_s) / (S - 1)
+    tr(Sigma) ~ (m_s - m_B) / (1/b - 1/B)     = (m_s - m_B) * b * S / (S - 1)
+
+A step with a single micro-batch (one replica, no accumulation) has ``S = 1`` and
+no information on its own. :meth:`GradientNoiseScale.update_differenced` then
+pairs it with the previous step's gradient: with ``g_p`` (batch ``b_p``) and
+``g_c`` (batch ``b_c``) independent draws, ``E[g_p . g_c] = |G|^2`` and
+``E|g_p - g_c|^2 = tr(Sigma) * (1/b_p + 1/b_c)``, both read off the three squared
+norms ``|g_p|^2``, ``|g_c|^2`` and ``|(g_p + g_c)/2|^2``. (For ``b_p == b_c`` this
+is exactly the two-micro-batch estimator above.) It is biased by how far the
+parameters moved between the two steps, which inflates tr(Sigma); when an unbiased
+(multi-micro-batch) estimate arrives after differenced ones, the averages restart
+so that the biased history does not linger.
+
+Each estimate is folded into an exponential moving average with bias correction,
+``theta = smoothing ** scale`` where ``scale = B / init_batch_size``: a step with
+``scale`` times the initial batch carries as much data as ``scale`` initial steps,
+so it moves the average as much as ``scale`` of them would. The default smoothing
+0.999 (AdaptDL's) averages over roughly the last thousand initial-batch steps'
+worth of data: long enough for the per-step estimates, which are very noisy at
+small batches, to settle, short enough to follow the drift of |G|^2 over training.
+
+Preconditioning. For an optimiser that applies a diagonal preconditioner (Adam:
+``P = sqrt(v_hat) + eps``), the statistics that govern its progress are those of
+the *preconditioned* gradient ``g / P``. The caller then passes squared norms of
+``g / P`` (see :func:`squared_norm`), computed with one and the same ``P`` for
+every quantity of one update (all micro-batches and the mean; in the differenced
+case the previous and the current gradient). The estimates are then |G / P|^2 and
+tr(D Sigma D) with ``D = diag(1 / P)``.
+
+The estimates are kept per parameter group; the model's values are the sums over
+groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+from adaptdl.core.goodput import GradParams
+from adaptdl.core.scaling import adascale_gain
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Schema tag of :meth:`GradientNoiseScale.to_json`.
+GNS_SCHEMA = "adaptdl.gns/1"
+
+_JSON_KEYS = (
+    "schema",
+    "init_batch_size",
+    "num_groups",
+    "smoothing",
+    "sqr_biased",
+    "var_biased",
+    "weight",
+    "differenced",
+    "progress",
+    "num_updates",
+)
+
+
+def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> float:
+    """Return ``sum((grad / precond) ** 2)`` in float64 (``precond`` None: ``sum(grad ** 2)``).
+
+    The reference definition of the squared norms :class:`GradientNoiseScale`
+    takes; ``precond`` broadcasts against ``grad`` and must be positive.
+    """
+    g = _real_array("grad", grad)
+    if precond is not None:
+        p = _real_array("precond", precond)
+        bad = ~(np.isfinite(p) & (p > 0))
+        if bad.any():
+            raise ValueError(
+                f"precond must be finite and > 0, got {np.asarray(p)[bad].flat[0].item()!r}"
+            )
+        g = g / p
+    value = float(np.sum(np.square(g)))
+    if not math.isfinite(value):
+        raise ValueError(f"grad must be finite, got a squared norm of {value!r}")
+    return value
+
+
+def _real_array(name: str, value: Any) -> FloatArray:
+    try:
+        array = np.asarray(value)
+    except Exception as exc:  # ragged nested sequences and the like
+        raise ArgumentTypeError(f"{name} must be an array of real numbers: {exc}") from None
+    if array.dtype == np.bool_ or not (
+        np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+    ):
+        raise ArgumentTypeError(
+            f"{name} must be an array of real numbers, got dtype {array.dtype}"
+        )
+    return array.astype(np.float64, copy=False)
+
+
+def _group_values(name: str, value: Any, num_groups: int) -> FloatArray:
+    """Return one finite, non-negative float per group, or raise naming ``name``."""
+    if isinstance(value, (str, bytes)):
+        raise ArgumentTypeError(f"{name} must be a number or a sequence of numbers, got {value!r}")
+    array = _real_array(name, value)
+    if array.ndim == 0:
+        if num_groups != 1:
+            raise ValueError(
+                f"{name} must have one value per parameter group ({num_groups}), got a scalar"
+            )
+        array = array.reshape(1)
+    if array.shape != (num_groups,):
+        raise ValueError(
+            f"{name} must have shape ({num_groups},), one value per parameter group, "
+            f"got shape {array.shape}"
+        )
+    bad = ~np.isfinite(array) | (array < 0)
+    if bad.any():
+        raise ValueError(
+            f"{name} must be finite and >= 0, got {array[bad][0].item()!r} "
+            f"(group {int(np.flatnonzero(bad)[0])})"
+        )
+    return array
+
+
+def _init_batch_size(value: Any) -> int:
+    return check_int("init_batch_size", value, min=1)
+
+
+def _num_groups(value: Any) -> int:
+    return check_int("num_groups", value, min=1)
+
+
+def _smoothing(value: Any) -> float:
+    smoothing = check_float("smoothing", value, min=0.0, max=1.0)
+    if not 0.0 < smoothing < 1.0:
+        raise ValueError(f"smoothing must be in (0, 1), got {smoothing!r}")
+    return smoothing
+
+
+def _float_tuple(name: str, value: Any) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise ArgumentTypeError(f"{name} must be a sequence of numbers, got {value!r}")
+    return tuple(check_float(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+
+def _sqr_sums(value: Any) -> tuple[float, ...]:
+    return _float_tuple("sqr_biased", value)
+
+
+def _var_sums(value: Any) -> tuple[float, ...]:
+    return _float_tuple("var_biased", value)
+
+
+@attrs.define(eq=True)
+class GradientNoiseScale:
+    """Running estimates of the gradient's squared norm and noise, and the training progress.
+
+    Fields ``init_batch_size`` (the batch size the learning rate was tuned for, in
+    samples), ``num_groups`` (parameter groups) and ``smoothing`` (in (0, 1)) are
+    configuration; the others are state and are best left at their defaults.
+
+    Per optimiser step the caller does exactly one of:
+
+    * :meth:`update` when the step averaged two or more micro-batches;
+    * :meth:`update_differenced` when it had one micro-batch and the previous step's
+      gradient (also one micro-batch) is at hand;
+    * nothing (first single-micro-batch step, or a skipped step);
+
+    and then, once the optimiser has stepped, :meth:`add_progress` with the step's
+    scale. The state is plain data: :meth:`to_json` / :meth:`from_json`.
+    """
+
+    init_batch_size: int = attrs.field(converter=_init_batch_size)
+    num_groups: int = attrs.field(default=1, converter=_num_groups)
+    smoothing: float = attrs.field(default=0.999, converter=_smoothing)
+    # Moving sums per group, not yet divided by their common normaliser ``weight``.
+    sqr_biased: tuple[float, ...] = attrs.field(default=(), converter=_sqr_sums)
+    var_biased: tuple[float, ...] = attrs.field(default=(), converter=_var_sums)
+    weight: float = attrs.field(default=0.0)
+    # Whether the averages hold estimates of the (biased) differenced kind.
+    differenced: bool = attrs.field(default=False)
+    progress: float = attrs.field(default=0.0)
+    num_updates: int = attrs.field(default=0)
+
+    SCHEMA: ClassVar[str] = GNS_SCHEMA
+
+    def __attrs_post_init__(self) -> None:
+        n = self.num_groups
+        for name in ("sqr_biased", "var_biased"):
+            value = getattr(self, name)
+            if value == ():
+                setattr(self, name, (0.0,) * n)
+            elif len(value) != n:
+                raise ValueError(f"{name} must have {n} values (num_groups), got {len(value)}")
+        self.weight = check_float("weight", self.weight, min=0.0, max=1.0)
+        if self.weight == 0.0 and any(v != 0.0 for v in self.sqr_biased + self.var_biased):
+            raise ValueError("weight must be > 0 when the moving sums are not zero")
+        if not isinstance(self.differenced, (bool, np.bool_)):
+            raise ArgumentTypeError(f"differenced must be a bool, got {self.differenced!r}")
+        self.differenced = bool(self.differenced)
+        self.progress = check_float("progress", self.progress, min=0.0)
+        self.num_updates = check_int("num_updates", self.num_updates, min=0)
+
+    # -- estimates ---------------------------------------------------------
+
+    @property
+    def has_estimate(self) -> bool:
+        """Whether at least one update has been folded in since the last restart."""
+        return self.weight > 0.0
+
+    @property
+    def group_sqr(self) -> tuple[float, ...]:
+        """Per group, the estimate of |G_g|^2, clamped at 0 (all 0 before any update)."""
+        return tuple(max(v, 0.0) for v in self._normalised(self.sqr_biased))
+
+    @property
+    def group_var(self) -> tuple[float, ...]:
+        """Per group, the estimate of tr(Sigma_g) per sample, clamped at 0."""
+        return tuple(max(v, 0.0) for v in self._normalised(self.var_biased))
+
+    @property
+    def sqr(self) -> float:
+        """The estimate of |G|^2 for the whole model: sum over groups, clamped at 0."""
+        return max(math.fsum(self._normalised(self.sqr_biased)), 0.0)
+
+    @property
+    def var(self) -> float:
+        """The estimate of tr(Sigma), the noise of a *single-sample* gradient, clamped at 0."""
+        return max(math.fsum(self._normalised(self.var_biased)), 0.0)
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The simple noise scale ``var / sqr``, in samples.
+
+        None without an estimate or when both are 0; inf when only ``sqr`` is 0.
+        """
+        if not self.has_estimate:
+            return None
+        sqr, var = self.sqr, self.var
+        if sqr == 0.0:
+            return math.inf if var > 0.0 else None
+        return var / sqr
+
+    def grad_params(self) -> GradParams | None:
+        """The statistics in the form the goodput model takes, or None before any update.
+
+        ``GradParams.var`` is the variance of a gradient at the *initial* batch size,
+        ``var / init_batch_size``.
+        """
+        if not self.has_estimate:
+            return None
+        return GradParams(sqr=self.sqr, var=self.var / self.init_batch_size)
+
+    def gain(self, scale: float) -> float:
+        """AdaScale gain at ``scale`` = total batch size / init batch size (1 before any update).
+
+        ``(v + s) / (v / scale + s)`` with ``s = sqr`` and ``v = var / init_batch_size``:
+        in ``[1, scale]`` for ``scale >= 1``.
+        """
+        scale = check_float("scale", scale, min=0.0, min_exclusive=True)
+        if not self.has_estimate:
+            return 1.0
+        return adascale_gain(self.sqr, self.var / self.init_batch_size, scale)
+
+    def group_gains(self, scale: float) -> tuple[float, ...]:
+        """The gain of each parameter group on its own (all 1 before any update)."""
+        scale = check_float("scale", scale, min=0.0, min_exclusive=True)
+        if not self.has_estimate:
+            return (1.0,) * self.num_groups
+        m0 = self.init_batch_size
+        return tuple(
+            adascale_gain(s, v / m0, scale)
+            for s, v in zip(self.group_sqr, self.group_var, strict=True)
+        )
+
+    def add_progress(self, scale: float) -> float:
+        """Add one optimiser step at ``scale`` to :attr:`progress`; return the gain added.
+
+        Call once per optimiser step, after that step's update (if any). ``progress``
+        counts scale-invariant steps: initial-batch-size steps that would have made
+        the same progress.
+        """
+        gain = self.gain(scale)
+        self.progress += gain
+        return gain
+
+    # -- updates -----------------------------------------------------------
+
+    def update(
+        self, local_sqr: npt.ArrayLike, total_sqr: npt.ArrayLike, count: int, batch_size: int
+    ) -> None:
+        """Fold in one optimiser step that averaged ``count >= 2`` micro-batches.
+
+        Per parameter group (a float when ``num_groups == 1``):
+
+        * ``local_sqr``: the sum, over all ``count`` micro-batches of the step (every
+          replica, every accumulation micro-batch), of the squared norm of that
+          micro-batch's gradient, each gradient being the mean over its samples;
+        * ``total_sqr``: the squared norm of the step's averaged gradient (the mean of
+          the ``count`` micro-batch gradients, as after all-reduce and accumulation);
+        * ``count``: the number of micro-batches, ``replicas * (accum_steps + 1)``;
+        * ``batch_size``: the atomic batch size, samples per micro-batch.
+
+        The step's scale is ``count * batch_size / init_batch_size``.
+        """
+        count = check_int("count", count, min=1)
+        if count == 1:
+            raise ValueError(
+                "count must be >= 2 for update(), got 1: a single micro-batch carries no "
+                "noise estimate on its own; use update_differenced() with the previous step"
+            )
+        b = check_int("batch_size", batch_size, min=1)
+        local = _group_values("local_sqr", local_sqr, self.num_groups)
+        total = _group_values("total_sqr", total_sqr, self.num_groups)
+        mean_local = local / count
+        sqr = (count * total - mean_local) / (count - 1)
+        var = (mean_local - total) * (b * count / (count - 1))
+        if self.differenced:
+            self._restart()
+        self.differenced = False
+        self._fold(sqr, var, count * b / self.init_batch_size)
+
+    def update_differenced(
+        self,
+        prev_sqr: npt.ArrayLike,
+        cur_sqr: npt.ArrayLike,
+        mixed_sqr: npt.ArrayLike,
+        batch_size: int,
+        prev_batch_size: int | None = None,
+    ) -> None:
+        """Fold in one single-micro-batch step, paired with the previous one.
+
+        Per parameter group (a float when ``num_groups == 1``), with ``g_p`` the
+        previous optimiser step's gradient and ``g_c`` this step's, both from a single
+        micro-batch and both preconditioned with this step's preconditioner (if any):
+
+        * ``prev_sqr = |g_p|^2``, ``cur_sqr = |g_c|^2``, ``mixed_sqr = |(g_p + g_c) / 2|^2``;
+        * ``batch_size``: samples in this step's micro-batch; ``prev_batch_size``: in the
+          previous one (default: the same).
+
+        The step's scale is ``batch_size / init_batch_size``: each step is folded in
+        once although its gradient takes part in two pairs.
+        """
+        b_c = check_int("batch_size", batch_size, min=1)
+        b_p = b_c
+        if prev_batch_size is not None:
+            b_p = check_int("prev_batch_size", prev_batch_size, min=1)
+        prev = _group_values("prev_sqr", prev_sqr, self.num_groups)
+        cur = _group_values("cur_sqr", cur_sqr, self.num_groups)
+        mixed = _group_values("mixed_sqr", mixed_sqr, self.num_groups)
+        # g_p . g_c and |g_p - g_c|^2 from the three squared norms.
+        dot = 2.0 * mixed - 0.5 * (prev + cur)
+        diff = 2.0 * (prev + cur) - 4.0 * mixed
+        var = diff / (1.0 / b_p + 1.0 / b_c)
+        self.differenced = True
+        self._fold(dot, var, b_c / self.init_batch_size)
+
+    def reset(self) -> None:
+        """Forget the estimates (keeps :attr:`progress`)."""
+        self._restart()
+        self.differenced = False
+
+    # -- persistence -------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the whole state as JSON-ready data (exact: floats round-trip through JSON)."""
+        return {
+            "schema": self.SCHEMA,
+            "init_batch_size": self.init_batch_size,
+            "num_groups": self.num_groups,
+            "smoothing": self.smoothing,
+            "sqr_biased": list(self.sqr_biased),
+            "var_biased": list(self.var_biased),
+            "weight": self.weight,
+            "differenced": self.differenced,
+            "progress": self.progress,
+            "num_updates": self.num_updates,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GradientNoiseScale:
+        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
+        if not isinstance(data, Mapping):
+            raise ArgumentTypeError(f"data must be a mapping, got {type(data).__name__}")
+        if data.get("schema") != cls.SCHEMA:
+            raise ValueError(f"schema must be {cls.SCHEMA!r}, got {data.get('schema')!r}")
+        missing = [k for k in _JSON_KEYS if k not in data]
+        extra = sorted(str(k) for k in data if k not in _JSON_KEYS)
+        if missing or extra:
+            raise ValueError(
+                f"GradientNoiseScale state needs exactly the keys {list(_JSON_KEYS)}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        return cls(**{k: data[k] for k in _JSON_KEYS if k != "schema"})
+
+    # -- internals ---------------------------------------------------------
+
+    def _normalised(self, biased: tuple[float, ...]) -> tuple[float, ...]:
+        if self.weight == 0.0:
+            return (0.0,) * self.num_groups
+        return tuple(v / self.weight for v in biased)
+
+    def _restart(self) -> None:
+        self.sqr_biased = (0.0,) * self.num_groups
+        self.var_biased = (0.0,) * self.num_groups
+        self.weight = 0.0
+
+    def _fold(self, sqr: FloatArray, var: FloatArray, scale: float) -> None:
+        theta = self.smoothing**scale
+        new_sqr = theta * np.asarray(self.sqr_biased) + (1.0 - theta) * sqr
+        new_var = theta * np.asarray(self.var_biased) + (1.0 - theta) * var
+        self.sqr_biased = tuple(float(v) for v in new_sqr)
+        self.var_biased = tuple(float(v) for v in new_var)
+        # Rounding could lift the normaliser a hair above its limit 1.
+        self.weight = min(theta * self.weight + (1.0 - theta), 1.0)
+        self.num_updates += 1

@@ -1,0 +1,499 @@
+"""Gradient noise scale: exact estimator algebra, convergence on known problems, state."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale, squared_norm
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.core.scaling import adascale_gain
+
+SETTINGS = settings(max_examples=100, deadline=None)
+
+stats = st.floats(min_value=1e-3, max_value=1e3)
+sizes = st.integers(min_value=1, max_value=256)
+
+
+def expected_norms(sqr: float, var: float, count: int, b: int) -> tuple[float, float]:
+    """Return (local_sqr, total_sqr) equal to their expectations."""
+    return count * (sqr + var / b), sqr + var / (count * b)
+
+
+def feed_expected(gns: GradientNoiseScale, sqr: float, var: float, count: int, b: int) -> None:
+    local, total = expected_norms(sqr, var, count, b)
+    gns.update(local, total, count, b)
+
+
+# -- the estimators are unbiased: fed their expectations they return the truth --
+
+
+@SETTINGS
+@given(stats, stats, st.integers(min_value=2, max_value=64), sizes, sizes)
+def test_update_recovers_statistics_from_expected_norms(
+    sqr: float, var: float, count: int, b: int, m0: int
+) -> None:
+    gns = GradientNoiseScale(m0)
+    feed_expected(gns, sqr, var, count, b)
+    assert gns.sqr == pytest.approx(sqr, rel=1e-6, abs=1e-9 * var)
+    assert gns.var == pytest.approx(var, rel=1e-6, abs=1e-9 * sqr * b * count)
+
+
+@SETTINGS
+@given(stats, stats, sizes, sizes, sizes)
+def test_differenced_recovers_statistics_from_expected_norms(
+    sqr: float, var: float, b_prev: int, b_cur: int, m0: int
+) -> None:
+    gns = GradientNoiseScale(m0)
+    prev, cur = sqr + var / b_prev, sqr + var / b_cur
+    mixed = sqr + var * (1 / b_prev + 1 / b_cur) / 4
+    gns.update_differenced(prev, cur, mixed, b_cur, prev_batch_size=b_prev)
+    assert gns.sqr == pytest.approx(sqr, rel=1e-6, abs=1e-9 * var)
+    assert gns.var == pytest.approx(var, rel=1e-6, abs=1e-9 * sqr * min(b_prev, b_cur))
+
+
+def test_differenced_pair_equals_two_micro_batch_update() -> None:
+    rng = np.random.default_rng(1)
+    g_prev, g_cur = rng.normal(size=7), rng.normal(size=7)
+    mixed = (g_prev + g_cur) / 2
+    a, b = GradientNoiseScale(16), GradientNoiseScale(16)
+    a.update_differenced(g_prev @ g_prev, g_cur @ g_cur, mixed @ mixed, 8)
+    b.update(g_prev @ g_prev + g_cur @ g_cur, mixed @ mixed, 2, 8)
+    assert a.sqr == pytest.approx(b.sqr, rel=1e-12)
+    assert a.var == pytest.approx(b.var, rel=1e-12)
+
+
+def test_hand_computed_update() -> None:
+    # Micro-batch gradients (1, 0) and (0, 1), batch 2 each: m_s = 1, m_B = 0.5.
+    gns = GradientNoiseScale(4)
+    gns.update(2.0, 0.5, 2, 2)
+    assert gns.sqr == pytest.approx(0.0)  # (2 * 0.5 - 1) / 1
+    assert gns.var == pytest.approx(2.0)  # (1 - 0.5) * 2 * 2 / 1
+    assert gns.grad_params() == GradParams(sqr=0.0, var=0.5)
+
+
+# -- the moving average --
+
+
+def test_first_update_is_taken_as_is_by_bias_correction() -> None:
+    gns = GradientNoiseScale(32, smoothing=0.9)
+    feed_expected(gns, 3.0, 50.0, 4, 8)
+    assert gns.sqr == pytest.approx(3.0)
+    assert gns.var == pytest.approx(50.0)
+    assert gns.num_updates == 1
+
+
+def test_moving_average_weights_steps_by_their_scale() -> None:
+    m0, s = 32, 0.9
+    gns = GradientNoiseScale(m0, smoothing=s)
+    feed_expected(gns, 1.0, 10.0, 2, 16)  # scale 1
+    feed_expected(gns, 3.0, 30.0, 8, 16)  # scale 4
+    t1, t2 = s**1, s**4
+    w1, w2 = (1 - t1) * t2, 1 - t2
+    assert gns.sqr == pytest.approx((w1 * 1.0 + w2 * 3.0) / (w1 + w2))
+    assert gns.var == pytest.approx((w1 * 10.0 + w2 * 30.0) / (w1 + w2))
+    # A larger batch moves the average more than a smaller one does.
+    assert w2 > w1 / t2
+
+
+def test_negative_raw_estimates_are_clamped_on_read_but_kept_in_the_average() -> None:
+    gns = GradientNoiseScale(8, smoothing=0.5)
+    gns.update(2.0, 0.0, 2, 1)  # raw sqr = (0 - 1) / 1 = -1
+    assert gns.sqr == 0.0
+    assert gns.sqr_biased[0] < 0.0
+    feed_expected(gns, 4.0, 1.0, 2, 1)
+    # The negative history still pulls the average below 4.
+    assert 0.0 < gns.sqr < 4.0
+
+
+def test_unbiased_update_after_differenced_ones_restarts_the_average() -> None:
+    gns = GradientNoiseScale(8, smoothing=0.99)
+    gns.update_differenced(10.0, 10.0, 1.0, 8)  # very noisy, biased kind
+    assert gns.differenced
+    feed_expected(gns, 2.0, 5.0, 4, 8)
+    assert not gns.differenced
+    assert gns.sqr == pytest.approx(2.0)
+    assert gns.var == pytest.approx(5.0)
+
+
+def test_differenced_update_after_unbiased_ones_keeps_the_average() -> None:
+    gns = GradientNoiseScale(8, smoothing=0.5)
+    feed_expected(gns, 2.0, 5.0, 4, 8)
+    gns.update_differenced(4.0, 4.0, 4.0, 8)  # raw estimate: sqr 4, var 0
+    assert 2.0 < gns.sqr < 4.0
+    assert 0.0 < gns.var < 5.0
+
+
+def test_reset_forgets_estimates_but_keeps_progress() -> None:
+    gns = GradientNoiseScale(8)
+    feed_expected(gns, 1.0, 100.0, 4, 8)
+    gns.add_progress(4.0)
+    progress = gns.progress
+    gns.reset()
+    assert not gns.has_estimate
+    assert gns.grad_params() is None
+    assert gns.progress == progress
+
+
+# -- convergence on problems with known gradient statistics --
+
+
+def run_microbatches(
+    gns: GradientNoiseScale,
+    grads: np.ndarray,
+    b: int,
+    precond: np.ndarray | None = None,
+    groups: tuple[slice, ...] = (slice(None),),
+) -> None:
+    """Feed per-step gradients of micro-batches of ``b`` samples, shape (steps, count, dim).
+
+    As the torch adapter would: ``update`` for several micro-batches a step, else
+    ``update_differenced`` with the previous step; ``add_progress`` every step.
+    """
+    count = grads.shape[1]
+    prev = None
+    for step in grads:
+        if count > 1:
+            mean = step.mean(axis=0)
+            local = [sum(squared_norm(g[s], pre(precond, s)) for g in step) for s in groups]
+            total = [squared_norm(mean[s], pre(precond, s)) for s in groups]
+            gns.update(local, total, count, b)
+        else:
+            cur = step[0]
+            if prev is not None:
+                mixed = (prev + cur) / 2
+                gns.update_differenced(
+                    [squared_norm(prev[s], pre(precond, s)) for s in groups],
+                    [squared_norm(cur[s], pre(precond, s)) for s in groups],
+                    [squared_norm(mixed[s], pre(precond, s)) for s in groups],
+                    b,
+                )
+            prev = cur
+        gns.add_progress(count * b / gns.init_batch_size)
+
+
+def pre(precond: np.ndarray | None, s: slice) -> np.ndarray | None:
+    return None if precond is None else precond[s]
+
+
+def gaussian_problem(seed: int, dim: int = 16) -> tuple[np.random.Generator, Any, Any]:
+    rng = np.random.default_rng(seed)
+    mean = rng.normal(size=dim) * 0.5
+    sd = rng.uniform(0.5, 2.0, size=dim)
+    return rng, mean, sd
+
+
+@pytest.mark.parametrize(
+    ("count", "b"),
+    [(2, 4), (4, 4), (8, 2), (3, 16), (1, 8)],
+    ids=["2x4", "4x4", "8x2", "3x16", "single-8-differenced"],
+)
+def test_estimates_converge_on_gaussian_per_sample_gradients(count: int, b: int) -> None:
+    rng, mean, sd = gaussian_problem(10 + count * b)
+    steps = 3000
+    samples = mean + sd * rng.standard_normal((steps, count, b, mean.size))
+    gns = GradientNoiseScale(32)
+    run_microbatches(gns, samples.mean(axis=2), b)
+    assert gns.sqr == pytest.approx(mean @ mean, rel=0.1)
+    assert gns.var == pytest.approx(sd @ sd, rel=0.1)
+    # A step worth more (less) than an initial-batch step when its batch is larger (smaller).
+    assert (gns.progress > steps) == (count * b > 32)
+
+
+def test_estimates_converge_on_linear_regression_gradients() -> None:
+    # Loss (x.w - y)^2 / 2 with y = x.w* + eps, x ~ N(0, I), eps ~ N(0, s^2), at
+    # fixed w: per-sample gradient x (x.d - eps) with d = w - w*. Its mean is d and
+    # (Isserlis) its covariance |d|^2 I + d d^T + s^2 I: not Gaussian.
+    rng = np.random.default_rng(7)
+    dim, noise, count, b, steps = 8, 0.5, 4, 4, 3000
+    d = rng.normal(size=dim) * 0.3
+    x = rng.standard_normal((steps, count, b, dim))
+    eps = noise * rng.standard_normal((steps, count, b))
+    per_sample = x * (x @ d - eps)[..., None]
+    gns = GradientNoiseScale(16)
+    run_microbatches(gns, per_sample.mean(axis=2), b)
+    true_var = (dim + 1) * (d @ d) + dim * noise**2
+    assert gns.sqr == pytest.approx(d @ d, rel=0.1)
+    assert gns.var == pytest.approx(true_var, rel=0.1)
+
+
+@pytest.mark.parametrize("count", [4, 1], ids=["4-micro-batches", "differenced"])
+def test_preconditioned_estimates_converge_per_group(count: int) -> None:
+    rng, mean, sd = gaussian_problem(3)
+    precond = rng.uniform(0.5, 3.0, size=mean.size)
+    groups = (slice(0, 6), slice(6, None))
+    b, steps = 4, 3000
+    samples = mean + sd * rng.standard_normal((steps, count, b, mean.size))
+    gns = GradientNoiseScale(16, num_groups=2)
+    run_microbatches(gns, samples.mean(axis=2), b, precond, groups)
+    true_sqr = [float(((mean / precond)[s] ** 2).sum()) for s in groups]
+    true_var = [float(((sd / precond)[s] ** 2).sum()) for s in groups]
+    assert gns.group_sqr == pytest.approx(true_sqr, rel=0.1)
+    assert gns.group_var == pytest.approx(true_var, rel=0.1)
+    assert gns.sqr == pytest.approx(sum(true_sqr), rel=0.1)
+    assert gns.var == pytest.approx(sum(true_var), rel=0.1)
+
+
+# -- gain, progress and the goodput statistics --
+
+
+def test_gain_and_grad_params_before_any_update() -> None:
+    gns = GradientNoiseScale(64)
+    assert not gns.has_estimate
+    assert gns.gain(8.0) == 1.0
+    assert gns.group_gains(8.0) == (1.0,)
+    assert gns.grad_params() is None
+    assert gns.noise_scale is None
+    assert gns.add_progress(8.0) == 1.0
+    assert gns.progress == 1.0
+
+
+@SETTINGS
+@given(stats, stats, sizes, st.floats(min_value=0.1, max_value=1e3))
+def test_gain_is_adascale_gain_of_grad_params(sqr: float, var: float, m0: int, s: float) -> None:
+    gns = GradientNoiseScale(m0)
+    feed_expected(gns, sqr, var, 2, 4)
+    params = gns.grad_params()
+    assert params is not None
+    assert params.var == pytest.approx(gns.var / m0)
+    assert gns.gain(s) == adascale_gain(params.sqr, params.var, s)
+    if s >= 1:
+        assert 1.0 <= gns.gain(s) <= s
+
+
+@SETTINGS
+@given(stats, stats, sizes, st.floats(min_value=1.0, max_value=1e3))
+def test_grad_params_feed_goodput_efficiency_consistently(
+    sqr: float, var: float, m0: int, s: float
+) -> None:
+    # One initial-batch sample's worth of progress per sample, times the gain per step.
+    gns = GradientNoiseScale(m0)
+    feed_expected(gns, sqr, var, 2, 4)
+    params = gns.grad_params()
+    assert params is not None
+    fn = GoodputFunction(PerfParams(0.1, 0.01, 0.0, 0.0, 0.0, 0.0, 1.0), params, m0)
+    assert fn.efficiency(s * m0) == pytest.approx(gns.gain(s) / s, rel=1e-9)
+
+
+def test_noise_scale_is_var_over_sqr() -> None:
+    gns = GradientNoiseScale(8)
+    feed_expected(gns, 2.0, 50.0, 4, 8)
+    assert gns.noise_scale == pytest.approx(25.0)
+    gns = GradientNoiseScale(8)
+    gns.update(2.0, 0.5, 2, 2)  # sqr estimate 0
+    assert gns.noise_scale == math.inf
+
+
+def test_group_gains_use_each_groups_statistics() -> None:
+    gns = GradientNoiseScale(4, num_groups=2)
+    # Group 0: no noise; group 1: all noise.
+    gns.update([2 * 1.0, 2 * 0.5], [1.0, 0.5 / 2], 2, 2)
+    assert gns.group_sqr == pytest.approx((1.0, 0.0))
+    assert gns.group_var == pytest.approx((0.0, 1.0), abs=1e-12)
+    gains = gns.group_gains(8.0)
+    assert gains[0] == pytest.approx(1.0)
+    assert gains[1] == pytest.approx(8.0)
+    assert 1.0 < gns.gain(8.0) < 8.0
+
+
+def test_add_progress_adds_the_gain_at_each_steps_scale() -> None:
+    gns = GradientNoiseScale(16)
+    feed_expected(gns, 1.0, 160.0, 4, 16)
+    total = 0.0
+    for scale in (1.0, 2.0, 4.0, 0.5):
+        expected = gns.gain(scale)
+        assert gns.add_progress(scale) == expected
+        total += expected
+    assert gns.progress == pytest.approx(total)
+
+
+# -- persistence --
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("update"),
+            st.floats(0.0, 1e3),
+            st.floats(0.0, 1.0),
+            st.integers(2, 16),
+            st.integers(1, 64),
+        ),
+        st.tuples(
+            st.just("diff"),
+            st.floats(0.0, 1e3),
+            st.floats(0.0, 1e3),
+            st.floats(0.0, 1.0),
+            st.integers(1, 64),
+        ),
+        st.tuples(st.just("progress"), st.floats(0.01, 100.0)),
+    ),
+    max_size=12,
+)
+
+
+def apply(gns: GradientNoiseScale, op: tuple[Any, ...]) -> None:
+    if op[0] == "update":
+        _, local, frac, count, b = op
+        # total between |mean|^2's bounds: at most local / count.
+        gns.update(local, frac * local / count, count, b)
+    elif op[0] == "diff":
+        _, prev, cur, frac, b = op
+        gns.update_differenced(prev, cur, frac * (prev + cur) / 2, b)
+    else:
+        gns.add_progress(op[1])
+
+
+@SETTINGS
+@given(ops, ops, st.integers(1, 512), st.floats(0.5, 0.9999))
+def test_json_round_trip_is_exact_and_behaves_the_same(
+    before: list[tuple[Any, ...]], after: list[tuple[Any, ...]], m0: int, smoothing: float
+) -> None:
+    gns = GradientNoiseScale(m0, smoothing=smoothing)
+    for op in before:
+        apply(gns, op)
+    restored = GradientNoiseScale.from_json(json.loads(json.dumps(gns.to_json())))
+    assert restored == gns
+    for op in after:
+        apply(gns, op)
+        apply(restored, op)
+    assert restored == gns
+    assert restored.to_json() == gns.to_json()
+
+
+def test_json_is_documented_schema() -> None:
+    gns = GradientNoiseScale(8, num_groups=2)
+    data = gns.to_json()
+    assert data["schema"] == GNS_SCHEMA == "adaptdl.gns/1"
+    assert data["sqr_biased"] == [0.0, 0.0]
+    assert json.loads(json.dumps(data)) == data
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"schema": "adaptdl.gns/0"}, "schema"),
+        ({"extra": 1}, "unexpected"),
+        ({"weight": None}, "weight"),
+        ({"weight": 1.5}, "weight"),
+        ({"weight": 0.0, "sqr_biased": [1.0]}, "weight must be > 0"),
+        ({"sqr_biased": [1.0, 2.0]}, "sqr_biased must have 1"),
+        ({"var_biased": "ab"}, "var_biased"),
+        ({"var_biased": [float("nan")]}, r"var_biased\[0\]"),
+        ({"differenced": "yes"}, "differenced"),
+        ({"progress": -1.0}, "progress"),
+        ({"num_updates": 1.5}, "num_updates"),
+        ({"smoothing": 1.0}, "smoothing"),
+    ],
+)
+def test_from_json_rejects_bad_state(change: dict[str, Any], match: str) -> None:
+    gns = GradientNoiseScale(8)
+    feed_expected(gns, 1.0, 1.0, 2, 2)
+    data = {**gns.to_json(), **change}
+    with pytest.raises(ValueError, match=match):
+        GradientNoiseScale.from_json(data)
+
+
+def test_from_json_rejects_missing_keys_and_non_mappings() -> None:
+    data = GradientNoiseScale(8).to_json()
+    del data["progress"]
+    with pytest.raises(ValueError, match=r"missing \['progress'\]"):
+        GradientNoiseScale.from_json(data)
+    with pytest.raises(TypeError, match="mapping"):
+        GradientNoiseScale.from_json([1, 2])  # type: ignore[arg-type]
+
+
+# -- bad input --
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init_batch_size": 0}, "init_batch_size must be >= 1"),
+        ({"init_batch_size": 2.5}, "init_batch_size must be an int"),
+        ({"init_batch_size": 8, "num_groups": 0}, "num_groups must be >= 1"),
+        ({"init_batch_size": 8, "smoothing": 0.0}, r"smoothing must be in \(0, 1\)"),
+        ({"init_batch_size": 8, "smoothing": 1.0}, r"smoothing must be in \(0, 1\)"),
+        ({"init_batch_size": 8, "smoothing": float("nan")}, "smoothing must be finite"),
+    ],
+)
+def test_constructor_rejects_bad_configuration(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GradientNoiseScale(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((2.0, 1.0, 0, 4), "count must be >= 1"),
+        ((2.0, 1.0, 1, 4), "update_differenced"),
+        ((2.0, 1.0, 2.0, 4), "count must be an int"),
+        ((2.0, 1.0, 2, 0), "batch_size must be >= 1"),
+        ((2.0, 1.0, 2, True), "batch_size must be an int"),
+        ((-1.0, 1.0, 2, 4), "local_sqr must be finite and >= 0"),
+        ((2.0, float("nan"), 2, 4), "total_sqr must be finite and >= 0"),
+        ((float("inf"), 1.0, 2, 4), "local_sqr must be finite"),
+        (([2.0, 1.0], 1.0, 2, 4), r"local_sqr must have shape \(1,\)"),
+        (("2", 1.0, 2, 4), "local_sqr must be a number"),
+        ((2.0, [True], 2, 4), "total_sqr must be an array of real numbers"),
+    ],
+)
+def test_update_rejects_bad_input(args: tuple[Any, ...], match: str) -> None:
+    gns = GradientNoiseScale(8)
+    with pytest.raises(ValueError, match=match):
+        gns.update(*args)
+    assert gns == GradientNoiseScale(8)  # nothing changed
+
+
+def test_update_wants_one_value_per_group() -> None:
+    gns = GradientNoiseScale(8, num_groups=2)
+    with pytest.raises(ValueError, match="one value per parameter group"):
+        gns.update(2.0, 1.0, 2, 4)
+    with pytest.raises(ValueError, match=r"total_sqr must be finite and >= 0, got -1.0 \(group 1"):
+        gns.update([2.0, 2.0], [1.0, -1.0], 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((1.0, 1.0, 1.0, 0), {}, "batch_size must be >= 1"),
+        ((1.0, 1.0, 1.0, 4), {"prev_batch_size": 0}, "prev_batch_size must be >= 1"),
+        ((-1.0, 1.0, 1.0, 4), {}, "prev_sqr must be finite and >= 0"),
+        ((1.0, float("nan"), 1.0, 4), {}, "cur_sqr must be finite"),
+        ((1.0, 1.0, -0.5, 4), {}, "mixed_sqr must be finite and >= 0"),
+    ],
+)
+def test_update_differenced_rejects_bad_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], match: str
+) -> None:
+    gns = GradientNoiseScale(8)
+    with pytest.raises(ValueError, match=match):
+        gns.update_differenced(*args, **kwargs)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_gain_and_progress_reject_bad_scale(scale: float) -> None:
+    gns = GradientNoiseScale(8)
+    for method in (gns.gain, gns.group_gains, gns.add_progress):
+        with pytest.raises(ValueError, match="scale must be"):
+            method(scale)
+    assert gns.progress == 0.0
+
+
+def test_squared_norm_with_and_without_preconditioner() -> None:
+    grad = np.array([[3.0, 4.0], [0.0, 2.0]])
+    assert squared_norm(grad) == 29.0
+    assert squared_norm(grad, np.array([1.0, 2.0])) == 9.0 + 4.0 + 1.0
+    assert squared_norm([3, 4], 0.5) == 100.0
+    with pytest.raises(ValueError, match=r"precond must be finite and > 0, got 0\.0"):
+        squared_norm(grad, np.array([1.0, 0.0]))
+    with pytest.raises(ValueError, match="grad must be finite"):
+        squared_norm([np.inf])
+    with pytest.raises(TypeError, match="grad must be an array of real numbers"):
+        squared_norm(["a"])
