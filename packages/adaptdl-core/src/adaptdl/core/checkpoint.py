@@ -37,7 +37,7 @@ import time
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -55,6 +55,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
+    "CollectiveState",
     "JsonState",
     "MemoryCheckpointStore",
     "State",
@@ -95,6 +96,19 @@ class State(Protocol):
 
     def from_bytes(self, data: bytes) -> None:
         """Replace the state with the one ``data`` (from :meth:`to_bytes`) describes."""
+        ...
+
+
+@runtime_checkable
+class CollectiveState(State, Protocol):
+    """A state whose bytes need every replica's contribution (e.g. an accumulator's sums).
+
+    Before a checkpoint, the job calls :meth:`sync` on every replica, at the same
+    point, and only then :meth:`to_bytes`.
+    """
+
+    def sync(self) -> None:
+        """Collective: gather what the other replicas hold, so to_bytes is complete."""
         ...
 
 
