@@ -1,0 +1,303 @@
+"""The object that owns every piece of core state for one training process."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision
+from adaptdl.core.checkpoint import Checkpoint, JsonState, State
+from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
+from adaptdl.core.epoch import EpochState
+from adaptdl.core.goodput import GoodputFunction
+from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.metrics import MetricsState
+from adaptdl.core.topology import Topology
+
+if TYPE_CHECKING:
+    from adaptdl.core.gns import GradientNoiseScale
+    from adaptdl.core.loader import LoaderHelper
+    from adaptdl.core.profiler import Profiler
+
+LOG = logging.getLogger("adaptdl.core.job")
+
+EXIT_CODE_PREEMPTED = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
+
+
+class Preempted(SystemExit):
+    """Raised after the job checkpointed because a stop was requested (exit 143)."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_CODE_PREEMPTED)
+
+
+@attrs.frozen
+class CheckpointPolicy:
+    """When to checkpoint besides a requested stop: every so many seconds or steps.
+
+    Both None turns periodic checkpoints off. The default, every 10 minutes,
+    bounds what a SIGKILL loses to 10 minutes of work at the cost of one state
+    write per 10 minutes.
+    """
+
+    every_seconds: float | None = attrs.field(default=600.0)
+    every_steps: int | None = attrs.field(default=None)
+
+    @every_seconds.validator
+    def _check_seconds(self, attribute: attrs.Attribute[float | None], value: Any) -> None:
+        if value is not None:
+            check_float("every_seconds", value, min=0.0, min_exclusive=True)
+
+    @every_steps.validator
+    def _check_steps(self, attribute: attrs.Attribute[int | None], value: Any) -> None:
+        if value is not None:
+            check_int("every_steps", value, min=1)
+
+    def due(self, steps: int, seconds: float) -> bool:
+        """Whether ``steps`` optimiser steps or ``seconds`` since the last checkpoint are due."""
+        if self.every_steps is not None and steps >= self.every_steps:
+            return True
+        return self.every_seconds is not None and seconds >= self.every_seconds
+
+
+class Store(Protocol):
+    """What the job needs of a checkpoint store (directory or memory)."""
+
+    def save(
+        self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
+    ) -> Checkpoint: ...
+
+    def load(self) -> Checkpoint | None: ...
+
+
+class JobState(JsonState):
+    """Job-wide counters that survive restarts."""
+
+    def __init__(self, name: str = "adaptdl-job") -> None:
+        self.name = name
+        self.samples_consumed = 0  # by all replicas in all loops, at step boundaries
+        self.replayed_samples = 0  # consumed again after crashes (see journal.py)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "samples_consumed": self.samples_consumed,
+            "replayed_samples": self.replayed_samples,
+        }
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        self.samples_consumed = check_int("samples_consumed", data["samples_consumed"], min=0)
+        self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
+
+
+class Job:
+    """One process of an elastic job: topology, collective, checkpoints, loops, metrics.
+
+    Core keeps no module-level state: a process may hold many jobs (tests and the
+    simulator do). States registered with the job are restored from its newest
+    checkpoint the moment they register, and saved by `checkpoint`.
+    """
+
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        *,
+        collective: Collective | None = None,
+        store: Store | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        batch_size_decision: BatchSizeDecision | None = None,
+        checkpoint_policy: CheckpointPolicy | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        self.topology = topology or Topology()
+        self.collective: Collective = collective or LocalCollective()
+        if self.collective.num_replicas != self.topology.num_replicas:
+            raise ValueError(
+                f"collective has {self.collective.num_replicas} replicas but the topology "
+                f"has num_replicas={self.topology.num_replicas}"
+            )
+        self.store = store
+        self.clock = clock
+        self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
+            self.goodput_fn
+        )
+        self._states: dict[str, State] = {}
+        self._names: dict[str, int] = {}
+        self._loaded: Checkpoint | None = store.load() if store is not None else None
+        self.current_loader: LoaderHelper | None = None
+        self.training_loader: LoaderHelper | None = None
+        self._sync_time = 0.0
+        self._stop_requested = False
+        self._boundary_future: Future[Any] | None = None
+        self.checkpoint_policy = checkpoint_policy or CheckpointPolicy()
+        self._steps_since_checkpoint = 0
+        self._last_checkpoint_time = clock()
+        self.checkpoints_written = 0
+        self.state = JobState()
+        self.register(self.state)
+        self.journal = journal if self.topology.rank == 0 else None
+        self._count_replay()
+        self.epoch = EpochState()
+        self.register(self.epoch)
+        self.metrics = MetricsState()
+        self.register(self.metrics)
+
+    # -- states and checkpoints ---------------------------------------------------------
+    @property
+    def restored_from(self) -> str | None:
+        """Label of the checkpoint this job resumed from, or None for a fresh start."""
+        return self._loaded.label if self._loaded is not None else None
+
+    def register(self, state: State) -> None:
+        """Add ``state`` to every checkpoint, restoring it now if the checkpoint has it."""
+        if state.name in self._states:
+            raise ValueError(f"a state named {state.name!r} is already registered")
+        self._states[state.name] = state
+        if self._loaded is not None and state.name in self._loaded.entries:
+            state.from_bytes(self._loaded.entries[state.name])
+
+    def _count_replay(self) -> None:
+        mark = self.journal.read() if self.journal is not None else None
+        if mark is not None and mark.samples > self.state.samples_consumed:
+            replayed = mark.samples - self.state.samples_consumed
+            self.state.replayed_samples += replayed
+            LOG.warning(
+                "resuming from checkpoint %s: the %d samples consumed after it, before the "
+                "previous run died, are consumed again",
+                self.restored_from,
+                replayed,
+            )
+
+    @property
+    def replayed_samples(self) -> int:
+        """Samples consumed twice because a run died after its last checkpoint."""
+        return self.state.replayed_samples
+
+    def count_samples(self, samples: int) -> None:
+        """Add samples consumed by all replicas (the loader calls this every batch)."""
+        self.state.samples_consumed += samples
+
+    def unique_name(self, prefix: str) -> str:
+        """``prefix-0``, ``prefix-1``, ...: the same names in the same creation order."""
+        count = self._names.get(prefix, 0)
+        self._names[prefix] = count + 1
+        return f"{prefix}-{count}"
+
+    def states(self) -> Iterator[State]:
+        return iter(self._states.values())
+
+    def checkpoint(self) -> None:
+        """Save every registered state; rank 0 writes, then all replicas meet."""
+        entries = {name: state.to_bytes() for name, state in self._states.items()}
+        if self.store is not None and self.topology.rank == 0:
+            saved = self.store.save(
+                entries,
+                {
+                    "num_replicas": self.topology.num_replicas,
+                    "num_restarts": self.topology.num_restarts,
+                    "finished_epochs": self.epoch.finished_epochs,
+                },
+            )
+            LOG.info("checkpoint %s written", saved.label)
+        self.collective.barrier()
+        self.checkpoints_written += 1
+        self._steps_since_checkpoint = 0
+        self._last_checkpoint_time = self.clock()
+
+    # -- stopping at a batch boundary ----------------------------------------------------
+    def request_stop(self) -> None:
+        """Ask the job to checkpoint and exit at the next step boundary (signal-safe)."""
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def step_boundary(self) -> None:
+        """Called after every optimiser step, on every replica, at the same points.
+
+        Each call starts a non-blocking reduction of (any replica asked to stop,
+        rank 0 finds a periodic checkpoint due) and reads the one started at the
+        previous boundary, so every replica acts on the same answer at the same
+        boundary without waiting on the network. A stop checkpoints and raises
+        `Preempted`; a due checkpoint is written and training goes on.
+        """
+        self._steps_since_checkpoint += 1
+        if self.journal is not None:
+            self.journal.write(Mark(samples=self.state.samples_consumed))
+        previous = self._boundary_future
+        self._boundary_future = None
+        if previous is not None:
+            stop, due = previous.result()
+            if stop:
+                self.checkpoint()
+                raise Preempted()
+            if due:
+                self.checkpoint()
+        due_now = (
+            self.store is not None
+            and self.topology.rank == 0
+            # +1: what is found due now is written at the next boundary.
+            and self.checkpoint_policy.due(
+                self._steps_since_checkpoint + 1, self.clock() - self._last_checkpoint_time
+            )
+        )
+        self._boundary_future = self.collective.allreduce_async(
+            [self._stop_requested, due_now], logical_or
+        )
+
+    # -- loops ------------------------------------------------------------------------
+    def enter_loader(self, loader: LoaderHelper) -> None:
+        if self.current_loader is not None:
+            raise RuntimeError(
+                f"{loader.name} started while {self.current_loader.name} is still being "
+                "iterated: only one dataloader loop may run at a time"
+            )
+        self.current_loader = loader
+
+    def exit_loader(self, loader: LoaderHelper) -> None:
+        if self.current_loader is loader:
+            self.current_loader = None
+
+    def set_training_loader(self, loader: LoaderHelper) -> None:
+        if self.training_loader is not None and self.training_loader is not loader:
+            raise RuntimeError(
+                f"{self.training_loader.name} is already the training loader; only one "
+                f"dataloader may be used for training, not also {loader.name}"
+            )
+        self.training_loader = loader
+        self.metrics.ensure_gns(loader.batch_size)
+
+    # -- metrics ------------------------------------------------------------------------
+    @property
+    def gns(self) -> GradientNoiseScale | None:
+        """The gradient-noise estimator; None until a training loader exists."""
+        return self.metrics.gns
+
+    @property
+    def profiler(self) -> Profiler:
+        return self.metrics.profiler
+
+    @property
+    def progress(self) -> float:
+        """Scale-invariant progress: optimiser steps weighted by their gain."""
+        return self.metrics.progress
+
+    def record_sync_time(self, seconds: float) -> None:
+        """Add gradient-synchronisation time to the step being profiled."""
+        self._sync_time += seconds
+
+    def take_sync_time(self) -> float:
+        seconds, self._sync_time = self._sync_time, 0.0
+        return seconds
+
+    def goodput_fn(self) -> GoodputFunction | None:
+        """The goodput model fitted so far, or None before enough has been profiled."""
+        loader = self.training_loader
+        if loader is None:
+            return None
+        return self.metrics.profiler.goodput_fn(self.metrics.grad_params(), loader.batch_size)

@@ -1,0 +1,338 @@
+"""The state machine behind ``AdaptiveDataLoaderHelper``: one adaptive loop at a time.
+
+A loop walks the passes of an epoch. ``current_index`` counts the samples all
+replicas consumed in the current loop; the sampler turns it into each replica's
+next indices, so that whatever sequence of world sizes and batch sizes produced
+it, the consumed samples are a prefix of the pass's permutation. A loop without
+adaptive batch size ends after one pass; an adaptive loop ends once the job's
+scale-invariant progress reaches what one pass at the target batch size would
+make (AdaptDL's rule), and may walk several passes to get there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from adaptdl.core._validate import check_int
+from adaptdl.core.batchsize import BatchSizeDecision, BatchSizeQuery
+from adaptdl.core.checkpoint import JsonState
+
+if TYPE_CHECKING:
+    from adaptdl.core.job import Job
+
+LOG = logging.getLogger("adaptdl.core.loader")
+T = TypeVar("T")
+
+# (epoch, index, local_bsz) -> the batches of one pass, starting at that index.
+BatchesFn = Callable[[int, int, int], Iterable[T]]
+
+
+class LoaderState(JsonState):
+    """What a loader persists across restarts."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.current_index = 0
+        self.end_index = 0
+        # epoch -> position (0, 1, ...) of the last loop that finished in that epoch.
+        self.last_position: dict[int, int] = {}
+        self.current_local_bsz = 0
+        self.accumulation_steps = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "current_index": self.current_index,
+            "end_index": self.end_index,
+            "last_position": {str(k): v for k, v in self.last_position.items()},
+            "current_local_bsz": self.current_local_bsz,
+            "accumulation_steps": self.accumulation_steps,
+        }
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        self.current_index = check_int("current_index", data["current_index"], min=0)
+        self.end_index = check_int("end_index", data["end_index"], min=0)
+        self.last_position = {
+            int(k): check_int("last_position", v, min=0) for k, v in data["last_position"].items()
+        }
+        self.current_local_bsz = check_int("current_local_bsz", data["current_local_bsz"], min=0)
+        self.accumulation_steps = check_int(
+            "accumulation_steps", data["accumulation_steps"], min=0
+        )
+
+
+class LoaderHelper:
+    """Fine-grained control over one adaptive loader of a job (the seed's helper)."""
+
+    def __init__(
+        self,
+        job: Job,
+        batch_size: int = 1,
+        *,
+        name: str | None = None,
+        decision: BatchSizeDecision | None = None,
+    ) -> None:
+        self.job = job
+        self.batch_size = check_int("batch_size", batch_size, min=1)
+        self._state = LoaderState(name or job.unique_name("adaptdl-dataloader"))
+        job.register(self._state)
+        self._decision = decision
+        self._max_batch_size: int | None = None
+        self._local_bsz_bounds: tuple[int | None, int | None] | None = None
+        self._gradient_accumulation = False
+        # Loops entered so far in each epoch during this run of the program.
+        self._position: defaultdict[int, int] = defaultdict(int)
+        self._accum_count = 0
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    # -- properties of the seed API -------------------------------------------------
+    @property
+    def current_index(self) -> int | None:
+        """Samples processed by all replicas in the current loop; None outside a loop."""
+        return self._state.current_index if self.job.current_loader is self else None
+
+    @current_index.setter
+    def current_index(self, value: int) -> None:
+        self._state.current_index = check_int("current_index", value, min=0)
+
+    @property
+    def end_index(self) -> int:
+        """A user-defined end index that survives restarts."""
+        return self._state.end_index
+
+    @end_index.setter
+    def end_index(self, value: int) -> None:
+        self._state.end_index = check_int("end_index", value, min=0)
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """Maximum total batch size; None when adaptive batch size is off."""
+        return self._max_batch_size
+
+    @property
+    def local_bsz_bounds(self) -> tuple[int | None, int | None] | None:
+        """(min_local_bsz, max_local_bsz) on each replica, or None."""
+        return self._local_bsz_bounds
+
+    @property
+    def gradient_accumulation(self) -> bool:
+        return self._gradient_accumulation
+
+    @property
+    def current_local_bsz(self) -> int:
+        """The logical local batch size of one micro-batch on each replica."""
+        return self._state.current_local_bsz
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches accumulated before the one that takes the optimiser step."""
+        return self._state.accumulation_steps
+
+    @property
+    def current_batch_size(self) -> int:
+        """Total samples per optimiser step over all replicas and micro-batches."""
+        replicas = self.job.topology.num_replicas
+        return self.current_local_bsz * (self.accumulation_steps + 1) * replicas
+
+    @property
+    def training(self) -> bool:
+        return self.job.training_loader is self
+
+    def is_accum_step(self) -> bool:
+        """Whether the current micro-batch's gradient is accumulated (no optimiser step)."""
+        return self._accum_count < self._state.accumulation_steps
+
+    def is_optim_step(self) -> bool:
+        """Whether the optimiser step is taken after the current micro-batch."""
+        return not self.is_accum_step()
+
+    # -- configuration --------------------------------------------------------------
+    def train(self) -> None:
+        """Make this the job's training loader (only one may be)."""
+        self.job.set_training_loader(self)
+
+    def autoscale_batch_size(
+        self,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int | None, int | None] | None = None,
+        gradient_accumulation: bool = False,
+    ) -> None:
+        """Enable adaptive batch size up to ``max_batch_size`` in total.
+
+        Raises ValueError when ``max_batch_size`` is not an int at least the target
+        batch size, or when ``local_bsz_bounds`` is not a pair (min, max) of ints
+        (either may be None) with 1 <= min <= batch_size <= max, as the seed API
+        requires.
+        """
+        if (
+            isinstance(max_batch_size, bool)
+            or not isinstance(max_batch_size, int)
+            or max_batch_size < self.batch_size
+        ):
+            raise ValueError(
+                f"max_batch_size must be an int >= batch_size={self.batch_size}, "
+                f"got {max_batch_size!r}"
+            )
+        bounds = _check_bounds(local_bsz_bounds, self.batch_size)
+        if not isinstance(gradient_accumulation, bool):
+            raise ValueError(
+                f"gradient_accumulation must be a bool, got {gradient_accumulation!r}"
+            )
+        self._max_batch_size = max_batch_size
+        self._local_bsz_bounds = bounds
+        self._gradient_accumulation = gradient_accumulation
+        self.train()
+
+    # -- loop protocol ----------------------------------------------------------------
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        """Enter this loader's loop; only one loop of a job may run at a time."""
+        epoch = self._require_epoch()
+        self.job.enter_loader(self)
+        try:
+            yield
+        finally:
+            self.job.exit_loader(self)
+            self._state.current_index = 0
+            self._state.last_position[epoch] = self._position[epoch]
+            self._position[epoch] += 1
+            self._accum_count = 0
+
+    def skipdone(self) -> bool:
+        """True when this loop already finished before a restart (replay skips it)."""
+        epoch = self._require_epoch()
+        position = self._position[epoch]
+        if position <= self._state.last_position.get(epoch, -1):
+            LOG.info(
+                "skipping %s loop %d of epoch %d: done before restart", self.name, position, epoch
+            )
+            return True
+        return False
+
+    def sync_local_bsz(self) -> int:
+        """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all."""
+        topo = self.job.topology
+        previous = self._state.current_local_bsz
+        query = BatchSizeQuery(
+            num_nodes=topo.num_nodes,
+            num_replicas=topo.num_replicas,
+            batch_size=self.batch_size,
+            max_batch_size=self._max_batch_size,
+            local_bsz_bounds=self._local_bsz_bounds,
+            gradient_accumulation=self._gradient_accumulation,
+            current=(previous, self._state.accumulation_steps) if previous else None,
+        )
+        decide = self._decision or self.job.batch_size_decision
+        local, accum = decide(query) if self.job.topology.rank == 0 else (0, 0)
+        local, accum = self.job.collective.broadcast([int(local), int(accum)])
+        self._state.current_local_bsz = local
+        self._state.accumulation_steps = accum
+        if (local, accum) != (previous, query.current[1] if query.current else 0):
+            LOG.info(
+                "%s: local batch size %d, accumulation steps %d, total %d",
+                self.name,
+                local,
+                accum,
+                self.current_batch_size,
+            )
+        return local
+
+    @contextmanager
+    def profile(self, commit: bool) -> Iterator[None]:
+        """Time one micro-batch; record it in the job's profiler when ``commit``."""
+        clock = self.job.clock
+        start = clock()
+        self.job.take_sync_time()
+        yield
+        if commit:
+            topo = self.job.topology
+            self.job.profiler.record(
+                topo.num_nodes,
+                topo.num_replicas,
+                self.current_local_bsz,
+                accum_step=self.is_accum_step(),
+                step_time=clock() - start,
+                sync_time=self.job.take_sync_time(),
+            )
+        self._accum_count = 0 if self.is_optim_step() else self._accum_count + 1
+
+    def iterate(self, dataset_len: int, batches: BatchesFn[T]) -> Iterator[T]:
+        """Drive one loop: yield the batches that ``batches`` makes, pass after pass.
+
+        Raises RuntimeError outside an epoch loop or while another loop runs. At
+        each optimiser-step boundary the job's stop flag is checked; when set, the
+        job checkpoints and raises `Preempted`.
+        """
+        n = check_int("dataset length", dataset_len, min=1)
+        epoch = self._require_epoch()
+        with self.context():
+            if self.skipdone():
+                return
+            replicas = self.job.topology.num_replicas
+            while True:
+                local_bsz = self.sync_local_bsz()
+                done = self._max_batch_size is None
+                for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
+                    with self.profile(self.training and i >= 1):
+                        yield batch
+                    index = self._state.current_index
+                    # The pass's last batch may be short: count only real positions.
+                    step = min(replicas * local_bsz, (index // n + 1) * n - index)
+                    self._state.current_index = index + step
+                    self.job.count_samples(step)
+                    if self._accum_count == 0:
+                        self.job.step_boundary()
+                        if not done and self._reached_progress(n, epoch):
+                            done = True
+                            break
+                if done:
+                    return
+                # A pass ended: the next starts at the next multiple of n.
+                self._state.current_index = math.ceil(self._state.current_index / n) * n
+
+    def _reached_progress(self, n: int, epoch: int) -> bool:
+        return self.job.progress >= n * (epoch + 1) / self.batch_size
+
+    def _require_epoch(self) -> int:
+        epoch = self.job.epoch.current_epoch
+        if epoch is None:
+            raise RuntimeError(
+                f"{self.name} iterated outside an epoch loop: iterate inside "
+                "`for epoch in remaining_epochs_until(N):`"
+            )
+        return epoch
+
+
+def _check_bounds(
+    bounds: tuple[int | None, int | None] | None, batch_size: int
+) -> tuple[int | None, int | None] | None:
+    if bounds is None:
+        return None
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise ValueError(f"local_bsz_bounds must be a pair (min, max), got {bounds!r}")
+    lo, hi = bounds
+    for label, value in (("min", lo), ("max", hi)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"local_bsz_bounds {label} must be None or an int >= 1, got {bounds!r}"
+            )
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"local_bsz_bounds must have min <= max, got {bounds!r}")
+    if lo is not None and lo > batch_size:
+        raise ValueError(
+            f"local_bsz_bounds min must be <= batch_size={batch_size}, got {bounds!r}"
+        )
+    if hi is not None and hi < batch_size:
+        raise ValueError(
+            f"local_bsz_bounds max must be >= batch_size={batch_size}, got {bounds!r}"
+        )
+    return (lo, hi)

@@ -1,0 +1,148 @@
+"""The job: states restored at registration, checkpoints, stop and periodic checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from adaptdl.core.checkpoint import MemoryCheckpointStore
+from adaptdl.core.collective import LocalCollective, run_replicas
+from adaptdl.core.epoch import EpochState
+from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.topology import Topology
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_states_restore_when_they_register():
+    store = MemoryCheckpointStore()
+    job = Job(store=store)
+    extra = EpochState("extra")
+    job.register(extra)
+    extra.finished_epochs = 7
+    list(job.epoch.remaining_epochs_until(3))
+    job.checkpoint()
+    again = Job(store=store)
+    assert again.restored_from is not None
+    assert again.epoch.finished_epochs == 3
+    later = EpochState("extra")
+    again.register(later)
+    assert later.finished_epochs == 7
+
+
+def test_duplicate_state_name_raises():
+    job = Job()
+    with pytest.raises(ValueError, match="already registered"):
+        job.register(EpochState())
+
+
+def test_unique_names_follow_creation_order():
+    job = Job()
+    assert [job.unique_name("x") for _ in range(3)] == ["x-0", "x-1", "x-2"]
+    assert job.unique_name("y") == "y-0"
+
+
+def test_collective_and_topology_must_agree():
+    with pytest.raises(ValueError, match="num_replicas=2"):
+        Job(Topology(rank=0, num_replicas=2), collective=LocalCollective())
+
+
+def test_stop_is_acted_on_one_boundary_later_on_every_replica():
+    store = MemoryCheckpointStore()
+
+    def replica(collective):
+        job = Job(
+            Topology(rank=collective.rank, num_replicas=3), collective=collective, store=store
+        )
+        for step in range(10):
+            if step == 4 and collective.rank == 2:
+                job.request_stop()
+            try:
+                job.step_boundary()
+            except Preempted as exc:
+                assert exc.code == 143
+                return step
+        return None
+
+    assert run_replicas(3, replica) == [5, 5, 5]
+    assert store.latest_label() is not None
+
+
+@given(every=st.integers(1, 7), steps=st.integers(1, 40))
+def test_periodic_checkpoint_by_steps(every, steps):
+    store = MemoryCheckpointStore(keep=100)
+    job = Job(
+        store=store, checkpoint_policy=CheckpointPolicy(every_seconds=None, every_steps=every)
+    )
+    for _ in range(steps):
+        job.step_boundary()
+    # Written at every boundary k that is a multiple of `every`; found due one
+    # boundary earlier, so never at the very first boundary.
+    expected = len([k for k in range(2, steps + 1) if k % every == 0])
+    assert job.checkpoints_written == expected
+    assert len(store.labels()) == expected
+
+
+def test_periodic_checkpoint_by_time():
+    clock = Clock()
+    store = MemoryCheckpointStore()
+    job = Job(store=store, clock=clock, checkpoint_policy=CheckpointPolicy(every_seconds=30.0))
+    for _ in range(5):
+        clock.now += 10.0
+        job.step_boundary()
+    assert job.checkpoints_written == 1
+
+
+def test_periodic_checkpoints_can_be_off():
+    clock = Clock()
+    job = Job(
+        store=MemoryCheckpointStore(),
+        clock=clock,
+        checkpoint_policy=CheckpointPolicy(every_seconds=None, every_steps=None),
+    )
+    for _ in range(50):
+        clock.now += 1e6
+        job.step_boundary()
+    assert job.checkpoints_written == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"every_seconds": 0.0}, "every_seconds"), ({"every_steps": 0}, "every_steps")],
+)
+def test_policy_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CheckpointPolicy(**kwargs)
+
+
+def test_replay_after_crash_is_counted(tmp_path):
+    store = MemoryCheckpointStore()
+    journal = Journal(tmp_path / "journal")
+    job = Job(store=store, journal=journal)
+    job.count_samples(40)
+    job.step_boundary()
+    job.checkpoint()
+    job.count_samples(24)
+    job.step_boundary()  # the mark now says 64; the process is killed here
+    journal.close()
+    again = Job(store=store, journal=Journal(tmp_path / "journal"))
+    assert again.state.samples_consumed == 40
+    assert again.replayed_samples == 24
+
+
+def test_journal_round_trip_and_garbage(tmp_path):
+    journal = Journal(tmp_path / "j")
+    assert journal.read() is None
+    journal.write(Mark(samples=123456789))
+    journal.write(Mark(samples=5))
+    assert Journal(tmp_path / "j").read() == Mark(samples=5)
+    (tmp_path / "bad").write_bytes(b"\x00garbage")
+    assert Journal(tmp_path / "bad").read() is None
