@@ -1,0 +1,171 @@
+"""The process's default job: process groups, checkpoint store, SIGTERM handling.
+
+Core keeps no module-level state; a training process has exactly one job, and the
+torch adapter holds it here so that the seed's free functions
+(``remaining_epochs_until``, ``current_dataloader``) can find it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adaptdl.core.checkpoint import CheckpointStore
+from adaptdl.core.job import Job
+from adaptdl.core.topology import Topology
+from adaptdl.torch.collective import TorchCollective, collective_timeout
+
+__all__ = ["current_job", "init_process_group", "is_initialized"]
+
+LOG = logging.getLogger("adaptdl.torch")
+
+_job: Job | None = None
+_gloo_group: Any = None
+_owns_process_group = False
+_previous_handler: Any = None
+
+
+def is_initialized() -> bool:
+    """Whether `init_process_group` has run in this process."""
+    return _job is not None
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    timeout: timedelta | None = None,
+    init_method: str | None = None,
+) -> None:
+    """Join the job: set up ``torch.distributed``, the default job and its checkpoints.
+
+    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``. Under
+    ``torchrun`` the rendezvous comes from its environment variables; ``python
+    train.py`` runs as one replica with an in-process store. If the default process
+    group already exists it is used as is. Small values travel over a separate gloo
+    group (the default group when it is gloo). ``timeout`` (default
+    ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, 300) bounds every collective.
+
+    The checkpoint directory comes from ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints
+    when unset); the newest checkpoint there is loaded now. SIGTERM makes every
+    replica checkpoint at the next optimiser step and exit with status 143.
+
+    Raises RuntimeError when called twice, and ValueError for an unknown backend or
+    inconsistent environment variables.
+    """
+    global _job, _gloo_group, _owns_process_group
+    if _job is not None:
+        raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
+    timeout = collective_timeout() if timeout is None else timeout
+    topology = Topology.from_env()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ValueError(
+            f"backend must be 'gloo' or 'nccl' (or None for automatic), got {backend!r}"
+        )
+    if not dist.is_initialized():
+        _init_default_group(backend, topology, timeout, init_method)
+        _owns_process_group = True
+    if dist.get_world_size() != topology.num_replicas or dist.get_rank() != topology.rank:
+        raise ValueError(
+            f"torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()} but the "
+            f"environment says rank {topology.rank} of {topology.num_replicas}: set RANK and "
+            "WORLD_SIZE consistently (torchrun does)"
+        )
+    if dist.get_backend() == "gloo":
+        _gloo_group = None  # the default group
+    else:
+        _gloo_group = dist.new_group(backend="gloo", timeout=timeout)
+    collective = TorchCollective(_gloo_group)
+    store = None
+    if topology.checkpoint_path is not None:
+        store = CheckpointStore(topology.checkpoint_path, job_id=topology.job_id)
+        store.check_writable()
+    _job = Job(topology, collective=collective, store=store)
+    if _job.restored_from is not None:
+        LOG.info(
+            "rank %d of %d resumed from checkpoint %s (restart %d)",
+            topology.rank,
+            topology.num_replicas,
+            _job.restored_from,
+            topology.num_restarts,
+        )
+    _install_signal_handler()
+
+
+def _init_default_group(
+    backend: str, topology: Topology, timeout: timedelta, init_method: str | None
+) -> None:
+    if init_method is not None or "MASTER_ADDR" in os.environ:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=topology.rank,
+            world_size=topology.num_replicas,
+            timeout=timeout,
+        )
+        return
+    if topology.num_replicas != 1:
+        raise RuntimeError(
+            f"{topology.num_replicas} replicas requested but no rendezvous is configured "
+            "(MASTER_ADDR is unset): launch with torchrun, or pass init_method"
+        )
+    # One replica without a launcher: a process group of one over an in-process store.
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Only set a flag: the next optimiser step makes every replica checkpoint and exit.
+    if _job is not None:
+        _job.request_stop()
+
+
+def _install_signal_handler() -> None:
+    global _previous_handler
+    if threading.current_thread() is not threading.main_thread():
+        LOG.warning("not in the main thread: SIGTERM will not trigger a checkpoint")
+        return
+    _previous_handler = signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def current_job() -> Job:
+    """The process's job; initialises a one-replica job when none exists yet.
+
+    Raises RuntimeError when the environment describes several replicas but
+    `init_process_group` was not called.
+    """
+    if _job is None:
+        topology = Topology.from_env()
+        if topology.num_replicas > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                "call adaptdl.torch.init_process_group() before creating adaptdl.torch "
+                f"objects: this process is one of {topology.num_replicas} replicas"
+            )
+        LOG.info("adaptdl.torch.init_process_group() not called: initialising it now")
+        init_process_group()
+    assert _job is not None
+    return _job
+
+
+def _reset() -> None:
+    """Forget the default job and tear down what `init_process_group` set up (for tests)."""
+    global _job, _gloo_group, _owns_process_group, _previous_handler
+    if _previous_handler is not None:
+        signal.signal(signal.SIGTERM, _previous_handler)
+        _previous_handler = None
+    if _gloo_group is not None and dist.is_initialized():
+        dist.destroy_process_group(_gloo_group)
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _job = None
+    _gloo_group = None
+    _owns_process_group = False

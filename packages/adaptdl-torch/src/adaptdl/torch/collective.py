@@ -1,0 +1,224 @@
+"""Core's `Collective` over ``torch.distributed``: small values as JSON bytes in uint8 tensors.
+
+Every value travels as core :func:`~adaptdl.core.collective.encode` bytes (never
+pickled). One round moves a fixed-size slot per replica: an 8-byte length and the
+first bytes of the payload. A value that does not fit in the slot is sent whole in a
+second round whose size every replica knows from the first, so small values (flags,
+batch sizes, metric sums) cost one round trip and large ones two.
+
+The group should be a gloo group (CPU tensors). Its timeout bounds every operation:
+a peer that died or hangs makes the survivors raise `CollectiveTimeout` instead of
+waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from adaptdl.core.collective import (
+    CollectiveError,
+    CollectiveTimeout,
+    Future,
+    add,
+    decode,
+    encode,
+)
+
+__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_VAR", "TorchCollective", "collective_timeout"]
+
+LOG = logging.getLogger("adaptdl.torch.collective")
+T = TypeVar("T")
+
+TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+_HEADER = 8
+_SLOT = 256  # bytes per replica in the first round; holds every flag and metric sum
+
+
+def collective_timeout(env: dict[str, str] | None = None) -> timedelta:
+    """The collective timeout: ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, default 300.
+
+    Raises ValueError when the variable is set but is not a positive number.
+    """
+    raw = (os.environ if env is None else env).get(TIMEOUT_VAR, "").strip()
+    if not raw:
+        return timedelta(seconds=DEFAULT_TIMEOUT)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(
+            f"environment variable {TIMEOUT_VAR}={raw!r} must be a positive number of seconds"
+        )
+    return timedelta(seconds=seconds)
+
+
+def _pack(payload: bytes) -> torch.Tensor:
+    slot = bytearray(_SLOT)
+    slot[:_HEADER] = len(payload).to_bytes(_HEADER, "little")
+    head = payload[: _SLOT - _HEADER]
+    slot[_HEADER : _HEADER + len(head)] = head
+    return torch.frombuffer(slot, dtype=torch.uint8).clone()
+
+
+def _length(slot: torch.Tensor) -> int:
+    return int.from_bytes(slot[:_HEADER].numpy().tobytes(), "little")
+
+
+def _fits(length: int) -> bool:
+    return length <= _SLOT - _HEADER
+
+
+def _translate(exc: Exception, what: str) -> CollectiveError:
+    message = f"{what} over torch.distributed failed: {exc}"
+    if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+        return CollectiveTimeout(
+            f"{message} (a peer replica did not join in time; raise {TIMEOUT_VAR} if "
+            "replicas legitimately take longer between steps)"
+        )
+    return CollectiveError(message)
+
+
+class _Gathered:
+    """The pending first round of an allgather; `values` finishes it."""
+
+    def __init__(self, collective: TorchCollective, payload: bytes, async_op: bool) -> None:
+        self._collective = collective
+        self._payload = payload
+        n = collective.num_replicas
+        self._slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in range(n)]
+        try:
+            self._work = dist.all_gather(
+                self._slots, _pack(payload), group=collective.group, async_op=async_op
+            )
+        except RuntimeError as exc:
+            raise _translate(exc, "allgather") from exc
+
+    def values(self) -> list[Any]:
+        try:
+            if self._work is not None:
+                self._work.wait()
+            lengths = [_length(slot) for slot in self._slots]
+            if all(_fits(length) for length in lengths):
+                return [
+                    decode(slot[_HEADER : _HEADER + length].numpy().tobytes())
+                    for slot, length in zip(self._slots, lengths, strict=True)
+                ]
+            # Some value is larger than a slot: everyone sends its whole payload.
+            size = max(lengths)
+            buffer = bytearray(size)
+            buffer[: len(self._payload)] = self._payload
+            full = [torch.empty(size, dtype=torch.uint8) for _ in lengths]
+            dist.all_gather(
+                full, torch.frombuffer(buffer, dtype=torch.uint8), group=self._collective.group
+            )
+        except RuntimeError as exc:
+            raise _translate(exc, "allgather") from exc
+        return [
+            decode(bytes(t[:length].numpy().tobytes()))
+            for t, length in zip(full, lengths, strict=True)
+        ]
+
+
+class _PendingReduce:
+    def __init__(self, gathered: _Gathered, op: Callable[[Any, Any], Any]) -> None:
+        self._gathered = gathered
+        self._op = op
+        self._done = False
+        self._value: Any = None
+
+    def result(self) -> Any:
+        if not self._done:
+            self._value = _fold(self._gathered.values(), self._op)
+            self._done = True
+        return self._value
+
+
+def _fold(values: list[Any], op: Callable[[Any, Any], Any]) -> Any:
+    result = values[0]
+    for value in values[1:]:
+        result = op(result, value)
+    return result
+
+
+class TorchCollective:
+    """A core `Collective` over a ``torch.distributed`` process group (gloo, CPU tensors).
+
+    Every replica must call the operations in the same order (core's ordering
+    contract); reductions fold in rank order, so results are identical everywhere.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchCollective needs an initialised torch.distributed process group: "
+                "call adaptdl.torch.init_process_group() first"
+            )
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._num_replicas = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the group."""
+        return self._rank
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the group."""
+        return self._num_replicas
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        """Replica ``root``'s ``value`` on every replica."""
+        if (
+            isinstance(root, bool)
+            or not isinstance(root, int)
+            or not 0 <= root < self._num_replicas
+        ):
+            raise ValueError(f"root must be an int in [0, {self._num_replicas}), got {root!r}")
+        payload = encode(value) if self._rank == root else b""
+        # dist.broadcast takes a global rank.
+        src = dist.get_global_rank(self.group, root) if self.group is not None else root
+        try:
+            slot = _pack(payload)
+            dist.broadcast(slot, src=src, group=self.group)
+            length = _length(slot)
+            if _fits(length):
+                data = slot[_HEADER : _HEADER + length].numpy().tobytes()
+            else:
+                full = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    if self._rank == root
+                    else torch.empty(length, dtype=torch.uint8)
+                )
+                dist.broadcast(full, src=src, group=self.group)
+                data = full.numpy().tobytes()
+        except RuntimeError as exc:
+            raise _translate(exc, "broadcast") from exc
+        result: T = decode(data)
+        return result
+
+    def allgather(self, value: T) -> list[T]:
+        """Every replica's ``value``, in rank order."""
+        return _Gathered(self, encode(value), async_op=False).values()
+
+    def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
+        """The rank-order fold of every replica's ``value`` with ``op``."""
+        result: T = _fold(self.allgather(value), op)
+        return result
+
+    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
+        """Start an allreduce; ``.result()`` waits for the peers and folds."""
+        return _PendingReduce(_Gathered(self, encode(value), async_op=True), op)
+
+    def barrier(self) -> None:
+        """Return once every replica has called barrier."""
+        self.allgather(None)

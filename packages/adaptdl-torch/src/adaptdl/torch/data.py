@@ -1,0 +1,244 @@
+"""Restart-safe, adaptive data loading: the seed's ``adaptdl.torch.data`` API.
+
+The loop logic (where a pass starts, the local batch size, accumulation, when an
+adaptive loop stops, stopping at a step boundary on SIGTERM) is core's
+`LoaderHelper`; which indices each replica reads is core's `Shard`. This module
+wires them into a real ``torch.utils.data.DataLoader``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.sampling import Shard
+from adaptdl.torch._context import current_job
+
+__all__ = [
+    "AdaptiveDataLoader",
+    "AdaptiveDataLoaderHelper",
+    "AdaptiveDataLoaderMixin",
+    "ElasticSampler",
+    "current_dataloader",
+]
+
+LOG = logging.getLogger("adaptdl.torch.data")
+
+SHUFFLE_SEED = 0  # the same permutation of every epoch on every replica and restart
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, the same on every platform (no ``hash()``)."""
+    text = ":".join(str(int(p)) for p in parts).encode("ascii")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def current_dataloader() -> LoaderHelper | None:
+    """The loader whose loop is running now (its `AdaptiveDataLoaderHelper`), or None."""
+    return current_job().current_loader
+
+
+class ElasticSampler(Sampler[int]):
+    """This replica's indices of a dataset, for a set epoch, from a set global index.
+
+    Every replica derives the same permutation of the epoch (when ``shuffle``) and
+    reads its own share of positions ``[index, len(dataset))`` of it, so that after a
+    restart at any number of replicas, sampling continues where it left off.
+    """
+
+    def __init__(self, dataset: Dataset[Any], shuffle: bool = True) -> None:
+        if not isinstance(shuffle, bool):
+            raise ValueError(f"shuffle must be a bool, got {shuffle!r}")
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+
+    def set_epoch(self, epoch: int, index: int = 0) -> None:
+        """Sample epoch ``epoch`` starting at global index ``index`` (e.g. after a restart)."""
+        for name, value in (("epoch", epoch), ("index", index)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.epoch = epoch
+        self.index = index
+
+    def _shard(self) -> Shard:
+        topology = current_job().topology
+        return Shard(
+            len(self.dataset),  # type: ignore[arg-type]
+            self.index,
+            topology.num_replicas,
+            topology.rank,
+            seed=SHUFFLE_SEED,
+            epoch=self.epoch,
+            shuffle=self.shuffle,
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        """This replica's indices from the set index to the end of the pass."""
+        return (int(i) for i in self._shard())
+
+    def __len__(self) -> int:
+        """How many indices `__iter__` yields."""
+        return len(self._shard())
+
+
+class AdaptiveDataLoaderHelper(LoaderHelper):
+    """Fine-grained control over adaptive training loops (the seed's helper).
+
+    ``batch_size`` is the target total batch size over all replicas. All state
+    and decisions are core's `LoaderHelper`; this class binds it to the process's
+    job and adds TensorBoard output.
+    """
+
+    def __init__(self, batch_size: int = 1) -> None:
+        super().__init__(current_job(), batch_size)
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write the batch size, local batch size and accumulation steps to ``writer``."""
+        prefix = f"{tag_prefix}/" if tag_prefix and not tag_prefix.endswith("/") else tag_prefix
+        writer.add_scalar(f"{prefix}Data/total_batch_size", self.current_batch_size, global_step)
+        writer.add_scalar(f"{prefix}Data/local_batch_size", self.current_local_bsz, global_step)
+        writer.add_scalar(f"{prefix}Data/accumulation_steps", self.accumulation_steps, global_step)
+
+
+class AdaptiveDataLoaderMixin:
+    """Elastic functionality for a custom DataLoader: a helper in ``self._elastic``."""
+
+    def __init__(self, batch_size: int) -> None:
+        self._elastic = AdaptiveDataLoaderHelper(batch_size)
+
+    def autoscale_batch_size(
+        self,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int | None, int | None] | None = None,
+        gradient_accumulation: bool = False,
+    ) -> None:
+        """Enable adaptive batch size up to ``max_batch_size`` in total.
+
+        Raises ValueError when the bounds are invalid.
+        """
+        self._elastic.autoscale_batch_size(
+            max_batch_size, local_bsz_bounds, gradient_accumulation=gradient_accumulation
+        )
+
+    def train(self) -> None:
+        """Make this the job's (one) training loader."""
+        self._elastic.train()
+
+    @property
+    def current_local_bsz(self) -> int:
+        """The local batch size of one micro-batch on each replica."""
+        return self._elastic.current_local_bsz
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches accumulated before the one that takes the optimiser step."""
+        return self._elastic.accumulation_steps
+
+    @property
+    def current_batch_size(self) -> int:
+        """Total samples per optimiser step over all replicas and micro-batches."""
+        return self._elastic.current_batch_size
+
+    @property
+    def training(self) -> bool:
+        """Whether this is the job's training loader."""
+        return self._elastic.training
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write batch-size metrics to a ``torch.utils.tensorboard.SummaryWriter``."""
+        self._elastic.to_tensorboard(writer, global_step, tag_prefix)
+
+
+class _WorkerInit:
+    """Seeds ``random`` and numpy in each worker from torch's per-worker seed."""
+
+    def __init__(self, user_fn: Callable[[int], None] | None) -> None:
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        # torch seeds each worker with base_seed + worker_id; the base seed is drawn
+        # from the loader's generator, which the loader seeds deterministically.
+        seed = torch.initial_seed()
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[type-arg]
+    """A DataLoader with adaptive batch size and checkpoint-restart elasticity.
+
+    ``batch_size`` is the target total batch size over all replicas. Iterate it
+    inside ``for epoch in remaining_epochs_until(N):``; only one loop may run at a
+    time. Every DataLoader worker gets a distinct seed that depends only on the
+    epoch, the rank, the position in the pass and the worker id.
+
+    Raises ValueError if ``sampler`` or ``batch_sampler`` is given, or if the
+    dataset is an ``IterableDataset``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int = 1,
+        shuffle: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        for name in ("sampler", "batch_sampler"):
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(
+                    f"AdaptiveDataLoader does not support a custom {name}: it samples with "
+                    "an ElasticSampler so that restarts neither lose nor repeat data; "
+                    "use shuffle=True/False instead"
+                )
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "AdaptiveDataLoader needs a map-style dataset (with __len__ and __getitem__), "
+                "not an IterableDataset"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        generator = kwargs.pop("generator", None)
+        if generator is None:
+            generator = torch.Generator()
+        worker_init_fn = _WorkerInit(kwargs.pop("worker_init_fn", None))
+        sampler = ElasticSampler(dataset, shuffle=shuffle)
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            generator=generator,
+            worker_init_fn=worker_init_fn,
+            **kwargs,
+        )
+        AdaptiveDataLoaderMixin.__init__(self, batch_size)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """Iterate over this replica's batches of the loop (see the seed's semantics).
+
+        Without adaptive batch size, stops after the dataset was processed once in
+        total by all replicas; with it, once the statistical progress equals one pass
+        at the target batch size. A checkpoint-restart may happen between batches.
+        """
+        helper = self._elastic
+        sampler: ElasticSampler = self.sampler  # type: ignore[assignment]
+        rank = helper.job.topology.rank
+
+        def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
+            sampler.set_epoch(epoch, index)
+            self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
+            if self.generator is not None:
+                self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
+            return DataLoader.__iter__(self)
+
+        yield from helper.iterate(len(sampler.dataset), batches)  # type: ignore[arg-type]

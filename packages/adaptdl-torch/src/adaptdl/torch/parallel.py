@@ -1,0 +1,342 @@
+"""`AdaptiveDataParallel`: DistributedDataParallel whose gradients feed core's statistics.
+
+Per micro-batch, a hook on every parameter adds the squared norm of the local
+gradient (before any all-reduce) to a per-group sum. After the optimiser-step
+micro-batch's backward pass, once DDP has averaged the gradients, the squared
+norm of the averaged gradient and the replicas' local sums go to core's
+`GradientNoiseScale`; the time spent waiting for the all-reduce after the
+backward computation goes to the profiler. Accumulation micro-batches run under
+``no_sync`` and leave the gradients summing in ``.grad``; on the step they are
+divided by the number of micro-batches, so the optimiser always sees the mean
+gradient of the whole batch. ``optimizer.step()`` multiplies each group's learning
+rate by the scaling rule's factor for that step only, then adds the step's gain to
+the job's scale-invariant progress.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from adaptdl.core.collective import Future
+from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.torch._context import current_job
+from adaptdl.torch.scaling_rules import AdaScale, ScalingRuleBase
+from adaptdl.torch.state import StateDictState
+
+__all__ = ["AdaptiveDataParallel"]
+
+LOG = logging.getLogger("adaptdl.torch.parallel")
+
+
+def _sqr(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of a gradient as a float32 scalar tensor (no device sync)."""
+    grad = grad.detach()
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    norm = torch.linalg.vector_norm(
+        grad, dtype=torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
+    )
+    result: torch.Tensor = norm.float().square()
+    return result
+
+
+class AdaptiveDataParallel(DistributedDataParallel):
+    """A DistributedDataParallel that adapts to the job's batch size and survives restarts.
+
+    ``optimizer`` must hold the model's parameters. ``lr_scheduler`` and
+    ``mp_scaler`` (a ``torch.amp.GradScaler``) are checkpointed with the model and
+    optimiser under ``name``, and restored now if the job resumed from a checkpoint.
+    ``scaling_rule`` (default `AdaScale`) scales the learning rate with the batch
+    size. Other keyword arguments go to DistributedDataParallel.
+
+    ``backward()`` must run inside an `AdaptiveDataLoader` loop: outside one it
+    raises RuntimeError.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any = None,
+        mp_scaler: Any = None,
+        scaling_rule: ScalingRuleBase | None = None,
+        name: str = "adaptdl-dataparallel",
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if scaling_rule is not None and not isinstance(scaling_rule, ScalingRuleBase):
+            raise ValueError(
+                "scaling_rule must be one of adaptdl.torch.scaling_rules (AdaScale, AdamScale, "
+                f"LinearScale, SqrtScale, LEGWScale), got {scaling_rule!r}"
+            )
+        job = current_job()
+        super().__init__(model, **kwargs)
+        self._job = job
+        self.adaptdl_optimizer = optimizer
+        self.adaptdl_lr_scheduler = lr_scheduler
+        self.adaptdl_mp_scaler = mp_scaler
+        self.scaling_rule: ScalingRuleBase = scaling_rule or AdaScale()
+        self._num_groups = len(optimizer.param_groups)
+        # Per group, squared norms of the local micro-batch gradients since the last step.
+        self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
+        self._in_backward = False
+        self._micro = 0  # micro-batches accumulated in .grad since the last step
+        self._accum_loader: LoaderHelper | None = None
+        self._accum_index = 0
+        self._loader: LoaderHelper | None = None
+        self._sync_start = 0.0
+        self._local_future: Future[Any] | list[float] | None = None
+        self._prev_grads: list[list[torch.Tensor]] | None = None
+        self._prev_bsz = 0
+        self.last_lr_factor = 1.0
+        self.last_gain = 1.0
+        self._state = StateDictState(
+            name,
+            {
+                "model": self.module,
+                "optimizer": optimizer,
+                "lr_scheduler": lr_scheduler,
+                "mp_scaler": mp_scaler,
+            },
+        )
+        job.register(self._state)
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if param.requires_grad:
+                    param.register_hook(functools.partial(self._grad_hook, index))
+        self._patch_optimizer(optimizer)
+        if mp_scaler is not None:
+            self._patch_scaler(mp_scaler)
+
+    # -- forward: skip gradient synchronisation on accumulation steps ------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        loader = self._job.current_loader
+        # DDP reads this flag in forward to decide whether the backward all-reduces.
+        self.require_backward_grad_sync = not (loader is not None and loader.is_accum_step())
+        return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+
+    # -- backward hooks ----------------------------------------------------------------
+    def _grad_hook(self, group: int, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        self._local_parts[group].append(_sqr(grad))
+
+    def _begin_backward(self) -> None:
+        loader = self._job.current_loader
+        if loader is None:
+            raise RuntimeError(
+                "AdaptiveDataParallel: backward() called outside a dataloader loop. Compute "
+                "the loss on batches of an AdaptiveDataLoader, inside "
+                "`for epoch in remaining_epochs_until(N): for batch in loader: ...`"
+            )
+        self._drop_stale_accumulation()
+        self._in_backward = True
+        self._loader = loader
+        # Runs after the backward computation; it queues the step after DDP's own
+        # callback, which is queued later and waits for the all-reduce.
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._in_backward = False
+        self._micro += 1
+        loader = self._loader
+        assert loader is not None
+        if not self.require_backward_grad_sync:
+            self._accum_loader = loader
+            self._accum_index = loader.current_index or 0
+            return
+        self._sync_start = self._job.clock()
+        local = [
+            float(torch.stack(parts).sum().item()) if parts else 0.0 for parts in self._local_parts
+        ]
+        if self._job.topology.num_replicas > 1:
+            self._local_future = self._job.collective.allreduce_async(local)
+        else:
+            self._local_future = local
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_sync)
+
+    def _after_sync(self) -> None:
+        job = self._job
+        job.record_sync_time(job.clock() - self._sync_start)
+        loader = self._loader
+        assert loader is not None
+        micro, self._micro = self._micro, 0
+        self._local_parts = [[] for _ in range(self._num_groups)]
+        future, self._local_future = self._local_future, None
+        local = future if isinstance(future, list) else future.result()  # type: ignore[union-attr]
+        groups = self._grad_groups()
+        if micro > 1:
+            for grads in groups:
+                for grad in grads:
+                    grad.div_(micro)
+        mp = self._mp_scale()
+        total = [
+            float(torch.stack([_sqr(g) for g in grads]).sum().item()) / mp**2 if grads else 0.0
+            for grads in groups
+        ]
+        local = [value / mp**2 for value in local]
+        if not all(math.isfinite(v) for v in (*total, *local)):
+            LOG.warning("non-finite gradient: gradient-noise statistics skip this step")
+            self._prev_grads = None
+            return
+        training = job.training_loader or loader
+        gns = job.metrics.ensure_gns(training.batch_size, self._num_groups)
+        bsz = max(loader.current_local_bsz, 1)
+        count = job.topology.num_replicas * micro
+        if count >= 2:
+            gns.update(local, total, count, bsz)
+            self._prev_grads = None
+            return
+        current = [[g.detach() / mp for g in grads] for grads in groups]
+        if self._prev_grads is not None:
+            mixed = [
+                float(sum(_sqr((p + c) / 2).item() for p, c in zip(pg, cg, strict=True)))
+                for pg, cg in zip(self._prev_grads, current, strict=True)
+            ]
+            prev = [float(sum(_sqr(p).item() for p in pg)) for pg in self._prev_grads]
+            gns.update_differenced(prev, total, mixed, bsz, self._prev_bsz)
+        self._prev_grads = [[g.clone() for g in grads] for grads in current]
+        self._prev_bsz = bsz
+
+    def _grad_groups(self) -> list[list[torch.Tensor]]:
+        return [
+            [p.grad for p in group["params"] if p.grad is not None]
+            for group in self.adaptdl_optimizer.param_groups
+        ]
+
+    def _mp_scale(self) -> float:
+        scaler = self.adaptdl_mp_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
+
+    def _accumulating(self) -> bool:
+        """Whether the current micro-batch only accumulates (no optimiser step)."""
+        loader = self._job.current_loader
+        return loader is not None and loader.is_accum_step()
+
+    def _drop_stale_accumulation(self) -> None:
+        # Gradients accumulated by a loop that ended before its step belong to no step.
+        if self._micro == 0:
+            return
+        loader = self._job.current_loader
+        index = loader.current_index if loader is not None else None
+        if loader is not self._accum_loader or index is None or index < self._accum_index:
+            self._micro = 0
+            self._local_parts = [[] for _ in range(self._num_groups)]
+            self._accum_loader = None
+            self.adaptdl_optimizer.zero_grad(set_to_none=True)
+
+    # -- optimiser and scaler ------------------------------------------------------------
+    def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        step: Callable[..., Any] = optimizer.step
+        zero_grad: Callable[..., Any] = optimizer.zero_grad
+
+        @functools.wraps(step)
+        def adaptive_step(*args: Any, **kwargs: Any) -> Any:
+            if self._accumulating():
+                return None  # the step comes with the last micro-batch of the batch
+            return self._step(step, *args, **kwargs)
+
+        @functools.wraps(zero_grad)
+        def adaptive_zero_grad(*args: Any, **kwargs: Any) -> Any:
+            self._drop_stale_accumulation()
+            if self._micro > 0:
+                return None  # keep the gradients being accumulated
+            return zero_grad(*args, **kwargs)
+
+        optimizer.step = adaptive_step  # type: ignore[method-assign]
+        optimizer.zero_grad = adaptive_zero_grad  # type: ignore[method-assign]
+
+    def _step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        job = self._job
+        loader = job.current_loader
+        gns = job.metrics.gns
+        if loader is None or gns is None:
+            return step(*args, **kwargs)
+        scale = loader.current_batch_size / gns.init_batch_size
+        factor = self.scaling_rule.lr_factor(gns, scale)
+        groups = self.adaptdl_optimizer.param_groups
+        base = [group["lr"] for group in groups]
+        for group, lr in zip(groups, base, strict=True):
+            group["lr"] = lr * factor
+        try:
+            result = step(*args, **kwargs)
+        finally:
+            for group, lr in zip(groups, base, strict=True):
+                group["lr"] = lr
+        self.last_lr_factor = factor
+        self.last_gain = gns.add_progress(scale)
+        return result
+
+    def _patch_scaler(self, scaler: Any) -> None:
+        for method in ("unscale_", "step", "update"):
+            original = getattr(scaler, method)
+
+            def skip_on_accumulation(
+                *args: Any, _original: Callable[..., Any] = original, **kwargs: Any
+            ) -> Any:
+                if self._accumulating():
+                    return None  # gradients are still summing; scaling happens at the step
+                return _original(*args, **kwargs)
+
+            setattr(scaler, method, skip_on_accumulation)
+
+    # -- metrics --------------------------------------------------------------------------
+    @property
+    def gns(self) -> GradientNoiseScale | None:
+        """The job's gradient-noise estimator (None before the first synchronised step)."""
+        return self._job.metrics.gns
+
+    @property
+    def progress(self) -> float:
+        """Scale-invariant progress: optimiser steps, each weighted by its gain."""
+        return self._job.metrics.progress
+
+    def gain(self) -> float:
+        """The AdaScale gain at the current loader's batch size (1 before any estimate)."""
+        gns = self.gns
+        loader = self._job.current_loader or self._job.training_loader
+        if gns is None or loader is None or loader.current_local_bsz == 0:
+            return 1.0
+        return gns.gain(loader.current_batch_size / gns.init_batch_size)
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write gain, gradient statistics, progress and goodput to a SummaryWriter."""
+        prefix = f"{tag_prefix}/" if tag_prefix and not tag_prefix.endswith("/") else tag_prefix
+        writer.add_scalar(f"{prefix}Gradient/gain", self.gain(), global_step)
+        writer.add_scalar(f"{prefix}Gradient/lr_factor", self.last_lr_factor, global_step)
+        writer.add_scalar(f"{prefix}Gradient/progress", self.progress, global_step)
+        gns = self.gns
+        if gns is not None and gns.has_estimate:
+            writer.add_scalar(f"{prefix}Gradient/sqr", gns.sqr, global_step)
+            writer.add_scalar(f"{prefix}Gradient/var", gns.var, global_step)
+        goodput = self.goodput()
+        if goodput is not None:
+            writer.add_scalar(f"{prefix}Performance/goodput", goodput, global_step)
+
+    def goodput(self) -> float | None:
+        """Goodput (useful samples per second) at the current configuration, if modelled."""
+        job = self._job
+        loader = job.training_loader
+        fn = job.goodput_fn()
+        if fn is None or loader is None or loader.current_local_bsz == 0:
+            return None
+        topo = job.topology
+        return float(
+            fn.evaluate(
+                topo.num_nodes,
+                topo.num_replicas,
+                loader.current_local_bsz,
+                loader.accumulation_steps,
+            )
+        )
