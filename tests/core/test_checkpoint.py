@@ -70,7 +70,8 @@ def _write_manifest(root: Path, label: str, manifest: dict[str, Any], *, rediges
 
 
 def _entry_file(root: Path, label: str, name: str) -> Path:
-    return root / label / _manifest(root, label)["entries"][name]["file"]
+    file: str = _manifest(root, label)["entries"][name]["file"]
+    return root / label / file
 
 
 # --------------------------------------------------------------------------- round trips
@@ -562,7 +563,7 @@ def test_save_rejects_bad_entries_and_metadata(
 def test_checkpoint_values_are_validated_and_immutable() -> None:
     with pytest.raises(ValueError, match="label must look like 'ckpt-000012', got 'x'"):
         Checkpoint("x", {}, {})
-    checkpoint = Checkpoint("ckpt-000012", {"m": bytearray(b"1")}, {"a": [1]})
+    checkpoint = Checkpoint("ckpt-000012", {"m": bytearray(b"1")}, {"a": [1]})  # type: ignore[dict-item]
     assert checkpoint.entries["m"] == b"1" and type(checkpoint.entries["m"]) is bytes
     assert checkpoint.sequence == 12
     with pytest.raises(TypeError):

@@ -24,13 +24,16 @@ finished loops are skipped, so the code that re-runs is the code of the
 interrupted epoch that lies outside dataloader loops (and any code outside epoch
 loops). Each ``synchronized()`` entered outside a loop records the totals it
 showed, keyed by epoch, in the state saved with checkpoints. After a restart, the
-first ``len(history[epoch])`` entries of that epoch (per epoch, in order) replay
-the recorded totals without communicating: the program sees exactly what it saw
-before, whatever the new number of replicas. Writes inside a replayed block go to
-a copy and are discarded, because the restored totals already hold their effect;
-likewise pending contributions are dropped at a replayed entry and, while the
-position says the program is ``replaying``, as they are made (they are
-re-executions of contributions the restored totals already hold).
+first ``len(history[epoch])`` entries outside loops in that epoch replay the
+recorded totals in order without communicating: the program sees exactly what it
+saw before, whatever the new number of replicas. Entries inside a loop are always
+live (the iterations before the checkpoint never re-run). Writes inside a
+replayed block go to a copy and are discarded, because the restored totals
+already hold their effect; likewise pending contributions are dropped at a
+replayed entry and, while the position says the program is ``replaying``, as
+they are made (they are re-executions of contributions the restored totals
+already hold; the job says ``replaying`` from the restore until the loop that
+was interrupted resumes).
 
 The history is bounded: entries of epochs before the current one are dropped
 (finished epochs never re-run), and entries inside loops are never recorded. Only
@@ -38,8 +41,10 @@ code outside epoch loops keeps adding to the ``None`` epoch, once per call.
 
 Where the position (epoch, in a loop, replaying) comes from is the job's business:
 pass ``position``; without it the accumulator is always at ``ReplayPosition()``
-(one epoch ``None``, outside loops, not replaying): every call is recorded and the
-first calls after a restart replay, as for a program without epochs.
+(one epoch ``None``, outside loops, not replaying): every entry is recorded and
+the first entries after a restart replay, as for a program without epochs; the
+history then grows by one entry per ``synchronized()``, and contributions made
+after the last replayed entry are counted again (no ``replaying`` signal).
 
 Checkpoints: pending contributions live on each replica, so before a checkpoint
 every replica must call :meth:`Accumulator.sync` (a collective that folds them
@@ -274,19 +279,24 @@ class Accumulator(MutableMapping[str, Any]):
                 del self._history[old]
             for old in [e for e in self._calls if e is not None and e < epoch]:
                 del self._calls[old]
-        count = self._calls.get(epoch, 0)
-        self._calls[epoch] = count + 1
-        recorded = self._history.get(epoch, [])
-        if count < len(recorded):
-            # Replayed: the restored totals already contain everything done up to the
-            # checkpoint, so this block sees (and may scribble on) a copy of the past.
-            self._pending = {}
-            self._view = copy.deepcopy(recorded[count])
-        else:
+        if position.in_loop:
+            # Loop iterations that ran before a restart never run again: nothing to
+            # record or replay, and in-loop entries do not count among the replayable.
             self._fold(self._collective.allreduce(self._pending, add))
-            if not position.in_loop:
-                self._history.setdefault(epoch, []).append(copy.deepcopy(self._results))
             self._view = self._results
+        else:
+            count = self._calls.get(epoch, 0)
+            self._calls[epoch] = count + 1
+            recorded = self._history.get(epoch, [])
+            if count < len(recorded):
+                # Replayed: the restored totals already hold everything done up to the
+                # checkpoint, so this block sees (and may scribble on) a copy of the past.
+                self._pending = {}
+                self._view = copy.deepcopy(recorded[count])
+            else:
+                self._fold(self._collective.allreduce(self._pending, add))
+                self._history.setdefault(epoch, []).append(copy.deepcopy(self._results))
+                self._view = self._results
         try:
             yield self
         finally:
