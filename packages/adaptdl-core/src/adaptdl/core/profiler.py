@@ -1,0 +1,572 @@
+"""Step timings by configuration, the fitted throughput model, and scheduling hints.
+
+The profiler is handed every measured micro-batch: the configuration it ran in
+(nodes, replicas, atomic batch size), whether it only accumulated gradients or
+ended in an optimiser step, its wall time and the part of it spent waiting for
+gradient synchronisation. It never reads a clock. Per configuration it keeps
+counts, sums and sums of squares, so means are exact and the state is small
+plain data.
+
+From the means it fits :class:`~adaptdl.core.goodput.PerfParams` (one observation
+per configuration), refitting lazily on a cadence, and builds the job's
+:class:`~adaptdl.core.goodput.GoodputFunction`.
+
+Scheduling hints are the versioned JSON document a scheduler reads to decide the
+job's resources (see :func:`hints`), written atomically by :func:`write_hints`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
+
+#: Schema tag of :meth:`Profiler.to_json`.
+PROFILER_SCHEMA = "adaptdl.profiler/1"
+#: Schema tag of the scheduling hints (:func:`hints`).
+HINTS_SCHEMA = "adaptdl.hints/1"
+
+# An accumulation-step time estimated from an optimiser step (step minus sync) is
+# kept at least this share of the step, so that a sync time measured as long as the
+# whole step cannot make it zero or negative.
+_MIN_COMPUTE_SHARE = 0.01
+
+Key = tuple[int, int, int]
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def _check_mapping(name: str, value: Any, keys: Iterable[str]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"{name} must be a mapping, got {type(value).__name__}")
+    wanted = list(keys)
+    missing = [k for k in wanted if k not in value]
+    extra = sorted(str(k) for k in value if k not in wanted)
+    if missing or extra:
+        raise ValueError(
+            f"{name} needs exactly the keys {wanted}; missing {missing}, unexpected {extra}"
+        )
+    return value
+
+
+@attrs.frozen
+class Timing:
+    """Count, sum and sum of squares of step times and of their synchronisation times (s)."""
+
+    count: int = 0
+    step_sum: float = 0.0
+    step_sqsum: float = 0.0
+    sync_sum: float = 0.0
+    sync_sqsum: float = 0.0
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "count",
+        "step_sum",
+        "step_sqsum",
+        "sync_sum",
+        "sync_sqsum",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "count", check_int("count", self.count, min=0))
+        for name in self.FIELDS[1:]:
+            object.__setattr__(self, name, check_float(name, getattr(self, name), min=0.0))
+        if self.count == 0 and any(getattr(self, n) != 0.0 for n in self.FIELDS[1:]):
+            raise ValueError("a Timing with count 0 must have all sums 0")
+
+    def add(self, step_time: float, sync_time: float) -> Timing:
+        """Return these statistics with one more step."""
+        return Timing(
+            self.count + 1,
+            self.step_sum + step_time,
+            self.step_sqsum + step_time * step_time,
+            self.sync_sum + sync_time,
+            self.sync_sqsum + sync_time * sync_time,
+        )
+
+    @property
+    def mean_step(self) -> float:
+        """Mean step time (nan when empty)."""
+        return self.step_sum / self.count if self.count else math.nan
+
+    @property
+    def mean_sync(self) -> float:
+        """Mean synchronisation time (nan when empty)."""
+        return self.sync_sum / self.count if self.count else math.nan
+
+    @property
+    def std_step(self) -> float:
+        """Population standard deviation of the step time (nan when empty)."""
+        if not self.count:
+            return math.nan
+        mean = self.mean_step
+        return math.sqrt(max(self.step_sqsum / self.count - mean * mean, 0.0))
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the statistics as JSON-ready data."""
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Timing:
+        """Rebuild from :meth:`to_json`'s output."""
+        data = _check_mapping("Timing", data, cls.FIELDS)
+        return cls(**{name: data[name] for name in cls.FIELDS})
+
+
+@attrs.frozen
+class ConfigTiming:
+    """Timings of one configuration: accumulation micro-batches and optimiser steps apart."""
+
+    accum: Timing = Timing()
+    optim: Timing = Timing()
+
+    def accum_step_time(self) -> float | None:
+        """Mean compute-only micro-batch time.
+
+        Measured where accumulation steps were seen; otherwise estimated from the
+        optimiser steps as their mean time minus their mean synchronisation time
+        (at least 1% of the step); None without either.
+        """
+        if self.accum.count:
+            return self.accum.mean_step
+        if self.optim.count:
+            step = self.optim.mean_step
+            return max(step - self.optim.mean_sync, _MIN_COMPUTE_SHARE * step)
+        return None
+
+    def optim_step_time(self) -> float | None:
+        """Mean optimiser micro-batch time, synchronisation included; None if none seen."""
+        return self.optim.mean_step if self.optim.count else None
+
+
+class Observations(NamedTuple):
+    """One row per configuration with an optimiser step, in the argument order of the fit."""
+
+    num_nodes: npt.NDArray[np.int64]
+    num_replicas: npt.NDArray[np.int64]
+    atomic_bsz: npt.NDArray[np.int64]
+    accum_step_time: npt.NDArray[np.float64]
+    optim_step_time: npt.NDArray[np.float64]
+
+
+def _check_key(num_nodes: Any, num_replicas: Any, atomic_bsz: Any) -> Key:
+    nodes = check_int("num_nodes", num_nodes, min=1)
+    replicas = check_int("num_replicas", num_replicas, min=1)
+    if nodes > replicas:
+        raise ValueError(
+            f"num_nodes must be <= num_replicas ({replicas}), every node runs a replica; "
+            f"got {nodes}"
+        )
+    return nodes, replicas, check_int("atomic_bsz", atomic_bsz, min=1)
+
+
+def _refit_every(value: Any) -> int:
+    return check_int("refit_every", value, min=1)
+
+
+def _timings(value: Any) -> dict[Key, ConfigTiming]:
+    if not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"timings must be a mapping, got {type(value).__name__}")
+    out: dict[Key, ConfigTiming] = {}
+    for key, timing in value.items():
+        if not isinstance(key, tuple) or len(key) != 3:
+            raise ValueError(f"timings keys must be (nodes, replicas, atomic_bsz), got {key!r}")
+        if not isinstance(timing, ConfigTiming):
+            raise ArgumentTypeError(f"timings values must be ConfigTiming, got {timing!r}")
+        out[_check_key(*key)] = timing
+    return out
+
+
+def _perf_params_or_none(value: Any) -> PerfParams | None:
+    if value is None or isinstance(value, PerfParams):
+        return value
+    raise ArgumentTypeError(f"last_fit must be a PerfParams or None, got {value!r}")
+
+
+@attrs.define
+class Profiler:
+    """Step timings keyed by (num_nodes, num_replicas, atomic_bsz), and the fit of them.
+
+    ``refit_every``: :meth:`perf_params` refits once this many optimiser steps have
+    been recorded since the last fit (starting from the last fit), or as soon as a
+    configuration has its first optimiser step (from scratch); otherwise it returns
+    the cached fit. The other fields are state.
+    """
+
+    refit_every: int = attrs.field(default=16, converter=_refit_every)
+    timings: dict[Key, ConfigTiming] = attrs.field(factory=dict, converter=_timings)
+    last_fit: PerfParams | None = attrs.field(default=None, converter=_perf_params_or_none)
+    steps_since_fit: int = attrs.field(default=0)
+    new_config_since_fit: bool = attrs.field(default=False)
+    num_fits: int = attrs.field(default=0)
+
+    SCHEMA: ClassVar[str] = PROFILER_SCHEMA
+
+    def __attrs_post_init__(self) -> None:
+        self.steps_since_fit = check_int("steps_since_fit", self.steps_since_fit, min=0)
+        self.new_config_since_fit = _check_bool("new_config_since_fit", self.new_config_since_fit)
+        self.num_fits = check_int("num_fits", self.num_fits, min=0)
+
+    # -- recording -----------------------------------------------------------
+
+    def record(
+        self,
+        num_nodes: int,
+        num_replicas: int,
+        atomic_bsz: int,
+        *,
+        accum_step: bool,
+        step_time: float,
+        sync_time: float = 0.0,
+    ) -> None:
+        """Record one micro-batch of ``atomic_bsz`` samples per replica.
+
+        ``accum_step``: True for a micro-batch that only accumulated gradients,
+        False for one that ended in an optimiser step. ``step_time``: its wall time
+        in seconds (> 0), ``sync_time`` the part of it spent waiting for gradient
+        synchronisation (>= 0).
+        """
+        key = _check_key(num_nodes, num_replicas, atomic_bsz)
+        accum = _check_bool("accum_step", accum_step)
+        step = check_float("step_time", step_time, min=0.0, min_exclusive=True)
+        sync = check_float("sync_time", sync_time, min=0.0)
+        timing = self.timings.get(key, ConfigTiming())
+        if accum:
+            timing = attrs.evolve(timing, accum=timing.accum.add(step, sync))
+        else:
+            if timing.optim.count == 0:
+                self.new_config_since_fit = True
+            timing = attrs.evolve(timing, optim=timing.optim.add(step, sync))
+            self.steps_since_fit += 1
+        self.timings[key] = timing
+
+    # -- reading -------------------------------------------------------------
+
+    def timing(self, num_nodes: int, num_replicas: int, atomic_bsz: int) -> ConfigTiming | None:
+        """The timings of one configuration, or None if it was never recorded."""
+        return self.timings.get(_check_key(num_nodes, num_replicas, atomic_bsz))
+
+    def observations(self) -> Observations:
+        """Mean times of every configuration that has an optimiser step, sorted by key.
+
+        See :meth:`ConfigTiming.accum_step_time` for configurations that never
+        accumulated.
+        """
+        rows = []
+        for key in sorted(self.timings):
+            timing = self.timings[key]
+            optim = timing.optim_step_time()
+            accum = timing.accum_step_time()
+            if optim is not None and accum is not None:
+                rows.append((*key, accum, optim))
+
+        def column(i: int, dtype: type[Any]) -> Any:
+            return np.array([row[i] for row in rows], dtype=dtype)
+
+        return Observations(
+            column(0, np.int64),
+            column(1, np.int64),
+            column(2, np.int64),
+            column(3, np.float64),
+            column(4, np.float64),
+        )
+
+    @property
+    def max_profiled_replicas(self) -> int:
+        """The most replicas of any configuration with an optimiser step (0 if none)."""
+        return max((k[1] for k, t in self.timings.items() if t.optim.count), default=0)
+
+    @property
+    def max_profiled_nodes(self) -> int:
+        """The most nodes of any configuration with an optimiser step (0 if none)."""
+        return max((k[0] for k, t in self.timings.items() if t.optim.count), default=0)
+
+    def perf_params(self) -> PerfParams | None:
+        """The fitted throughput model, refitted if due; None before any optimiser step."""
+        due = (
+            self.last_fit is None
+            or self.new_config_since_fit
+            or self.steps_since_fit >= self.refit_every
+        )
+        if due:
+            obs = self.observations()
+            if obs.num_nodes.shape[0] == 0:
+                return None
+            # A new configuration can change which parameters the data identify, so
+            # it gets a full fit; new steps of known ones only refine the last fit.
+            warm = self.last_fit if not self.new_config_since_fit else None
+            self.last_fit = fit_perf_params(*obs, initial=warm)
+            self.steps_since_fit = 0
+            self.new_config_since_fit = False
+            self.num_fits += 1
+        return self.last_fit
+
+    def goodput_fn(
+        self, grad_params: GradParams | None, init_batch_size: int
+    ) -> GoodputFunction | None:
+        """The job's goodput model, or None before any optimiser step was recorded.
+
+        Without ``grad_params`` (no gradient statistics yet) the model assumes no
+        gradient noise, so a batch larger than ``init_batch_size`` brings no gain:
+        the conservative choice.
+        """
+        init_batch_size = check_int("init_batch_size", init_batch_size, min=1)
+        if grad_params is not None and not isinstance(grad_params, GradParams):
+            raise ArgumentTypeError(
+                f"grad_params must be a GradParams or None, got {grad_params!r}"
+            )
+        perf = self.perf_params()
+        if perf is None:
+            return None
+        grad = grad_params if grad_params is not None else GradParams(0.0, 0.0)
+        return GoodputFunction(perf, grad, init_batch_size)
+
+    # -- persistence ---------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the whole state as JSON-ready data (exact: floats round-trip through JSON)."""
+        return {
+            "schema": self.SCHEMA,
+            "refit_every": self.refit_every,
+            "timings": [
+                {
+                    "num_nodes": key[0],
+                    "num_replicas": key[1],
+                    "atomic_bsz": key[2],
+                    "accum": timing.accum.to_json(),
+                    "optim": timing.optim.to_json(),
+                }
+                for key, timing in sorted(self.timings.items())
+            ],
+            "last_fit": self.last_fit.to_dict() if self.last_fit is not None else None,
+            "steps_since_fit": self.steps_since_fit,
+            "new_config_since_fit": self.new_config_since_fit,
+            "num_fits": self.num_fits,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Profiler:
+        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
+        if not isinstance(data, Mapping):
+            raise ArgumentTypeError(f"data must be a mapping, got {type(data).__name__}")
+        if data.get("schema") != cls.SCHEMA:
+            raise ValueError(f"schema must be {cls.SCHEMA!r}, got {data.get('schema')!r}")
+        keys = (
+            "schema",
+            "refit_every",
+            "timings",
+            "last_fit",
+            "steps_since_fit",
+            "new_config_since_fit",
+            "num_fits",
+        )
+        data = _check_mapping("Profiler state", data, keys)
+        entries = data["timings"]
+        if not isinstance(entries, list):
+            raise ArgumentTypeError(f"timings must be a list, got {type(entries).__name__}")
+        timings: dict[Key, ConfigTiming] = {}
+        for entry in entries:
+            entry = _check_mapping(
+                "timings entry",
+                entry,
+                ("num_nodes", "num_replicas", "atomic_bsz", "accum", "optim"),
+            )
+            key = _check_key(entry["num_nodes"], entry["num_replicas"], entry["atomic_bsz"])
+            if key in timings:
+                raise ValueError(f"timings has configuration {key} twice")
+            timings[key] = ConfigTiming(
+                Timing.from_json(entry["accum"]), Timing.from_json(entry["optim"])
+            )
+        last_fit = data["last_fit"]
+        return cls(
+            refit_every=data["refit_every"],
+            timings=timings,
+            last_fit=PerfParams.from_dict(last_fit) if last_fit is not None else None,
+            steps_since_fit=data["steps_since_fit"],
+            new_config_since_fit=data["new_config_since_fit"],
+            num_fits=data["num_fits"],
+        )
+
+
+# ---------------------------------------------------------------------------
+# Scheduling hints
+
+#: The keys of a hints document, in order.
+HINTS_KEYS = (
+    "schema",
+    "perf_params",
+    "grad_params",
+    "init_batch_size",
+    "max_batch_size",
+    "local_bsz_bounds",
+    "gradient_accumulation",
+    "max_profiled_replicas",
+    "max_profiled_nodes",
+)
+
+
+def hints(
+    profiler: Profiler,
+    grad_params: GradParams | None,
+    init_batch_size: int,
+    max_batch_size: int | None = None,
+    local_bsz_bounds: tuple[int | None, int | None] | None = None,
+    gradient_accumulation: bool = False,
+) -> dict[str, Any]:
+    """Return the job's scheduling hints, schema ``adaptdl.hints/1``.
+
+    A JSON-ready dict with exactly these keys:
+
+    * ``schema``: ``"adaptdl.hints/1"``;
+    * ``perf_params``: ``PerfParams.to_dict()`` of the current fit, or null before
+      any optimiser step was profiled;
+    * ``grad_params``: ``GradParams.to_dict()`` (variance at the initial batch
+      size), or null before any estimate;
+    * ``init_batch_size``: int >= 1;
+    * ``max_batch_size``: int >= ``init_batch_size``, or null (batch size fixed);
+    * ``local_bsz_bounds``: ``[min, max]`` per-replica batch bounds, each an int >= 1
+      or null (unbounded), min <= max; or null for no bounds;
+    * ``gradient_accumulation``: bool, whether the job may accumulate gradients;
+    * ``max_profiled_replicas``, ``max_profiled_nodes``: the largest configuration
+      the profile covers, ints >= 0.
+    """
+    if not isinstance(profiler, Profiler):
+        raise ArgumentTypeError(f"profiler must be a Profiler, got {type(profiler).__name__}")
+    if grad_params is not None and not isinstance(grad_params, GradParams):
+        raise ArgumentTypeError(f"grad_params must be a GradParams or None, got {grad_params!r}")
+    perf = profiler.perf_params()
+    bounds = None if local_bsz_bounds is None else list(local_bsz_bounds)
+    return validate_hints(
+        {
+            "schema": HINTS_SCHEMA,
+            "perf_params": perf.to_dict() if perf is not None else None,
+            "grad_params": grad_params.to_dict() if grad_params is not None else None,
+            "init_batch_size": init_batch_size,
+            "max_batch_size": max_batch_size,
+            "local_bsz_bounds": bounds,
+            "gradient_accumulation": gradient_accumulation,
+            "max_profiled_replicas": profiler.max_profiled_replicas,
+            "max_profiled_nodes": profiler.max_profiled_nodes,
+        }
+    )
+
+
+def _optional_int(name: str, value: Any, min: int) -> int | None:
+    return None if value is None else check_int(name, value, min=min)
+
+
+def validate_hints(data: Any) -> dict[str, Any]:
+    """Check a hints document against schema ``adaptdl.hints/1``; return a normalised copy.
+
+    Raises ValueError (or ArgumentTypeError) naming the offending key.
+    """
+    if not isinstance(data, Mapping):
+        raise ArgumentTypeError(f"hints must be a mapping, got {type(data).__name__}")
+    if data.get("schema") != HINTS_SCHEMA:
+        raise ValueError(f"hints schema must be {HINTS_SCHEMA!r}, got {data.get('schema')!r}")
+    data = _check_mapping("hints", data, HINTS_KEYS)
+    perf = data["perf_params"]
+    grad = data["grad_params"]
+    init = check_int("init_batch_size", data["init_batch_size"], min=1)
+    max_bsz = _optional_int("max_batch_size", data["max_batch_size"], init)
+    bounds = data["local_bsz_bounds"]
+    if bounds is not None:
+        if isinstance(bounds, (str, bytes)) or not isinstance(bounds, (list, tuple)):
+            raise ArgumentTypeError(f"local_bsz_bounds must be [min, max] or null, got {bounds!r}")
+        if len(bounds) != 2:
+            raise ValueError(f"local_bsz_bounds must be [min, max], got {bounds!r}")
+        lo = _optional_int("local_bsz_bounds[0]", bounds[0], 1)
+        hi = _optional_int("local_bsz_bounds[1]", bounds[1], 1)
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"local_bsz_bounds must have min <= max, got {bounds!r}")
+        bounds = [lo, hi]
+    return {
+        "schema": HINTS_SCHEMA,
+        "perf_params": PerfParams.from_dict(perf).to_dict() if perf is not None else None,
+        "grad_params": GradParams.from_dict(grad).to_dict() if grad is not None else None,
+        "init_batch_size": init,
+        "max_batch_size": max_bsz,
+        "local_bsz_bounds": bounds,
+        "gradient_accumulation": _check_bool(
+            "gradient_accumulation", data["gradient_accumulation"]
+        ),
+        "max_profiled_replicas": check_int(
+            "max_profiled_replicas", data["max_profiled_replicas"], min=0
+        ),
+        "max_profiled_nodes": check_int("max_profiled_nodes", data["max_profiled_nodes"], min=0),
+    }
+
+
+def goodput_fn_from_hints(data: Mapping[str, Any]) -> GoodputFunction | None:
+    """The goodput model a hints document describes; None while it has no ``perf_params``.
+
+    Null ``grad_params`` mean no noise, as in :meth:`Profiler.goodput_fn`.
+    """
+    checked = validate_hints(data)
+    if checked["perf_params"] is None:
+        return None
+    grad = checked["grad_params"]
+    return GoodputFunction(
+        PerfParams.from_dict(checked["perf_params"]),
+        GradParams.from_dict(grad) if grad is not None else GradParams(0.0, 0.0),
+        checked["init_batch_size"],
+    )
+
+
+def write_hints(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
+    """Validate ``data`` and write it to ``path`` atomically.
+
+    The document goes to a temporary file in the same directory, is flushed to
+    disk, then renamed over ``path``: a reader sees the old document or the new
+    one, never a part.
+    """
+    text = json.dumps(validate_hints(data), indent=2, allow_nan=False) + "\n"
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    fd, tmp = tempfile.mkstemp(prefix=".hints-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    # Persist the rename itself; not every platform can open a directory.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def read_hints(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a hints document written by :func:`write_hints`.
+
+    Raises ValueError when the file is not JSON or not schema ``adaptdl.hints/1``.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hints file {os.fspath(path)!r} is not valid JSON: {exc}") from None
+    return validate_hints(data)
