@@ -20,6 +20,13 @@ from adaptdl.core.scaling import (
 )
 
 SETTINGS = settings(max_examples=200, deadline=None)
+ALL_RULES: list[ScalingRule] = [
+    AdaScale(),
+    AdamScale(),
+    LinearScale(),
+    SqrtScale(),
+    LEGWScale(1.0, 10, 1),
+]
 
 stat = st.floats(min_value=0.0, max_value=1e6)
 scales = st.floats(min_value=1.0, max_value=1e4)
@@ -106,9 +113,8 @@ def test_rule_factors() -> None:
 
 
 def test_rules_have_distinct_names_and_share_the_protocol() -> None:
-    rules = [AdaScale(), AdamScale(), LinearScale(), SqrtScale(), LEGWScale(1.0, 100, 10)]
-    assert len({rule.name for rule in rules}) == len(rules)
-    assert all(isinstance(rule, ScalingRule) for rule in rules)
+    assert len({rule.name for rule in ALL_RULES}) == len(ALL_RULES)
+    assert all(isinstance(rule, ScalingRule) for rule in ALL_RULES)
 
 
 @SETTINGS
@@ -170,8 +176,8 @@ def test_legw_never_exceeds_sqrt_scale_and_never_decreases_with_progress(
 )
 @pytest.mark.parametrize(
     "rule",
-    [AdaScale(), AdamScale(), LinearScale(), SqrtScale(), LEGWScale(1.0, 10, 1)],
-    ids=lambda r: r.name,
+    ALL_RULES,
+    ids=[rule.name for rule in ALL_RULES],
 )
 def test_rules_reject_bad_input(rule: ScalingRule, args: tuple[float, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match):
