@@ -276,9 +276,10 @@ class LoaderHelper:
             if self.skipdone():
                 return
             replicas = self.job.topology.num_replicas
-            while True:
+            # Checked first too: a restart may land exactly where the loop had ended.
+            while not self._finished(n, epoch):
                 local_bsz = self.sync_local_bsz()
-                done = self._max_batch_size is None
+                progress = self.job.progress
                 for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
                     with self.profile(self.training and i >= 1):
                         yield batch
@@ -289,15 +290,20 @@ class LoaderHelper:
                     self.job.count_samples(step)
                     if self._accum_count == 0:
                         self.job.step_boundary()
-                        if not done and self._reached_progress(n, epoch):
-                            done = True
+                        if self._max_batch_size is not None and self._finished(n, epoch):
                             break
-                if done:
-                    return
-                # A pass ended: the next starts at the next multiple of n.
+                if self.job.progress == progress and not self._finished(n, epoch):
+                    raise RuntimeError(
+                        f"{self.name}: a whole pass with adaptive batch size made no training "
+                        "progress; train with AdaptiveDataParallel, which records it"
+                    )
+                # A pass ended (or the loop did): the next pass starts at a multiple of n.
                 self._state.current_index = math.ceil(self._state.current_index / n) * n
 
-    def _reached_progress(self, n: int, epoch: int) -> bool:
+    def _finished(self, n: int, epoch: int) -> bool:
+        """One pass without adaptive batch size; with it, one pass's worth of progress."""
+        if self._max_batch_size is None:
+            return self._state.current_index >= n
         return self.job.progress >= n * (epoch + 1) / self.batch_size
 
     def _require_epoch(self) -> int:

@@ -1,0 +1,308 @@
+"""The loader state machine: loops, replay, exactly-once over restarts and resizes."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptdl.core.checkpoint import MemoryCheckpointStore
+from adaptdl.core.collective import run_replicas
+from adaptdl.core.job import Job, Preempted
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.sampling import Shard
+from adaptdl.core.topology import Topology
+
+
+def shard_batches(n, rank, replicas, shuffle=True):
+    """The batches callback a real adapter gives the loader: this replica's indices."""
+
+    def batches(epoch, index, local_bsz):
+        shard = Shard(n, index, replicas, rank, epoch=epoch, shuffle=shuffle)
+        for lo in range(0, shard.count, local_bsz):
+            hi = min(lo + local_bsz, shard.count)
+            yield list(
+                zip(shard.indices(lo, hi).tolist(), shard.is_padding(lo, hi).tolist(), strict=True)
+            )
+
+    return batches
+
+
+def one_replica_job(**kwargs):
+    return Job(Topology(), **kwargs)
+
+
+def test_one_pass_without_autoscale():
+    job = one_replica_job()
+    loader = LoaderHelper(job, batch_size=4)
+    seen = []
+    for _epoch in job.epoch.remaining_epochs_until(2):
+        assert loader.current_index is None
+        for batch in loader.iterate(10, shard_batches(10, 0, 1)):
+            seen.append(batch)
+        assert loader.current_index is None
+    assert [len(b) for b in seen] == [4, 4, 2] * 2
+    epoch0 = [i for b in seen[:3] for i, _ in b]
+    assert sorted(epoch0) == list(range(10))
+
+
+def test_current_index_counts_all_replicas_samples():
+    job = one_replica_job()
+    loader = LoaderHelper(job, batch_size=3)
+    indices = []
+    for _ in job.epoch.remaining_epochs_until(1):
+        for _batch in loader.iterate(7, shard_batches(7, 0, 1)):
+            indices.append(loader.current_index)
+    assert indices == [0, 3, 6]
+
+
+def test_iterating_outside_epoch_loop_raises():
+    job = one_replica_job()
+    loader = LoaderHelper(job, batch_size=2)
+    with pytest.raises(RuntimeError, match="outside an epoch loop"):
+        next(iter(loader.iterate(4, shard_batches(4, 0, 1))))
+
+
+def test_two_loops_at_once_raise():
+    job = one_replica_job()
+    first, second = LoaderHelper(job, 2), LoaderHelper(job, 2)
+    for _ in job.epoch.remaining_epochs_until(1):
+        outer = iter(first.iterate(4, shard_batches(4, 0, 1)))
+        next(outer)
+        with pytest.raises(RuntimeError, match="only one dataloader loop"):
+            next(iter(second.iterate(4, shard_batches(4, 0, 1))))
+        outer.close()
+        assert job.current_loader is None
+
+
+def test_accumulation_counter():
+    job = one_replica_job()
+    loader = LoaderHelper(job, batch_size=8)
+    loader.autoscale_batch_size(8, local_bsz_bounds=(1, 8), gradient_accumulation=True)
+    loader._state.accumulation_steps = 2  # as a decision would set it
+    flags = []
+    for _ in range(6):
+        with loader.profile(commit=False):
+            flags.append((loader.is_accum_step(), loader.is_optim_step()))
+    assert flags == [(True, False), (True, False), (False, True)] * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_batch_size": 8}, "max_batch_size"),
+        ({"max_batch_size": 32.0}, "max_batch_size"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"max_batch_size": 64, "local_bsz_bounds": (32, 16)}, "min <= max"),
+        ({"max_batch_size": 64, "local_bsz_bounds": (17, None)}, "batch_size=16"),
+        ({"max_batch_size": 64, "local_bsz_bounds": (None, 8)}, "batch_size=16"),
+        ({"max_batch_size": 64, "local_bsz_bounds": (0, 32)}, "int >= 1"),
+        ({"max_batch_size": 64, "local_bsz_bounds": (1, 2, 3)}, "pair"),
+        ({"max_batch_size": 64, "gradient_accumulation": "yes"}, "gradient_accumulation"),
+    ],
+)
+def test_autoscale_validation_raises_value_error(kwargs, match):
+    loader = LoaderHelper(one_replica_job(), batch_size=16)
+    with pytest.raises(ValueError, match=match):
+        loader.autoscale_batch_size(**kwargs)
+    assert loader.max_batch_size is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", None])
+def test_bad_batch_size(bad):
+    with pytest.raises(ValueError, match="batch_size"):
+        LoaderHelper(one_replica_job(), batch_size=bad)
+
+
+def test_only_one_training_loader():
+    job = one_replica_job()
+    a, b = LoaderHelper(job, 4), LoaderHelper(job, 4)
+    a.train()
+    a.train()
+    assert a.training and not b.training
+    with pytest.raises(RuntimeError, match="only one dataloader"):
+        b.autoscale_batch_size(16)
+
+
+def test_current_batch_size_and_even_split():
+    topo = Topology(rank=0, num_replicas=1)
+    job = Job(topo)
+    loader = LoaderHelper(job, batch_size=10)
+    assert loader.sync_local_bsz() == 10
+    assert loader.current_batch_size == 10
+
+
+def test_skipdone_replays_finished_loops():
+    store = MemoryCheckpointStore()
+    job = one_replica_job(store=store)
+    train, valid = LoaderHelper(job, 2), LoaderHelper(job, 2)
+    for _ in job.epoch.remaining_epochs_until(1):
+        list(train.iterate(4, shard_batches(4, 0, 1)))
+        job.checkpoint()  # the process dies after this, inside the epoch
+        break
+    again = one_replica_job(store=store)
+    train2, valid2 = LoaderHelper(again, 2), LoaderHelper(again, 2)
+    for _ in again.epoch.remaining_epochs_until(1):
+        assert list(train2.iterate(4, shard_batches(4, 0, 1))) == []
+        assert len(list(valid2.iterate(4, shard_batches(4, 0, 1)))) == 2
+    del train, valid, valid2
+
+
+# --- the central property: exactly once through restarts and resizes ---------------
+
+segments = st.lists(
+    st.tuples(st.integers(1, 6), st.integers(1, 9), st.integers(0, 12)),  # R, local bsz, steps
+    min_size=1,
+    max_size=5,
+)
+
+
+def run_segment(store, n, epochs, replicas, batch_size, stop_after):
+    """Run every replica of one segment of the job; return what each consumed."""
+
+    def replica(collective):
+        topo = Topology(rank=collective.rank, num_replicas=replicas)
+        job = Job(topo, collective=collective, store=store)
+        loader = LoaderHelper(job, batch_size=batch_size)
+        consumed = []
+        steps = 0
+        try:
+            for epoch in job.epoch.remaining_epochs_until(epochs):
+                for batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
+                    # Prefix invariant, checked on every replica at every boundary.
+                    consumed.append((epoch, batch))
+                    steps += 1
+                    if steps == stop_after and collective.rank == 0:
+                        job.request_stop()
+        except Preempted:
+            return consumed, True
+        return consumed, False
+
+    return run_replicas(replicas, replica)
+
+
+@settings(max_examples=40)
+@given(
+    n=st.one_of(st.integers(1, 20), st.integers(21, 400)),
+    epochs=st.integers(1, 3),
+    timeline=segments,
+)
+def test_every_sample_once_per_epoch_across_restarts_and_resizes(n, epochs, timeline):
+    store = MemoryCheckpointStore()
+    per_epoch: dict[int, Counter] = {e: Counter() for e in range(epochs)}
+    padding: Counter = Counter()
+    finished = False
+    for replicas, bsz, steps in [*timeline, (3, 4, 0)]:
+        outcome = run_segment(store, n, epochs, replicas, bsz * replicas, steps or -1)
+        for consumed, _stopped in outcome:
+            for epoch, batch in consumed:
+                for index, is_pad in batch:
+                    (padding if is_pad else per_epoch[epoch])[epoch if is_pad else index] += 1
+        if not any(stopped for _, stopped in outcome):
+            finished = True
+            break
+    assert finished
+    for epoch in range(epochs):
+        assert per_epoch[epoch] == Counter(range(n)), f"epoch {epoch}"
+
+
+def test_prefix_at_every_boundary_with_two_replicas():
+    """After each step, the consumed positions of the pass are exactly [0, current_index)."""
+    n, replicas = 23, 2
+    seen_positions = []
+
+    def replica(collective):
+        job = Job(Topology(rank=collective.rank, num_replicas=replicas), collective=collective)
+        loader = LoaderHelper(job, batch_size=6)
+        mine = []
+        for epoch in job.epoch.remaining_epochs_until(1):
+
+            def batches(epoch, index, local_bsz, rank=collective.rank):
+                shard = Shard(n, index, replicas, rank, epoch=epoch)
+                for lo in range(0, shard.count, local_bsz):
+                    hi = min(lo + local_bsz, shard.count)
+                    yield shard.positions(lo, hi).tolist()
+
+            for batch in loader.iterate(n, batches):
+                mine.append((loader.current_index, batch))
+        return mine
+
+    outcome = run_replicas(replicas, replica)
+    seen_positions = [a + b for a, b in zip(*[[p for _, p in o] for o in outcome], strict=True)]
+    boundaries = [idx for idx, _ in outcome[0]]
+    consumed: list[int] = []
+    for start, batch in zip(boundaries, seen_positions, strict=True):
+        assert sorted(set(consumed)) == list(range(min(start, n)))
+        consumed.extend(batch)
+    assert sorted(set(consumed)) == list(range(n))
+    assert math.ceil(n / 6) == len(boundaries)
+    assert np.all(np.array(boundaries) % 6 == 0)
+
+
+def adaptive_segment(store, n, epochs, replicas, batch_size, stop_after, scale_progress):
+    def replica(collective):
+        topo = Topology(rank=collective.rank, num_replicas=replicas)
+        job = Job(topo, collective=collective, store=store)
+        loader = LoaderHelper(job, batch_size=batch_size)
+        loader.autoscale_batch_size(batch_size * 4, gradient_accumulation=True)
+        consumed, steps = [], 0
+        try:
+            for epoch in job.epoch.remaining_epochs_until(epochs):
+                for batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
+                    consumed.append((epoch, loader.current_index, batch))
+                    if loader.is_optim_step():
+                        # What AdaptiveDataParallel does after each optimiser step.
+                        job.gns.add_progress(scale_progress)
+                    steps += 1
+                    if steps == stop_after and collective.rank == 0:
+                        job.request_stop()
+        except Preempted:
+            return consumed, True
+        return consumed, False
+
+    return run_replicas(replicas, replica)
+
+
+@settings(max_examples=25)
+@given(
+    n=st.integers(1, 60),
+    timeline=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 15)), min_size=1, max_size=4),
+    scale=st.floats(0.3, 3.0),
+)
+def test_adaptive_loops_walk_whole_passes_in_order(n, timeline, scale):
+    """An adaptive loop may take several passes; each pass is walked exactly once, in order."""
+    store = MemoryCheckpointStore()
+    per_pass: dict[tuple[int, int], Counter] = {}
+    for replicas, steps in [*timeline, (2, 0)]:
+        outcome = adaptive_segment(store, n, 2, replicas, 4, steps or -1, scale)
+        for consumed, _ in outcome:
+            for epoch, index, batch in consumed:
+                key = (epoch, index // n)
+                for sample, is_pad in batch:
+                    if not is_pad:
+                        per_pass.setdefault(key, Counter())[sample] += 1
+        if not any(stopped for _, stopped in outcome):
+            break
+    else:
+        raise AssertionError("the job never finished")
+    for epoch in range(2):
+        passes = sorted(p for e, p in per_pass if e == epoch)
+        if epoch > 0 and not passes:
+            continue  # the previous epoch overshot this one's progress target (tiny n)
+        assert passes == list(range(len(passes)))
+        for p in passes[:-1]:
+            assert per_pass[(epoch, p)] == Counter(range(n))
+        assert all(c == 1 for c in per_pass[(epoch, passes[-1])].values())
+
+
+def test_adaptive_loop_without_progress_raises():
+    job = one_replica_job()
+    loader = LoaderHelper(job, batch_size=2)
+    loader.autoscale_batch_size(8)
+    for _ in job.epoch.remaining_epochs_until(1):
+        with pytest.raises(RuntimeError, match="no training progress"):
+            list(loader.iterate(4, shard_batches(4, 0, 1)))
