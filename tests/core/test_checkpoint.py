@@ -366,7 +366,26 @@ def _traversal(root: Path) -> None:
     _write_manifest(root, "ckpt-000002", manifest, redigest=True)
 
 
+def _manifest_list(root: Path) -> None:
+    (root / "ckpt-000002" / MANIFEST).write_bytes(b"[]")
+
+
+def _no_metadata(root: Path) -> None:
+    manifest = _manifest(root, "ckpt-000002")
+    del manifest["metadata"]
+    _write_manifest(root, "ckpt-000002", manifest, redigest=True)
+
+
+def _entries_list(root: Path) -> None:
+    manifest = _manifest(root, "ckpt-000002")
+    manifest["entries"] = []
+    _write_manifest(root, "ckpt-000002", manifest, redigest=True)
+
+
 DAMAGES: list[tuple[Callable[[Path], None], str]] = [
+    (_manifest_list, "manifest.json is not a JSON object"),
+    (_no_metadata, "manifest.json has no metadata object"),
+    (_entries_list, "manifest.json has no entries object"),
     (_truncate, "has 8 bytes but the manifest says 11"),
     (_flip, "does not match its SHA-256"),
     (_remove_manifest, "manifest.json is missing"),
@@ -517,6 +536,16 @@ def test_a_root_that_is_a_file_cannot_be_listed(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(CheckpointError, match="cannot be listed"):
         CheckpointStore(blocker).load()
+
+
+def test_stores_describe_themselves(tmp_path: Path) -> None:
+    assert repr(CheckpointStore(tmp_path, keep=3, job_id="j")) == (
+        f"CheckpointStore({str(tmp_path)!r}, keep=3, job_id='j')"
+    )
+    store = MemoryCheckpointStore(job_id="j")
+    assert repr(store) == "MemoryCheckpointStore(keep=2, job_id='j')"
+    assert (store.keep, store.job_id, dict(store.expected)) == (2, "j", {})
+    assert CheckpointStore(tmp_path).root == tmp_path
 
 
 def test_check_writable_creates_root_and_leaves_nothing(tmp_path: Path) -> None:
