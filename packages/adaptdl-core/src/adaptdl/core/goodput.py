@@ -148,7 +148,7 @@ class GradParams:
         return cls(**_from_mapping("GradParams", cls.FIELDS, data))
 
 
-def _to_perf_params(value: PerfParams | Sequence[float]) -> PerfParams:
+def _to_perf_params(value: PerfParams | Sequence[float] | Mapping[str, Any]) -> PerfParams:
     if isinstance(value, PerfParams):
         return value
     if isinstance(value, Mapping):
@@ -162,7 +162,7 @@ def _to_perf_params(value: PerfParams | Sequence[float]) -> PerfParams:
     return PerfParams(*value)
 
 
-def _to_grad_params(value: GradParams | Sequence[float]) -> GradParams:
+def _to_grad_params(value: GradParams | Sequence[float] | Mapping[str, Any]) -> GradParams:
     if isinstance(value, GradParams):
         return value
     if isinstance(value, Mapping):
@@ -380,27 +380,37 @@ def _argmax_continuous(
     kink = prob.m0 / (prob.replicas * u)
     left = np.minimum(np.maximum(lo, kink), hi)
     xl, xr = np.log(left), np.log(hi)
-    ends, _ = prob.psi(np.stack([xl, xr]), np.broadcast_to(u, (2, *xl.shape)))
-    psi_l, psi_r = ends[0], ends[1]
+    # Start from the maximiser of the additive model (gamma = 1: T_o = T_c + T_n).
+    p = prob.p
+    with np.errstate(invalid="ignore", divide="ignore"):
+        additive = u * p.alpha_c + np.exp(prob.log_network)
+        x = 0.5 * (
+            np.log(additive) - prob.log_sqr_minus_m0var - np.log(prob.replicas * u * u * p.beta_c)
+        )
+    x = np.clip(np.nan_to_num(x), xl, xr)
+    values, slopes = prob.psi(np.stack([xl, xr, x]), np.broadcast_to(u, (3, *x.shape)))
+    psi_l, psi_r = values[0], values[1]
     result = np.where(psi_l >= 0, xl, xr)
     inside = (psi_l < 0) & (psi_r > 0)
     if inside.any():
-        # Safeguarded Newton in log space, falling back to bisection of the bracket.
-        active = inside.copy()
-        lo_x, hi_x = xl.copy(), xr.copy()
-        x = 0.5 * (xl + xr)
+        # Safeguarded Newton in log space: bisect the bracket where a step leaves it.
+        f, fp = values[2], slopes[2]
+        lo_x, hi_x = xl, xr
+        active = inside
         for _ in range(100):
-            f, fp = prob.psi(x, u)
             neg = f < 0
             lo_x = np.where(neg, x, lo_x)
             hi_x = np.where(neg, hi_x, x)
-            x_new = x - f / fp
-            x_new = np.where((x_new <= lo_x) | (x_new >= hi_x), 0.5 * (lo_x + hi_x), x_new)
-            done = (np.abs(x_new - x) < 1e-13) | (hi_x - lo_x < 1e-13)
+            step = f / fp
+            x_new = x - step
+            outside = (x_new < lo_x) | (x_new > hi_x)
+            x_new = np.where(outside, 0.5 * (lo_x + hi_x), x_new)
+            done = ((np.abs(step) < 1e-10) & ~outside) | (hi_x - lo_x < 1e-10) | (f == 0)
             x = np.where(active, x_new, x)
-            active &= ~done
+            active = active & ~done
             if not active.any():
                 break
+            f, fp = prob.psi(x, u)
         result = np.where(inside, x, result)
     return np.exp(result)
 
@@ -785,51 +795,59 @@ _GAMMA_PULL = 1e-3
 # crossing nodes costs at least this much more than staying within one node.
 _INTER_NODE_PRIOR = 1.1
 _THETA_MAX = math.log(1e6)
+# Values of gamma whose least-squares starts are compared before the descent.
+_GAMMA_STARTS = (1.0, 1.5, 2.5, 4.0, 7.0, 10.0)
 
 
 @attrs.frozen
 class _Observations:
-    """Validated observations, precomputed for the objective."""
+    """Validated observations sorted into single-replica, intra-node and inter-node runs."""
 
     bsz: FloatArray
-    extra: FloatArray  # max(replicas - 2, 0)
-    multi: npt.NDArray[np.bool_]  # replicas > 1: a network time exists
-    inter: npt.NDArray[np.bool_]  # nodes > 1, among the multi ones
     log_accum: FloatArray
     log_optim: FloatArray
+    n_single: int  # observations [0, n_single) have one replica: no network time
+    n_intra: int  # the next n_intra synchronise within one node, the rest across nodes
+    extra: FloatArray  # max(replicas - 2, 0) of the multi-replica observations
+
+    @property
+    def n(self) -> int:
+        return int(self.bsz.shape[0])
 
     def objective(self, theta: FloatArray) -> tuple[float, FloatArray]:
         """RMS log errors of both step times plus the gamma pull, and the gradient."""
         a = np.exp(theta[:6])
         gamma = float(theta[6])
-        n = self.bsz.shape[0]
+        n, k, m = self.n, self.n_single, self.n_intra
         compute = a[0] + a[1] * self.bsz
         log_c = np.log(compute)
         err1 = log_c - self.log_accum
-        extra, inter = self.extra, self.inter
-        network = np.where(inter, a[2] + a[3] * extra, a[4] + a[5] * extra)
-        log_n = np.where(self.multi, np.log(network), -np.inf)
-        log_o, z = _log_optim_time(log_c, log_n, gamma)
-        err2 = log_o - self.log_optim
+        extra = self.extra
+        network = np.concatenate([a[4] + a[5] * extra[:m], a[2] + a[3] * extra[m:]])
+        log_n = np.log(network)
+        log_cm = log_c[k:]
+        log_o, z = _log_optim_time(log_cm, log_n, gamma)
+        err2 = np.concatenate([log_c[:k], log_o]) - self.log_optim
         rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
         rms2 = math.sqrt(float(err2 @ err2) / n + 1e-18)
         value = rms1 + rms2 + _GAMMA_PULL * (gamma - 1.0) ** 2
-        share_n = 1.0 / (1.0 + np.exp(-z))  # d log T_o / d log T_n
-        share_c = 1.0 - share_n
         d1 = err1 / (n * rms1)
         d2 = err2 / (n * rms2)
-        dlog_c = d1 + d2 * share_c  # d value / d log T_c per observation
-        dlog_n = np.where(self.multi, d2 * share_n / network, 0.0)
+        d2m = d2[k:]
+        share_n = 1.0 / (1.0 + np.exp(-z))  # d log T_o / d log T_n
+        dlog_c = d1 + d2
+        dlog_c[k:] -= d2m * share_n
+        dlog_n = d2m * share_n / network
+        per_c = dlog_c / compute
         grad = np.empty(7)
-        grad[0] = a[0] * float(np.sum(dlog_c / compute))
-        grad[1] = a[1] * float(np.sum(dlog_c * self.bsz / compute))
-        grad[2] = a[2] * float(np.sum(np.where(inter, dlog_n, 0.0)))
-        grad[3] = a[3] * float(np.sum(np.where(inter, dlog_n * extra, 0.0)))
-        grad[4] = a[4] * float(np.sum(np.where(inter, 0.0, dlog_n)))
-        grad[5] = a[5] * float(np.sum(np.where(inter, 0.0, dlog_n * extra)))
-        log_n_safe = np.where(self.multi, log_n, 0.0)
-        dgamma = np.where(self.multi, (share_c * log_c + share_n * log_n_safe - log_o) / gamma, 0)
-        grad[6] = float(d2 @ dgamma) + 2.0 * _GAMMA_PULL * (gamma - 1.0)
+        grad[0] = a[0] * float(per_c.sum())
+        grad[1] = a[1] * float(per_c @ self.bsz)
+        grad[2] = a[2] * float(dlog_n[m:].sum())
+        grad[3] = a[3] * float(dlog_n[m:] @ extra[m:])
+        grad[4] = a[4] * float(dlog_n[:m].sum())
+        grad[5] = a[5] * float(dlog_n[:m] @ extra[:m])
+        dgamma = ((1.0 - share_n) * log_cm + share_n * log_n - log_o) / gamma
+        grad[6] = float(d2m @ dgamma) + 2.0 * _GAMMA_PULL * (gamma - 1.0)
         return value, grad
 
 
@@ -874,7 +892,8 @@ def _weighted_line(x: FloatArray, y: FloatArray) -> tuple[float, float]:
         if a >= PARAM_FLOOR and b >= PARAM_FLOOR:
             return float(a), float(b)
         if a < PARAM_FLOOR:  # through the origin
-            return PARAM_FLOOR, max(PARAM_FLOOR, float(np.median(y / np.maximum(x, 1e-300))))
+            wx = w * x
+            return PARAM_FLOOR, max(PARAM_FLOOR, float(wx.sum() / (wx @ wx)))
     return max(PARAM_FLOOR, float(np.median(y))), PARAM_FLOOR
 
 
@@ -890,9 +909,11 @@ def fit_perf_params(
     """Fit :class:`PerfParams` to observed step times (one entry per observation).
 
     Minimises the RMS log error of the accumulation step times against ``T_c`` plus
-    that of the optimiser step times against ``T_o`` (bounded L-BFGS-B, analytic
-    gradient), from a least-squares start at a few values of gamma, or from
-    ``initial`` alone if given. Parameters the data cannot identify take priors:
+    that of the optimiser step times against ``T_o`` (bounded L-BFGS-B on the log
+    of every alpha and beta, analytic gradient). The descent starts from the best
+    of weighted least-squares starts at several values of gamma, and also from
+    ``initial`` if given; the best result wins. Parameters that the data cannot
+    identify take priors:
 
     * one atomic batch size: ``alpha_c`` is fixed to half the compute time;
     * no multi-replica step within a node (across nodes): ``alpha_r`` (``alpha_n``)
@@ -904,17 +925,18 @@ def fit_perf_params(
     nodes, replicas, bsz, accum, optim = _check_observations(
         num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time
     )
-    multi = replicas > 1
-    inter = nodes > 1
-    intra = multi & ~inter
+    group = np.where(replicas == 1, 0, np.where(nodes == 1, 1, 2))
+    order = np.argsort(group, kind="stable")
+    group, replicas = group[order], replicas[order]
     obs = _Observations(
-        bsz=bsz,
-        extra=np.maximum(replicas - 2.0, 0.0),
-        multi=multi,
-        inter=inter,
-        log_accum=np.log(accum),
-        log_optim=np.log(optim),
+        bsz=bsz[order],
+        log_accum=np.log(accum[order]),
+        log_optim=np.log(optim[order]),
+        n_single=int(np.count_nonzero(group == 0)),
+        n_intra=int(np.count_nonzero(group == 1)),
+        extra=np.maximum(replicas[group > 0] - 2.0, 0.0),
     )
+    intra, inter = group == 1, group == 2
     floor = math.log(PARAM_FLOOR)
     lower = np.array([floor] * 6 + [GAMMA_RANGE[0]])
     upper = np.array([_THETA_MAX] * 6 + [GAMMA_RANGE[1]])
@@ -929,18 +951,24 @@ def fit_perf_params(
         pinned[2] = floor
     if not (inter & (replicas > 2)).any():
         pinned[3] = floor
-    if not multi.any():
+    if obs.n_single == obs.n:
         pinned[6] = 1.0
     for i, value in pinned.items():
         lower[i] = upper[i] = value
 
-    starts = [initial.astuple()] if initial is not None else _starts(obs, accum, optim, pinned)
-    best: Any = None
-    for start in starts:
-        theta0 = np.array([math.log(max(v, PARAM_FLOOR)) for v in start[:6]] + [start[6]])
-        theta0 = np.clip(theta0, lower, upper)
+    def to_theta(params: Sequence[float]) -> FloatArray:
+        logs = [math.log(max(v, PARAM_FLOOR)) for v in params[:6]]
+        theta: FloatArray = np.clip(np.array([*logs, params[6]]), lower, upper)
         for i, value in pinned.items():
-            theta0[i] = value
+            theta[i] = value
+        return theta
+
+    candidates = [to_theta(start) for start in _starts(obs, pinned)]
+    starts = [min(candidates, key=lambda theta: obs.objective(theta)[0])]
+    if initial is not None:
+        starts.append(to_theta(initial.astuple()))
+    best: Any = None
+    for theta0 in starts:
         result = scipy.optimize.minimize(
             obs.objective,
             theta0,
@@ -958,28 +986,25 @@ def fit_perf_params(
     return PerfParams(*values)
 
 
-def _starts(
-    obs: _Observations, accum: FloatArray, optim: FloatArray, pinned: Mapping[int, float]
-) -> list[tuple[float, ...]]:
-    """Least-squares starting points of the fit, one per trial gamma."""
+def _starts(obs: _Observations, pinned: Mapping[int, float]) -> list[tuple[float, ...]]:
+    """Weighted least-squares starting points of the fit, one per trial gamma."""
+    accum = np.exp(obs.log_accum)
     if 0 in pinned:
         alpha_c = math.exp(pinned[0])
         beta_c = max(PARAM_FLOOR, float(np.median((accum - alpha_c) / obs.bsz)))
     else:
         alpha_c, beta_c = _weighted_line(obs.bsz, accum)
-    compute = alpha_c + beta_c * obs.bsz
+    k, m = obs.n_single, obs.n_intra
+    compute = (alpha_c + beta_c * obs.bsz)[k:]
+    optim = np.exp(obs.log_optim[k:])
+    ratio = np.maximum(optim / compute, 1.0 + 1e-3)
     starts = []
-    for gamma in (1.0, 2.0, 4.0):
-        # The network time that explains each optimiser step at this gamma.
-        ratio = np.maximum(optim / compute, 1.0 + 1e-3)
+    for gamma in _GAMMA_STARTS if k < obs.n else (1.0,):
+        # The network times that explain the optimiser steps at this gamma.
         network = compute * (ratio**gamma - 1.0) ** (1.0 / gamma)
         params = [alpha_c, beta_c]
-        for link in (obs.multi & obs.inter, obs.multi & ~obs.inter):
-            if link.any():
-                params += list(_weighted_line(obs.extra[link], network[link]))
-            else:
-                params += [PARAM_FLOOR, PARAM_FLOOR]
+        for part in (slice(m, None), slice(0, m)):  # inter-node, then intra-node
+            x, y = obs.extra[part], network[part]
+            params += list(_weighted_line(x, y)) if len(y) else [PARAM_FLOOR, PARAM_FLOOR]
         starts.append((*params, gamma))
-        if not obs.multi.any():
-            break
     return starts
