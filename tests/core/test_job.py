@@ -146,3 +146,31 @@ def test_journal_round_trip_and_garbage(tmp_path):
     assert Journal(tmp_path / "j").read() == Mark(samples=5)
     (tmp_path / "bad").write_bytes(b"\x00garbage")
     assert Journal(tmp_path / "bad").read() is None
+
+
+def test_checkpoint_gathers_pending_accumulator_contributions():
+    from adaptdl.core.accumulator import Accumulator
+
+    store = MemoryCheckpointStore()
+
+    def before(collective):
+        job = Job(
+            Topology(rank=collective.rank, num_replicas=3), collective=collective, store=store
+        )
+        acc = Accumulator(collective)
+        job.register(acc)
+        acc["loss"] += collective.rank + 1.0  # pending on each replica
+        job.checkpoint()
+
+    run_replicas(3, before)
+
+    def after(collective):
+        job = Job(
+            Topology(rank=collective.rank, num_replicas=2), collective=collective, store=store
+        )
+        acc = Accumulator(collective)
+        job.register(acc)
+        with acc.synchronized():
+            return acc["loss"]
+
+    assert run_replicas(2, after) == [6.0, 6.0]

@@ -11,7 +11,7 @@ import attrs
 
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision
-from adaptdl.core.checkpoint import Checkpoint, JsonState, State
+from adaptdl.core.checkpoint import Checkpoint, CollectiveState, JsonState, State
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
@@ -191,7 +191,14 @@ class Job:
         return iter(self._states.values())
 
     def checkpoint(self) -> None:
-        """Save every registered state; rank 0 writes, then all replicas meet."""
+        """Save every registered state; rank 0 writes, then all replicas meet.
+
+        States whose contents live partly on other replicas (accumulators) are
+        synchronised first, on every replica, in registration order.
+        """
+        for state in self._states.values():
+            if isinstance(state, CollectiveState):
+                state.sync()
         entries = {name: state.to_bytes() for name, state in self._states.items()}
         if self.store is not None and self.topology.rank == 0:
             saved = self.store.save(
