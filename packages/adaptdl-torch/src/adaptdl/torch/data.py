@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import signal
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -159,8 +161,18 @@ class AdaptiveDataLoaderMixin:
         self._elastic.to_tensorboard(writer, global_step, tag_prefix)
 
 
+def _first_sigterm(signum: int, frame: FrameType | None) -> None:
+    # torchrun signals the worker's whole process group. A DataLoader worker that died
+    # of it would fail the training process before it can checkpoint; the training
+    # process ends its workers itself, so the first SIGTERM only re-arms the default.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class _WorkerInit:
-    """Seeds ``random`` and numpy in each worker from torch's per-worker seed."""
+    """Seeds ``random`` and numpy in each worker from torch's per-worker seed.
+
+    Also makes the worker survive the first SIGTERM sent to its process group.
+    """
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
         self.user_fn = user_fn
@@ -168,6 +180,7 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> None:
         # torch seeds each worker with base_seed + worker_id; the base seed is drawn
         # from the loader's generator, which the loader seeds deterministically.
+        signal.signal(signal.SIGTERM, _first_sigterm)
         seed = torch.initial_seed()
         random.seed(seed)
         np.random.seed(seed % 2**32)
