@@ -13,6 +13,7 @@ release and Python version.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,8 +172,10 @@ class Permutation:
 
     def __iter__(self) -> Iterator[int]:
         """The values in position order, as Python ints, computed in numpy chunks."""
-        for lo, hi in _chunks(self.n):
-            yield from self.take(np.arange(lo, hi, dtype=np.int64)).tolist()
+        chunks = (
+            self.take(np.arange(lo, hi, dtype=np.int64)).tolist() for lo, hi in _chunks(self.n)
+        )
+        return itertools.chain.from_iterable(chunks)
 
     def _permute_scalar(self, position: int) -> int:
         """The value at ``position`` (in ``[0, n)``, ``n > 1``), by cycle walking."""

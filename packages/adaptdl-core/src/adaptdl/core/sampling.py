@@ -17,6 +17,7 @@ duplicate). Padding is explicit: :attr:`Shard.padding` and :meth:`Shard.is_paddi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,8 +159,13 @@ class Shard:
 
     def __iter__(self) -> Iterator[int]:
         """Local dataset indices as Python ints, drawn in numpy chunks."""
+        # chain hands out the items of each chunk's list at C speed; only the chunk
+        # generator runs Python code, once a chunk.
+        return itertools.chain.from_iterable(self._chunk_lists())
+
+    def _chunk_lists(self) -> Iterator[list[int]]:
         count, lo, size = self.count, 0, _FIRST_CHUNK
         while lo < count:
             hi = min(count, lo + size)
-            yield from self.indices(lo, hi).tolist()
+            yield self.indices(lo, hi).tolist()
             lo, size = hi, min(2 * size, _MAX_CHUNK)
