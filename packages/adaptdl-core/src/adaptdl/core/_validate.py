@@ -22,9 +22,9 @@ def check_int(name: str, value: Any, *, min: int | None = None, max: int | None 
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    _check_range(name, value, min, max)
-    return value
+    result = int(value)
+    _check_range(name, result, min, max)
+    return result
 
 
 def check_float(
@@ -40,13 +40,13 @@ def check_float(
         raise ArgumentTypeError(
             f"{name} must be a real number, got {value!r} ({type(value).__name__})"
         )
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if min_exclusive and min is not None and value <= min:
-        raise ValueError(f"{name} must be > {min}, got {value!r}")
-    _check_range(name, value, min, max)
-    return value
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {result!r}")
+    if min_exclusive and min is not None and result <= min:
+        raise ValueError(f"{name} must be > {min}, got {result!r}")
+    _check_range(name, result, min, max)
+    return result
 
 
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
