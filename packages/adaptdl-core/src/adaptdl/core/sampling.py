@@ -32,7 +32,7 @@ __all__ = ["Shard"]
 
 # Iteration draws indices in numpy chunks, short at first so the first index comes
 # quickly, then growing to amortise numpy's per-call cost.
-_FIRST_CHUNK = 1 << 4
+_FIRST_CHUNK = 1
 _MAX_CHUNK = 1 << 16
 
 
