@@ -174,3 +174,27 @@ def test_checkpoint_gathers_pending_accumulator_contributions():
             return acc["loss"]
 
     assert run_replicas(2, after) == [6.0, 6.0]
+
+
+def test_policy_from_env():
+    assert CheckpointPolicy.from_env({}) == CheckpointPolicy()
+    policy = CheckpointPolicy.from_env(
+        {"ADAPTDL_CHECKPOINT_INTERVAL": "0", "ADAPTDL_CHECKPOINT_STEPS": "50"}
+    )
+    assert policy == CheckpointPolicy(every_seconds=None, every_steps=50)
+    assert CheckpointPolicy.from_env({"ADAPTDL_CHECKPOINT_INTERVAL": "2.5"}).every_seconds == 2.5
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"ADAPTDL_CHECKPOINT_INTERVAL": "soon"}, "ADAPTDL_CHECKPOINT_INTERVAL"),
+        ({"ADAPTDL_CHECKPOINT_INTERVAL": "-1"}, "ADAPTDL_CHECKPOINT_INTERVAL"),
+        ({"ADAPTDL_CHECKPOINT_INTERVAL": "nan"}, "ADAPTDL_CHECKPOINT_INTERVAL"),
+        ({"ADAPTDL_CHECKPOINT_STEPS": "1.5"}, "ADAPTDL_CHECKPOINT_STEPS"),
+        ({"ADAPTDL_CHECKPOINT_STEPS": "-2"}, "ADAPTDL_CHECKPOINT_STEPS"),
+    ],
+)
+def test_policy_env_garbage_names_the_variable(env, variable):
+    with pytest.raises(ValueError, match=variable):
+        CheckpointPolicy.from_env(env)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger("adaptdl.core.job")
 
+CHECKPOINT_INTERVAL_VAR = "ADAPTDL_CHECKPOINT_INTERVAL"
+CHECKPOINT_STEPS_VAR = "ADAPTDL_CHECKPOINT_STEPS"
 EXIT_CODE_PREEMPTED = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
 
 
@@ -57,6 +61,42 @@ class CheckpointPolicy:
     def _check_steps(self, attribute: attrs.Attribute[int | None], value: Any) -> None:
         if value is not None:
             check_int("every_steps", value, min=1)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointPolicy:
+        """Read ``ADAPTDL_CHECKPOINT_INTERVAL`` (seconds) and ``ADAPTDL_CHECKPOINT_STEPS``.
+
+        Unset keeps the default; ``0`` turns that trigger off. A value that is not
+        a number raises ValueError naming the variable.
+        """
+        env = os.environ if env is None else env
+        seconds: float | None = 600.0
+        steps: int | None = None
+        raw = env.get(CHECKPOINT_INTERVAL_VAR, "").strip()
+        if raw:
+            try:
+                seconds = float(raw)
+            except ValueError:
+                seconds = -1.0
+            if not math.isfinite(seconds) or seconds < 0:
+                raise ValueError(
+                    f"environment variable {CHECKPOINT_INTERVAL_VAR}={raw!r} must be a number "
+                    "of seconds >= 0 (0 turns periodic checkpoints by time off)"
+                )
+            seconds = seconds or None
+        raw = env.get(CHECKPOINT_STEPS_VAR, "").strip()
+        if raw:
+            try:
+                steps = int(raw, 10)
+            except ValueError:
+                steps = -1
+            if steps < 0:
+                raise ValueError(
+                    f"environment variable {CHECKPOINT_STEPS_VAR}={raw!r} must be an integer "
+                    ">= 0 (0 turns periodic checkpoints by steps off)"
+                )
+            steps = steps or None
+        return cls(every_seconds=seconds, every_steps=steps)
 
     def due(self, steps: int, seconds: float) -> bool:
         """Whether ``steps`` optimiser steps or ``seconds`` since the last checkpoint are due."""

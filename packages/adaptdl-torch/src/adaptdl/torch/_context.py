@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from adaptdl.core.checkpoint import CheckpointStore
-from adaptdl.core.job import Job
+from adaptdl.core.job import CheckpointPolicy, Job
+from adaptdl.core.journal import Journal
 from adaptdl.core.topology import Topology
 from adaptdl.torch.collective import TorchCollective, collective_timeout
 
@@ -86,10 +86,16 @@ def init_process_group(
         _gloo_group = dist.new_group(backend="gloo", timeout=timeout)
     collective = TorchCollective(_gloo_group)
     store = None
+    journal = None
+    policy = CheckpointPolicy.from_env()
     if topology.checkpoint_path is not None:
         store = CheckpointStore(topology.checkpoint_path, job_id=topology.job_id)
         store.check_writable()
-    _job = Job(topology, collective=collective, store=store)
+        # Beside the checkpoints (not inside one): counts what a crash replays.
+        journal = Journal(os.path.join(topology.checkpoint_path, "progress.journal"))
+    _job = Job(
+        topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
+    )
     if _job.restored_from is not None:
         LOG.info(
             "rank %d of %d resumed from checkpoint %s (restart %d)",
