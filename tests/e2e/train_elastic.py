@@ -14,10 +14,10 @@ import os
 import time
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
+import torch
 from adaptdl.core.sampling import Shard
 from adaptdl.torch._context import current_job
 from adaptdl.torch.data import SHUFFLE_SEED

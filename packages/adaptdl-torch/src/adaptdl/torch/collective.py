@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-
 from adaptdl.core.collective import (
     CollectiveError,
     CollectiveTimeout,

@@ -17,12 +17,12 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+import torch
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.torch._context import current_job
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 __all__ = [
     "AdaptiveDataLoader",

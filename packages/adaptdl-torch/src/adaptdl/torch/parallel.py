@@ -22,14 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-
 from adaptdl.core.collective import Future
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.torch._context import current_job
 from adaptdl.torch.scaling_rules import AdaScale, ScalingRuleBase
 from adaptdl.torch.state import StateDictState
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["AdaptiveDataParallel"]
 

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-
 from adaptdl.core.checkpoint import CheckpointError
 
 __all__ = ["StateDictState"]

@@ -1,0 +1,47 @@
+"""Run by test_torch_collective under torchrun: every collective, checked on every replica."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+from adaptdl.core.collective import CollectiveError, logical_or, maximum
+from adaptdl.torch.collective import TorchCollective, collective_timeout
+
+dist.init_process_group("gloo", timeout=collective_timeout())
+c = TorchCollective(dist.new_group(backend="gloo", timeout=collective_timeout()))
+r, n = c.rank, c.num_replicas
+big = "x" * 5000
+results = {
+    "rank": r,
+    "broadcast": c.broadcast({"from": r}),
+    "broadcast_big_from_last": c.broadcast([big, r] if r == n - 1 else None, root=n - 1)[1],
+    "allgather": c.allgather([r, "y" * (400 * r)]),
+    "sum": c.allreduce(r + 1),
+    "max": c.allreduce(float(r), maximum),
+    "tuple_arrives_as_list": c.allreduce((r, 1)),
+}
+flag = c.allreduce_async(r == n - 1, logical_or)
+# Larger than a slot on rank 0 only; the fold keeps the longer string.
+large = c.allreduce_async(
+    [big] if r == 0 else [""], lambda a, b: a if len(a[0]) >= len(b[0]) else b
+)
+c.barrier()
+results["async_or"] = [flag.result(), flag.result()]
+results["async_large"] = len(large.result()[0])
+# A peer that never joins: the others time out instead of hanging.
+if r != 0:
+    try:
+        c.allreduce(1)
+        results["timeout"] = "no error"
+    except CollectiveError as exc:
+        results["timeout"] = type(exc).__name__
+with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w", encoding="utf-8") as out:
+    json.dump(results, out)
+if r == 0:
+    time.sleep(6)  # alive but absent from the last allreduce: the others time out
+os._exit(0)

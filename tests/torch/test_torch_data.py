@@ -1,0 +1,283 @@
+"""AdaptiveDataLoader, ElasticSampler and the loop API in one process."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.core.job import Preempted
+from adaptdl.core.sampling import Shard
+from adaptdl.torch import _context
+from adaptdl.torch.data import (
+    SHUFFLE_SEED,
+    AdaptiveDataLoader,
+    AdaptiveDataLoaderHelper,
+    AdaptiveDataLoaderMixin,
+    ElasticSampler,
+    current_dataloader,
+    derive_seed,
+)
+
+
+def indexed(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n), torch.randn(n, 3))
+
+
+def consume(loader: AdaptiveDataLoader) -> list[int]:
+    seen: list[int] = []
+    for batch in loader:
+        seen += batch[0].tolist()
+    return seen
+
+
+class SeedReport(Dataset[Any]):
+    """Returns, per sample, the seeds the worker's random generators were given."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[int, int, int, float]:
+        info = torch.utils.data.get_worker_info()
+        return i, torch.initial_seed(), info.id if info else -1, float(np.random.rand())
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(3))
+
+
+# -- ElasticSampler ----------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 300), epoch=st.integers(0, 5), frac=st.floats(0, 1), shuffle=st.booleans())
+def test_sampler_yields_the_core_shard_from_the_set_index(
+    n: int, epoch: int, frac: float, shuffle: bool
+) -> None:
+    index = int(frac * (n - 1))
+    sampler = ElasticSampler(indexed(n), shuffle=shuffle)
+    sampler.set_epoch(epoch, index)
+    shard = Shard(n, index, 1, 0, seed=SHUFFLE_SEED, epoch=epoch, shuffle=shuffle)
+    assert list(sampler) == list(shard)
+    assert len(sampler) == shard.count
+
+
+def test_sampler_orders_differ_between_epochs_and_not_without_shuffle() -> None:
+    sampler = ElasticSampler(indexed(50))
+    orders = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert orders[0] != orders[1] and sorted(orders[0]) == list(range(50))
+    plain = ElasticSampler(indexed(50), shuffle=False)
+    plain.set_epoch(3, 10)
+    assert list(plain) == list(range(10, 50))
+
+
+@pytest.mark.parametrize(("epoch", "index"), [(-1, 0), (0, -1), (1.5, 0), (0, True)])
+def test_sampler_rejects_bad_epoch_or_index(epoch: Any, index: Any) -> None:
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        ElasticSampler(indexed(5)).set_epoch(epoch, index)
+
+
+def test_sampler_rejects_non_bool_shuffle() -> None:
+    with pytest.raises(ValueError, match="shuffle must be a bool"):
+        ElasticSampler(indexed(5), shuffle=1)  # type: ignore[arg-type]
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwarg", ["sampler", "batch_sampler"])
+def test_custom_sampler_is_refused(kwarg: str) -> None:
+    with pytest.raises(ValueError, match=f"custom {kwarg}"):
+        AdaptiveDataLoader(indexed(4), batch_size=2, **{kwarg: [0, 1]})
+
+
+def test_iterable_dataset_is_refused() -> None:
+    with pytest.raises(ValueError, match="map-style"):
+        AdaptiveDataLoader(Stream(), batch_size=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_batch_size_is_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        AdaptiveDataLoader(indexed(4), batch_size=bad)
+
+
+def test_iterating_outside_an_epoch_loop_is_an_error() -> None:
+    loader = AdaptiveDataLoader(indexed(4), batch_size=2)
+    with pytest.raises(RuntimeError, match="remaining_epochs_until"):
+        next(iter(loader))
+
+
+def test_two_loops_at_once_is_an_error() -> None:
+    a = AdaptiveDataLoader(indexed(4), batch_size=2)
+    b = AdaptiveDataLoader(indexed(4), batch_size=2)
+    for _ in adl.remaining_epochs_until(1):
+        outer = iter(a)
+        next(outer)
+        with pytest.raises(RuntimeError, match="only one dataloader loop"):
+            next(iter(b))
+        outer.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((4,), "max_batch_size"),
+        ((16, (0, 8)), "min must be None or an int >= 1"),
+        ((16, (9, 8)), "min <= max"),
+        ((16, (10, 12)), "min must be <= batch_size"),
+        ((16, (1, 4)), "max must be >= batch_size"),
+        ((16, (1, 2, 3)), "pair"),
+    ],
+)
+def test_invalid_autoscale_bounds_are_value_errors(args: tuple[Any, ...], message: str) -> None:
+    loader = AdaptiveDataLoader(indexed(4), batch_size=8)
+    with pytest.raises(ValueError, match=message):
+        loader.autoscale_batch_size(*args)
+
+
+# -- loops -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_epoch_yields_every_sample_once(shuffle: bool) -> None:
+    loader = AdaptiveDataLoader(indexed(23), batch_size=4, shuffle=shuffle)
+    orders = [consume(loader) for _ in adl.remaining_epochs_until(2)]
+    for order in orders:
+        assert sorted(order) == list(range(23))
+    assert (orders[0] == list(range(23))) is not shuffle
+    assert adl.finished_epochs() == 2
+
+
+def test_workers_yield_the_same_samples_and_get_distinct_deterministic_seeds() -> None:
+    def run() -> list[tuple[int, int, int, float]]:
+        loader = AdaptiveDataLoader(SeedReport(), batch_size=3, shuffle=True, num_workers=2)
+        rows: list[tuple[int, int, int, float]] = []
+        for _ in adl.remaining_epochs_until(2):
+            for i, seed, worker, draw in loader:
+                rows += zip(i.tolist(), seed.tolist(), worker.tolist(), draw.tolist(), strict=True)
+        return rows
+
+    first = run()
+    _context._reset()
+    second = run()
+    assert first == second  # deterministic, numpy included
+    assert sorted(r[0] for r in first[:12]) == list(range(12))
+    seeds = {(r[1], r[2]) for r in first}
+    by_seed = {s for s, _ in seeds}
+    assert len(by_seed) == len(seeds) == 4  # 2 workers x 2 epochs, all distinct
+    assert all(w in (0, 1) for _, w in seeds)
+
+
+def test_derive_seed_is_stable_and_spreads() -> None:
+    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2)
+    assert len({derive_seed(0, e, r) for e in range(10) for r in range(10)}) == 100
+    assert 0 <= derive_seed(5) < 2**63
+
+
+def test_current_dataloader_and_properties_inside_a_loop(writer: Any) -> None:
+    loader = AdaptiveDataLoader(indexed(8), batch_size=4)
+    assert current_dataloader() is None and adl.current_epoch() is None
+    for epoch in adl.remaining_epochs_until(1):
+        assert adl.current_epoch() == epoch == 0
+        for _ in loader:
+            helper = current_dataloader()
+            assert isinstance(helper, AdaptiveDataLoaderHelper)
+            assert helper is loader._elastic
+            assert helper.current_index in (0, 4)
+    assert current_dataloader() is None
+    assert loader.current_local_bsz == 4 and loader.accumulation_steps == 0
+    assert loader.current_batch_size == 4 and not loader.training
+    loader.train()
+    assert loader.training
+    loader.to_tensorboard(writer, 7, "train")
+    assert writer.scalars["train/Data/total_batch_size"] == (4.0, 7)
+    assert writer.scalars["train/Data/accumulation_steps"] == (0.0, 7)
+
+
+def test_to_tensorboard_with_a_real_summary_writer(tmp_path: Path) -> None:
+    tensorboard = pytest.importorskip("torch.utils.tensorboard")
+    loader = AdaptiveDataLoader(indexed(8), batch_size=4)
+    with tensorboard.SummaryWriter(str(tmp_path)) as w:
+        loader.to_tensorboard(w, 0)
+    assert any(tmp_path.iterdir())
+
+
+def test_autoscale_with_accumulation_splits_into_micro_batches() -> None:
+    loader = AdaptiveDataLoader(indexed(64), batch_size=16)
+    loader.autoscale_batch_size(64, (2, 16), gradient_accumulation=True)
+    # What the goodput engine may decide once it has a model: micro-batches of 4.
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    assert loader.training
+    sizes = []
+    for _ in adl.remaining_epochs_until(1):
+        for batch in loader:
+            sizes.append(len(batch[0]))
+            helper = current_dataloader()
+            assert helper is not None
+            assert helper.is_optim_step() == (len(sizes) % 4 == 0)
+            # Progress stops an adaptive loop: add one unit per optimiser step.
+            if helper.is_optim_step():
+                gns = helper.job.gns
+                assert gns is not None
+                gns.add_progress(1.0)
+    assert loader.current_local_bsz == 4 and loader.accumulation_steps == 3
+    assert set(sizes) == {4} and len(sizes) == 16
+
+
+def test_mixin_gives_a_custom_loader_the_helper() -> None:
+    class Custom(AdaptiveDataLoaderMixin):
+        pass
+
+    custom = Custom(8)
+    custom.autoscale_batch_size(32, (1, 16))
+    assert custom.training and custom._elastic.max_batch_size == 32
+
+
+def test_exactly_once_across_a_restart_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ckpt"))
+    seen: dict[int, list[int]] = {}
+
+    def train(stop_after: int | None) -> None:
+        adl.init_process_group("gloo")
+        job = _context.current_job()
+        loader = AdaptiveDataLoader(indexed(30), batch_size=4, shuffle=True, num_workers=1)
+        steps = 0
+        for epoch in adl.remaining_epochs_until(3):
+            for batch in loader:
+                seen.setdefault(epoch, []).extend(batch[0].tolist())
+                steps += 1
+                if steps == stop_after:
+                    job.request_stop()  # what the SIGTERM handler does
+
+    with pytest.raises(Preempted) as stopped:
+        train(stop_after=10)
+    assert stopped.value.code == 143
+    _context._reset()
+    train(stop_after=None)
+    for epoch in range(3):
+        assert sorted(seen[epoch]) == list(range(30)), epoch
+
+
+def test_random_state_in_workers_does_not_leak_into_the_main_process() -> None:
+    random.seed(3)
+    expected = random.random()
+    random.seed(3)
+    loader = AdaptiveDataLoader(SeedReport(), batch_size=4, num_workers=1)
+    for _ in adl.remaining_epochs_until(1):
+        consume(loader)
+    assert random.random() == expected
