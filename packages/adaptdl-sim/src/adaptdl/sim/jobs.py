@@ -1,0 +1,354 @@
+"""A training job in the simulated cluster, advanced analytically between events.
+
+Between two events a job's configuration (GPUs, batch size, epoch) is constant, so
+its progress grows linearly: ``gain / iteration_time`` of scale-invariant progress per
+second. The job's *decisions* go through the real core: its :class:`JobGoodput`
+holds the step times the job has experienced, fits the core performance model to
+them (``adaptdl.core.goodput.fit_perf_params``) and, with the gradient statistics it
+measures, chooses the batch size with ``GoodputFunction.optimize``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
+from adaptdl.sim.apps import ApplicationModel, FloatArray, Placement, normalize_placement
+from adaptdl.sim.workload import JobSpec
+
+# Observations that differ by less than this relative amount do not trigger a refit.
+_REFIT_TOLERANCE = 0.05
+# Atomic batch sizes within this ratio share one profile entry (the newest wins), as
+# a profiler with geometric buckets would: refitting for every small change of the
+# batch size costs more than it tells.
+_BSZ_BUCKET = 1.25
+
+
+class JobGoodput:
+    """One job's goodput engine: its profile, fitted performance model and gradient stats."""
+
+    def __init__(
+        self,
+        init_batch_size: int,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int, int],
+        *,
+        accumulation: bool = True,
+    ) -> None:
+        self.init_batch_size = init_batch_size
+        self.max_batch_size = max_batch_size
+        self.local_bsz_bounds = local_bsz_bounds
+        self.accumulation = accumulation
+        self._profile: dict[tuple[int, int, int], tuple[int, float, float]] = {}
+        self._params: PerfParams | None = None
+        self._stale = False
+        self.grad = GradParams(0.0, 0.0)
+        self._fn: GoodputFunction | None = None
+        self._speedup: FloatArray | None = None
+        self._speedup_key: tuple[int, int] = (0, 0)
+        self.fits = 0
+
+    @property
+    def has_profile(self) -> bool:
+        """Whether any step has been observed (and a model can be fitted)."""
+        return bool(self._profile)
+
+    @property
+    def max_profiled_replicas(self) -> int:
+        """Most replicas of any observed configuration (0 before any)."""
+        return max((k[1] for k in self._profile), default=0)
+
+    def record(
+        self,
+        num_nodes: int,
+        num_replicas: int,
+        atomic_bsz: int,
+        accum_time: float,
+        optim_time: float,
+    ) -> None:
+        """Add the observed compute-only and optimiser step times of one configuration."""
+        bucket = round(math.log(atomic_bsz) / math.log(_BSZ_BUCKET))
+        key = (num_nodes, num_replicas, bucket)
+        old = self._profile.get(key)
+        self._profile[key] = (atomic_bsz, accum_time, optim_time)
+        if old is None or abs(old[2] - optim_time) > _REFIT_TOLERANCE * old[2]:
+            self._stale = True
+
+    def set_grad(self, sqr: float, var: float) -> None:
+        """Set the gradient statistics (measured at the initial batch size's scale)."""
+        grad = GradParams(max(sqr, 0.0), max(var, 0.0))
+        if grad != self.grad:
+            self.grad = grad
+            self._fn = None
+            self._speedup = None
+
+    @property
+    def perf_params(self) -> PerfParams | None:
+        """The performance model fitted to the profile (refitted when it changed)."""
+        if self._stale and self._profile:
+            keys = sorted(self._profile)
+            arr = np.array([(k[0], k[1], *self._profile[k]) for k in keys], dtype=np.float64)
+            # A fresh fit each time: measured, a warm start from the previous
+            # parameters converges more slowly than the fit's own starting points.
+            self._params = fit_perf_params(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4])
+            self._stale = False
+            self._fn = None
+            self._speedup = None
+            self.fits += 1
+        return self._params
+
+    def goodput_fn(self) -> GoodputFunction | None:
+        """The core goodput function of this job now, or None before any profile."""
+        if self._fn is None or self._stale:
+            params = self.perf_params
+            if params is None:
+                return None
+            self._fn = GoodputFunction(params, self.grad, self.init_batch_size)
+        return self._fn
+
+    def optimize(self, num_nodes: int, num_replicas: int) -> tuple[float, int, int]:
+        """Return (goodput, atomic_bsz, accum_steps) for a configuration (core optimiser)."""
+        fn = self.goodput_fn()
+        lo, hi = self.local_bsz_bounds
+        if fn is None:
+            atomic = min(max(math.ceil(self.init_batch_size / num_replicas), lo), hi)
+            return 0.0, atomic, 0
+        goodput, atomic, accum = fn.optimize(
+            num_nodes,
+            num_replicas,
+            max_batch_size=self.max_batch_size,
+            atomic_bsz_range=(lo, hi),
+            accumulation=self.accumulation,
+        )
+        if atomic == 0:  # no admissible configuration: smallest local batch
+            return 0.0, lo, 0
+        return float(goodput), int(atomic), int(accum)
+
+    def speedup(self, max_gpus: int, gpus_per_node: int) -> FloatArray:
+        """Speedup over one GPU for 0..max_gpus GPUs packed onto the fewest nodes."""
+        key = (max_gpus, gpus_per_node)
+        fn = self.goodput_fn()
+        if self._speedup is not None and self._speedup_key == key and fn is self._fn:
+            return self._speedup
+        out = np.zeros(max_gpus + 1)
+        if max_gpus >= 1:
+            if fn is None:
+                out[1] = 1.0
+            else:
+                k = np.arange(1, max_gpus + 1)
+                nodes = -(-k // gpus_per_node)
+                lo, hi = self.local_bsz_bounds
+                goodput, _, _ = fn.optimize(
+                    nodes,
+                    k,
+                    max_batch_size=self.max_batch_size,
+                    atomic_bsz_range=(lo, hi),
+                    accumulation=self.accumulation,
+                )
+                base = float(goodput[0])
+                out[1:] = goodput / base if base > 0 else 0.0
+                out[1] = 1.0
+        self._speedup = out
+        self._speedup_key = key
+        return out
+
+
+class SimJob:
+    """State of one job in the cluster simulation (read by policies, written by the sim)."""
+
+    def __init__(
+        self, spec: JobSpec, app: ApplicationModel, *, adaptive: bool, accumulation: bool = True
+    ) -> None:
+        self.spec = spec
+        self.app = app
+        self.name = spec.name
+        self.submit = spec.submit
+        self.adaptive = adaptive
+        self.progress = 0.0
+        self.epoch = 0
+        self.checkpoint_progress = 0.0
+        self.nodes: list[int] = []  # node index of each allocated GPU
+        self.placement: Placement = ()
+        self.restart_until = -math.inf
+        self.atomic_bsz = 0
+        self.accum_steps = 0
+        self.batch_size = spec.batch_size
+        self.iter_time = math.inf
+        self.rate = 0.0  # progress per second once running
+        self.last_time = spec.submit
+        self.attained_service = 0.0  # GPU-seconds held
+        self.run_time = 0.0  # seconds with any GPU allocated
+        self.restarts = 0
+        self.failures = 0
+        self.started: float | None = None
+        self.finish: float | None = None
+        self.last_change = spec.submit  # when the allocation last changed
+        self.version = 0
+        self.max_gpus_seen = 0
+        self.restart_time = 0.0  # seconds spent restarting
+        self.history: list[tuple[float, int, int, int]] = []  # (time, GPUs, batch, accum)
+        self.goodput = JobGoodput(
+            app.init_batch_size,
+            app.max_batch_size,
+            app.local_bsz_bounds,
+            accumulation=accumulation,
+        )
+        self._update_grad()
+
+    # -- views for policies ----------------------------------------------------
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs allocated now."""
+        return len(self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        """Distinct nodes allocated now."""
+        return len(set(self.nodes))
+
+    @property
+    def remaining_progress(self) -> float:
+        """Scale-invariant progress still needed to complete."""
+        return max(self.app.target_progress - self.progress, 0.0)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def running_at(self, time: float) -> bool:
+        """Whether the job is making progress at ``time`` (allocated and not restarting)."""
+        return bool(self.nodes) and time >= self.restart_until
+
+    def fixed_config(self, num_gpus: int) -> tuple[int, int]:
+        """(atomic_bsz, accum_steps) for the submitted batch size on ``num_gpus`` GPUs."""
+        lo, hi = self.app.local_bsz_bounds
+        local = max(math.ceil(self.spec.batch_size / num_gpus), 1)
+        accum = max(math.ceil(local / hi), 1) - 1
+        atomic = max(math.ceil(local / (accum + 1)), 1)
+        return atomic, accum
+
+    def estimated_rate(self, placement: Placement) -> float:
+        """True progress per second at the submitted batch size on ``placement`` (oracle)."""
+        gpus = sum(placement)
+        atomic, accum = self.fixed_config(gpus)
+        step, _ = self.app.iteration_time(placement, atomic, accum)
+        batch = gpus * atomic * (accum + 1)
+        return self.app.gain(batch, self.epoch) / step
+
+    # -- simulation ------------------------------------------------------------
+
+    def advance(self, time: float) -> None:
+        """Move the job's progress and accounting forward to ``time``."""
+        dt = time - self.last_time
+        if dt <= 0:
+            return
+        if self.nodes:
+            self.attained_service += dt * len(self.nodes)
+            self.run_time += dt
+            start = max(self.last_time, self.restart_until)
+            if time > start:
+                self.progress = min(
+                    self.progress + self.rate * (time - start), self.app.target_progress
+                )
+        self.last_time = time
+
+    def set_allocation(self, time: float, nodes: list[int], restart_penalty: float) -> bool:
+        """Apply a new allocation at ``time``; return whether it changed.
+
+        A graceful change checkpoints at the batch boundary (no progress lost) and
+        costs ``restart_penalty`` seconds before the job steps again.
+        """
+        if sorted(nodes) == sorted(self.nodes):
+            return False
+        self.advance(time)
+        self.checkpoint_progress = self.progress
+        if self.nodes or self.started is not None:
+            self.restarts += 1
+        self.nodes = sorted(nodes)
+        self.last_change = time
+        self.version += 1
+        if not nodes:
+            self.placement = ()
+            self.rate = 0.0
+            self.restart_until = -math.inf
+            self.history.append((time, 0, self.batch_size, self.accum_steps))
+            return True
+        if self.started is None:
+            self.started = time
+        self.restart_until = time + restart_penalty
+        self.restart_time += restart_penalty
+        self.placement = normalize_placement(list(Counter(nodes).values()))
+        self.max_gpus_seen = max(self.max_gpus_seen, len(nodes))
+        self.configure(time)
+        return True
+
+    def lose_allocation(self, time: float) -> None:
+        """A failure: the allocation is gone and progress since the checkpoint is lost."""
+        self.advance(time)
+        self.progress = self.checkpoint_progress
+        self.epoch = self.app.epoch_at(self.progress)
+        self._update_grad()
+        self.nodes = []
+        self.placement = ()
+        self.rate = 0.0
+        self.restart_until = -math.inf
+        self.failures += 1
+        self.version += 1
+        self.last_change = time
+        self.history.append((time, 0, self.batch_size, self.accum_steps))
+
+    def configure(self, time: float) -> None:
+        """Choose the batch size for the current allocation and epoch; set the rate."""
+        gpus = len(self.nodes)
+        if gpus == 0:
+            return
+        nnodes = len(self.placement)
+        if self.adaptive:
+            _, atomic, accum = self.goodput.optimize(nnodes, gpus)
+        else:
+            atomic, accum = self.fixed_config(gpus)
+        self.atomic_bsz, self.accum_steps = atomic, accum
+        self.batch_size = gpus * atomic * (accum + 1)
+        step, sync = self.app.iteration_time(self.placement, atomic, accum)
+        compute, _ = self.app.step_time(self.placement, atomic)
+        # What the job's profiler measures: one compute-only micro-batch, one optimiser step.
+        self.goodput.record(nnodes, gpus, atomic, max(compute - sync, 1e-6), compute)
+        self.iter_time = step
+        self.rate = self.app.gain(self.batch_size, self.epoch) / step
+        self.version += 1
+        if not self.history or self.history[-1][1:] != (gpus, self.batch_size, accum):
+            self.history.append((time, gpus, self.batch_size, accum))
+
+    def next_boundary(self) -> tuple[float, bool] | None:
+        """(time, is_completion) of the next epoch boundary at the current rate, if any."""
+        if not self.nodes or self.rate <= 0 or self.done:
+            return None
+        target = float(self.app.epoch_progress[self.epoch])
+        start = max(self.last_time, self.restart_until)
+        return start + max(target - self.progress, 0.0) / self.rate, (
+            self.epoch == self.app.num_epochs - 1
+        )
+
+    def cross_boundary(self, time: float) -> bool:
+        """Handle an epoch boundary at ``time``; return whether the job completed."""
+        self.advance(time)
+        target = float(self.app.epoch_progress[self.epoch])
+        # The event time is exact up to rounding: snap onto the boundary.
+        self.progress = max(self.progress, target)
+        self.checkpoint_progress = self.progress
+        if self.epoch == self.app.num_epochs - 1:
+            self.finish = time
+            self.version += 1
+            return True
+        self.epoch += 1
+        self._update_grad()
+        self.configure(time)
+        return False
+
+    def _update_grad(self) -> None:
+        sqr, var = self.app.grad_stats(self.batch_size, self.epoch)
+        self.goodput.set_grad(sqr, var)
