@@ -244,12 +244,15 @@ class Simulation:
     # Per pass: how often each position was consumed (padding apart), samples
     # yielded, and padding samples yielded.
     counts: np.ndarray = attrs.field(init=False)
+    # Per pass: how often each dataset index was yielded, padding included.
+    index_counts: np.ndarray = attrs.field(init=False)
     yielded: int = 0
     padded: int = 0
     passes_done: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.counts = np.zeros(self.n, dtype=np.int32)
+        self.index_counts = np.zeros(self.n, dtype=np.int32)
 
     @property
     def pass_(self) -> int:
@@ -312,6 +315,7 @@ class Simulation:
             np.sort(pos[~pad]), np.arange(self.index - pass_start, new_index - pass_start)
         )
         np.add.at(self.counts, pos[~pad], 1)
+        np.add.at(self.index_counts, idx, 1)
         self.yielded += pos.size
         self.padded += int(np.count_nonzero(pad))
         self.index = new_index
@@ -324,7 +328,10 @@ class Simulation:
         # exactly the surplus of samples over n (the duplicates).
         assert self.padded == self.yielded - self.n
         assert self.padded == shards[0].total_padding == sum(s.padding for s in shards)
+        assert (self.index_counts >= 1).all()
+        assert int((self.index_counts - 1).sum()) == self.padded
         self.counts[:] = 0
+        self.index_counts[:] = 0
         self.yielded = self.padded = 0
         self.passes_done += 1
 
