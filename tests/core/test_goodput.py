@@ -352,6 +352,16 @@ def test_optimize_large_ranges_beyond_brute_force_stay_consistent() -> None:
     assert g2 >= f.evaluate(4, 16, 512, np.arange(0, 122)).max() * (1 - 1e-6)
 
 
+def test_optimize_finds_sparse_admissible_pairs() -> None:
+    # Total exactly 219 = 3 * 73 with atomic <= 65: only (3, 72) and (1, 218) fit,
+    # far beyond the first numbers of micro-batches the scan examines.
+    f = GoodputFunction(PERF, GRAD, 219)
+    _, b, k = f.optimize(1, 1, atomic_bsz_range=(None, 65), accumulation=True)
+    assert (b, k) == (3, 72)
+    _, b_arr, k_arr = f.optimize([1], [1], atomic_bsz_range=(None, 65), accumulation=True)
+    assert (b_arr[0], k_arr[0]) == (3, 72)
+
+
 def test_default_max_batch_size_is_the_initial_one() -> None:
     f = GoodputFunction(PERF, GRAD, 128)
     # Replicas divide 128: the total is exactly the initial batch size.

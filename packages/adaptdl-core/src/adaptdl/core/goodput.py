@@ -49,8 +49,8 @@ GAMMA_RANGE = (1.0, 10.0)
 # beat the best configuration found by more than this relative margin.
 _ACCUM_TOLERANCE = 1e-6
 # Numbers of accumulation steps examined per round, and rounds at most.
-_ACCUM_BLOCK = 4
-_ACCUM_ROUNDS = 4
+_ACCUM_BLOCK = 2
+_ACCUM_ROUNDS = 8
 
 
 def _check_param(name: str, value: Any, *, min: float, max: float | None = None) -> float:
@@ -220,6 +220,22 @@ def _check_array(
     return array
 
 
+def _check_count(name: str, value: Any) -> float | None:
+    """A whole number >= 1 given as a plain scalar, checked fast; None if not a plain scalar."""
+    if isinstance(value, bool | np.bool_) or not isinstance(
+        value, int | float | np.integer | np.floating
+    ):
+        return None
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number!r}")
+    if number < 1.0:
+        raise ValueError(f"{name} must be >= 1.0, got {number!r}")
+    if number != math.floor(number):
+        raise ValueError(f"{name} must be whole numbers, got {number!r}")
+    return number
+
+
 def _check_topology(nodes: FloatArray, replicas: FloatArray) -> None:
     bad = nodes > replicas
     if bad.any():
@@ -247,15 +263,50 @@ def _network_time(p: PerfParams, nodes: FloatArray, replicas: FloatArray) -> Flo
     return np.where(replicas > 1, net, 0.0)
 
 
-def _log_optim_time(
-    log_compute: FloatArray, log_network: FloatArray, gamma: float
-) -> tuple[FloatArray, FloatArray]:
-    """Return ``log T_o`` and ``z = gamma * (log T_n - log T_c)`` (``-inf`` if no network)."""
-    with np.errstate(invalid="ignore"):
-        z = gamma * (log_network - log_compute)
-    z = np.where(np.isnan(z), -np.inf, z)
+class _ArrayMath:
+    """The few functions the model needs, on numpy arrays."""
+
+    exp = staticmethod(np.exp)
+    log = staticmethod(np.log)
+    log1p = staticmethod(np.log1p)
+    expm1 = staticmethod(np.expm1)
+    abs = staticmethod(np.abs)
+    maximum = staticmethod(np.maximum)
+    minimum = staticmethod(np.minimum)
+    floor = staticmethod(np.floor)
+
+
+class _ScalarMath:
+    """The same on Python floats, much faster for one configuration; never raises."""
+
+    @staticmethod
+    def exp(x: float) -> float:
+        return math.exp(x) if x < 709.0 else math.inf
+
+    @staticmethod
+    def log(x: float) -> float:
+        return math.log(x) if x > 0.0 else -math.inf
+
+    log1p = staticmethod(math.log1p)
+    expm1 = staticmethod(math.expm1)
+    abs = staticmethod(abs)
+    maximum = staticmethod(max)
+    minimum = staticmethod(min)
+    floor = staticmethod(math.floor)
+
+
+_ARRAY_MATH = _ArrayMath()
+_SCALAR_MATH = _ScalarMath()
+
+
+def _log_optim_time(m: Any, log_compute: Any, log_network: Any, gamma: float) -> tuple[Any, Any]:
+    """Return ``log T_o`` and ``z = gamma * (log T_n - log T_c)`` (``-inf`` if no network).
+
+    ``m`` is ``_ARRAY_MATH`` or ``_SCALAR_MATH``; ``log_compute`` must be finite.
+    """
+    z = gamma * (log_network - log_compute)
     # softplus(z) = log(1 + e^z), computed without overflow.
-    softplus = np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
+    softplus = m.maximum(z, 0.0) + m.log1p(m.exp(-m.abs(z)))
     return log_compute + softplus / gamma, z
 
 
@@ -264,10 +315,8 @@ def _safe_log(x: FloatArray) -> FloatArray:
         return np.log(x)
 
 
-def _efficiency(
-    sqr: float, var: float, init_batch_size: float, batch_size: FloatArray
-) -> FloatArray:
-    scale = np.maximum(batch_size, init_batch_size) / init_batch_size
+def _efficiency(m: Any, sqr: float, var: float, init_batch_size: float, batch_size: Any) -> Any:
+    scale = m.maximum(batch_size, init_batch_size) / init_batch_size
     return (var + sqr) / (var + sqr * scale)
 
 
@@ -281,14 +330,16 @@ def _effective_grad(grad: GradParams) -> tuple[float, float]:
 
 @attrs.frozen
 class _Problem:
-    """Constants of the optimiser; per-configuration arrays broadcast against candidates."""
+    """Constants of the optimiser: per-configuration values (numpy arrays that broadcast
+    against candidates, with ``m = _ARRAY_MATH``, or floats with ``_SCALAR_MATH``)."""
 
+    m: Any
     p: PerfParams
     sqr: float
     var: float
     m0: float
-    replicas: FloatArray
-    log_network: FloatArray
+    replicas: Any
+    log_network: Any
     # log(sqr) - log(M0 var): -inf without signal, +inf without noise.
     log_sqr_minus_m0var: float
 
@@ -301,51 +352,45 @@ class _Problem:
             log_network=self.log_network[rows].reshape(shape),
         )
 
-    def parts(
-        self, b: FloatArray, u: FloatArray
-    ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+    def parts(self, b: Any, u: Any) -> tuple[Any, Any, Any, Any]:
         """Return step time S, T_c, log T_o and z at atomic size b with u micro-batches."""
-        p = self.p
+        p, m = self.p, self.m
         compute = p.alpha_c + p.beta_c * b
-        log_optim, z = _log_optim_time(np.log(compute), self.log_network, p.gamma)
-        step = (u - 1.0) * compute + np.exp(log_optim)
+        log_optim, z = _log_optim_time(m, m.log(compute), self.log_network, p.gamma)
+        step = (u - 1.0) * compute + m.exp(log_optim)
         return step, compute, log_optim, z
 
-    def goodput(self, b: FloatArray, u: FloatArray) -> FloatArray:
+    def goodput(self, b: Any, u: Any) -> Any:
         step = self.parts(b, u)[0]
         total = self.replicas * u * b
-        return total / step * _efficiency(self.sqr, self.var, self.m0, total)
+        return total / step * _efficiency(self.m, self.sqr, self.var, self.m0, total)
 
-    def psi(self, x: FloatArray, u: FloatArray) -> tuple[FloatArray, FloatArray]:
+    def psi(self, x: Any, u: Any) -> tuple[Any, Any]:
         """Return psi and d psi / dx at b = e^x, for the region total >= M0.
 
         psi is increasing in x, negative where goodput grows with b and zero at its
         maximum: psi = log(sqr R u b^2 S') - log(M0 var (S - b S')).
         """
-        p = self.p
-        b = np.exp(x)
-        step, compute, log_optim, z = self.parts(b, u)
-        optim = np.exp(log_optim)
-        log_r = np.log(compute) - log_optim  # r = T_c / T_o in (0, 1]
-        w = np.exp((p.gamma - 1.0) * log_r)  # dT_o/dT_c = r^(gamma - 1)
-        net_share = 1.0 / (1.0 + np.exp(-z))  # 1 - r^gamma = T_n^gamma / T_o^gamma
+        p, m = self.p, self.m
+        b = m.exp(x)
+        compute = p.alpha_c + p.beta_c * b
+        log_c = m.log(compute)
+        log_optim, z = _log_optim_time(m, log_c, self.log_network, p.gamma)
+        optim = m.exp(log_optim)
+        log_r = log_c - log_optim  # r = T_c / T_o in (0, 1]
+        w = m.exp((p.gamma - 1.0) * log_r)  # dT_o/dT_c = r^(gamma - 1)
+        net_share = 1.0 / (1.0 + m.exp(-z))  # 1 - r^gamma = T_n^gamma / T_o^gamma
         d1 = p.beta_c * (u - 1.0 + w)  # S'
-        rest = (u - 1.0) * p.alpha_c + p.alpha_c * w + optim * net_share  # S - b S' > 0
-        d2 = p.beta_c**2 * (p.gamma - 1.0) * np.exp((p.gamma - 2.0) * log_r) * net_share / optim
-        psi = (
-            self.log_sqr_minus_m0var
-            + np.log(self.replicas * u)
-            + 2.0 * x
-            + np.log(d1)
-            - np.log(rest)
-        )
-        dpsi = 2.0 + b * b * d2 / rest + b * d2 / d1
-        del step
+        # S - b S' > 0 (floored: it vanishes with alpha_c = 0 on one replica).
+        rest = m.maximum((u - 1.0) * p.alpha_c + p.alpha_c * w + optim * net_share, 1e-300)
+        d2 = p.beta_c**2 * (p.gamma - 1.0) * m.exp((p.gamma - 2.0) * log_r) * net_share / optim
+        psi = self.log_sqr_minus_m0var + m.log(self.replicas * u * d1 / rest) + 2.0 * x
+        dpsi = 2.0 + b * d2 * (b / rest + 1.0 / d1)
         return psi, dpsi
 
 
 def _make_problem(
-    p: PerfParams, grad: GradParams, m0: int, nodes: FloatArray, replicas: FloatArray
+    p: PerfParams, grad: GradParams, m0: int, nodes: Any, replicas: Any, *, scalar: bool = False
 ) -> _Problem:
     sqr, var = _effective_grad(grad)
     if sqr == 0.0:
@@ -354,14 +399,24 @@ def _make_problem(
         log_ratio = math.inf
     else:
         log_ratio = math.log(sqr) - math.log(m0 * var)
-    network = _network_time(p, nodes, replicas)
+    if scalar:
+        extra = max(replicas - 2.0, 0.0)
+        if replicas == 1:
+            log_network: Any = -math.inf
+        elif nodes > 1:
+            log_network = _SCALAR_MATH.log(p.alpha_n + p.beta_n * extra)
+        else:
+            log_network = _SCALAR_MATH.log(p.alpha_r + p.beta_r * extra)
+    else:
+        log_network = _safe_log(_network_time(p, nodes, replicas))
     return _Problem(
+        m=_SCALAR_MATH if scalar else _ARRAY_MATH,
         p=p,
         sqr=sqr,
         var=var,
         m0=float(m0),
-        replicas=replicas,
-        log_network=_safe_log(network),
+        replicas=float(replicas) if scalar else replicas,
+        log_network=log_network,
         log_sqr_minus_m0var=log_ratio,
     )
 
@@ -443,8 +498,149 @@ def _best_integer(
     return g, b
 
 
+def _argmax_scalar(prob: _Problem, u: float, lo: float, hi: float) -> float:
+    """:func:`_argmax_continuous` for one configuration, on Python floats."""
+    left = float(min(max(lo, prob.m0 / (prob.replicas * u)), hi))
+    xl, xr = math.log(left), math.log(hi)
+    p = prob.p
+    additive = u * p.alpha_c + prob.m.exp(prob.log_network)
+    guess = 0.5 * (
+        math.log(additive) - prob.log_sqr_minus_m0var - math.log(prob.replicas * u * u * p.beta_c)
+    )
+    # Safeguarded Newton on [xl, xr]; psi is increasing, so once an end is reached
+    # with psi pointing outwards, the end is the answer.
+    x = min(max(guess, xl), xr)
+    left_checked = right_checked = False
+    for _ in range(100):
+        f, fp = prob.psi(x, u)
+        if f == 0.0:
+            break
+        if f < 0.0:
+            if x >= xr:
+                return hi
+            xl, left_checked = x, True
+        else:
+            if x <= xl:
+                return left
+            xr, right_checked = x, True
+        step = f / fp
+        x_new = x - step
+        if not xl <= x_new <= xr:
+            # Leaving the bracket: try the end once, else bisect.
+            if x_new > xr and not right_checked:
+                x_new, right_checked = xr, True
+            elif x_new < xl and not left_checked:
+                x_new, left_checked = xl, True
+            else:
+                x_new = 0.5 * (xl + xr)
+        elif abs(step) < 1e-10:
+            x = x_new
+            break
+        x = x_new
+        if xr - xl < 1e-10:
+            break
+    return math.exp(x)
+
+
+def _best_integer_scalar(prob: _Problem, u: float, lo: int, hi: int) -> tuple[float, int]:
+    """:func:`_best_integer` for one configuration (lo <= hi), on Python floats."""
+    centre = min(max(math.floor(_argmax_scalar(prob, u, lo, hi)), lo), hi)
+    best_b, best_g = centre, prob.goodput(float(centre), u)
+    for direction in (-1, 1):
+        b = centre + direction
+        while lo <= b <= hi:
+            g = prob.goodput(float(b), u)
+            if not g > best_g:
+                break
+            best_b, best_g = b, g
+            b += direction
+    return best_g, best_b
+
+
+def _optimize_one(
+    search: _Search, nodes: float, replicas: float, accumulation: bool
+) -> tuple[float, int, int]:
+    """The search of :class:`_Search` for one configuration, on Python floats."""
+    prob = search.prob
+    r = int(replicas)
+    m_max, bmin, bmax = search.m_max, search.bmin, search.bmax
+    floor_total = int(search.floor_total[0])
+    if r * bmin > m_max:
+        return 0.0, 0, 0
+
+    def solve(u: int) -> tuple[float, int]:
+        lo = max(bmin, -(-floor_total // (r * u)))
+        hi = min(bmax, m_max // (r * u))
+        if lo > hi:
+            return -math.inf, 0
+        return _best_integer_scalar(prob, float(u), lo, hi)
+
+    if not accumulation:
+        g, b = solve(1)
+        return max(g, 0.0), b, 0
+    u_max = m_max // (r * bmin)
+    u = _first_micro_batches(prob, float(replicas), floor_total, m_max, bmin, bmax)
+    best = (-math.inf, 0, 1)
+    # One number of micro-batches at a time, as many as the vectorised scan's rounds.
+    for _ in range(_ACCUM_ROUNDS * _ACCUM_BLOCK):
+        g, b = solve(u)
+        if g > best[0]:
+            best = (g, b, u)
+        u += 1
+        if u > u_max:
+            break
+        per_step = replicas * u
+        b_rel = _argmax_scalar(prob, u, max(floor_total, 1) / per_step, m_max / per_step)
+        if prob.goodput(b_rel, float(u)) <= best[0] * (1.0 + _ACCUM_TOLERANCE):
+            break
+    else:
+        fallback = search.by_atomic(0)
+        if fallback[0] > best[0]:
+            best = (fallback[0], int(fallback[1]), int(fallback[2]))
+    return max(best[0], 0.0), best[1], best[2] - 1
+
+
+def _first_micro_batches(
+    prob: _Problem, replicas: Any, floor_total: Any, m_max: int, bmin: int, bmax: int
+) -> Any:
+    """Micro-batches below which no configuration can win (fact 1 of the search)."""
+    m = prob.m
+    p = prob.p
+    # Envelope at b = bmax: step time a0 + a1 * m, with a0 the time that
+    # synchronisation adds to T_o and a1 the compute time per sample.
+    compute = p.alpha_c + p.beta_c * bmax
+    log_optim, _ = _log_optim_time(m, math.log(compute), prob.log_network, p.gamma)
+    a0 = compute * m.expm1(log_optim - math.log(compute))
+    a1 = compute / bmax
+    if prob.sqr == 0.0:
+        m_peak = math.inf + 0.0 * a0
+    else:
+        m_peak = (a0 * prob.var * prob.m0 / (a1 * prob.sqr * replicas)) ** 0.5
+    m_lo = m.maximum(m.maximum(floor_total / replicas, bmin), prob.m0 / replicas)
+    m_star = m.minimum(m.maximum(m_lo, m_peak), m_max / replicas)
+    first = m.floor(m_star / bmax * (1.0 - 1e-9))
+    if m is _SCALAR_MATH:
+        return max(1, int(first))
+    return np.maximum(1, first).astype(np.int64)
+
+
 def _ceil_div(a: IntArray, b: IntArray) -> IntArray:
     return -(-a // b)
+
+
+def _reachable_one(r: int, m0: int, m_max: int, bmin: int, bmax: int, accumulation: bool) -> bool:
+    """Whether some admissible configuration of r replicas has a total in [m0, m_max]."""
+    lo, hi = -(-m0 // r), m_max // r  # range of the local batch size u * b
+    if max(lo, bmin) <= min(hi, bmax):
+        return True  # one micro-batch
+    if not accumulation or hi < max(lo, bmin):
+        return False
+    # A run of bmin consecutive local batches holds a multiple of bmin.
+    if hi - lo + 1 >= bmin:
+        return True
+    u = np.arange(2, hi // bmin + 1, dtype=np.int64)
+    fits = np.maximum(bmin, _ceil_div(np.int64(lo), u)) <= np.minimum(bmax, hi // u)
+    return bool(fits.any())
 
 
 def _reachable(
@@ -453,20 +649,12 @@ def _reachable(
     """Whether some admissible configuration has a total batch size in [m0, m_max]."""
     n_lo = _ceil_div(np.full_like(replicas, m0), replicas)
     n_hi = m_max // replicas
-    one_step = np.maximum(n_lo, bmin) <= np.minimum(n_hi, bmax)
-    if not accumulation:
-        return one_step
-    # With accumulation a local batch n = u * b works for any b in [bmin, bmax]
-    # dividing it; a run of bmin consecutive local batches holds a multiple of bmin.
-    reach = one_step | ((n_lo <= n_hi) & (n_hi - n_lo + 1 >= bmin))
-    for r in np.unique(replicas[~reach]):
-        lo, hi = int(_ceil_div(np.int64(m0), r)), int(m_max // r)
-        if hi < max(lo, bmin):
-            continue
-        u = np.arange(2, hi // bmin + 1, dtype=np.int64)
-        ok = np.maximum(bmin, _ceil_div(np.int64(lo), u)) <= np.minimum(bmax, hi // u)
-        if ok.any():
-            reach[replicas == r] = True
+    reach = np.maximum(n_lo, bmin) <= np.minimum(n_hi, bmax)
+    if accumulation:
+        reach |= (n_lo <= n_hi) & (n_hi - n_lo + 1 >= bmin)
+        for r in np.unique(replicas[~reach]):
+            if _reachable_one(int(r), m0, m_max, bmin, bmax, accumulation):
+                reach[replicas == r] = True
     return reach
 
 
@@ -553,8 +741,14 @@ class GoodputFunction:
         atomic batch size; with it, within a relative 1e-6 of the exact optimum
         over every integer pair (see the module's notes on the search).
         """
-        nodes = _check_array("num_nodes", num_nodes, min=1.0, integer=True)
-        replicas = _check_array("num_replicas", num_replicas, min=1.0, integer=True)
+        one_nodes = _check_count("num_nodes", num_nodes)
+        one_replicas = _check_count("num_replicas", num_replicas)
+        if one_nodes is not None and one_replicas is not None:
+            nodes = np.float64(one_nodes)
+            replicas = np.float64(one_replicas)
+        else:
+            nodes = _check_array("num_nodes", num_nodes, min=1.0, integer=True)
+            replicas = _check_array("num_replicas", num_replicas, min=1.0, integer=True)
         _check_topology(nodes, replicas)
         m0 = self.init_batch_size
         m_max = m0 if max_batch_size is None else check_int("max_batch_size", max_batch_size)
@@ -565,14 +759,16 @@ class GoodputFunction:
         bmin, bmax = _check_bsz_range(atomic_bsz_range, m_max)
         if not isinstance(accumulation, (bool, np.bool_)):
             raise ArgumentTypeError(f"accumulation must be a bool, got {accumulation!r}")
+        if one_nodes is not None and one_replicas is not None:
+            return self._optimize_scalar(
+                one_nodes, one_replicas, m_max, bmin, bmax, bool(accumulation)
+            )
         shape = np.broadcast_shapes(nodes.shape, replicas.shape)
         nodes = np.broadcast_to(nodes, shape).ravel()
         replicas = np.broadcast_to(replicas, shape).ravel()
         goodput, bsz, accum = self._optimize(
             nodes, replicas, m_max, bmin, bmax, bool(accumulation)
         )
-        if _is_scalar(num_nodes, num_replicas):
-            return float(goodput[0]), int(bsz[0]), int(accum[0])
         return goodput.reshape(shape), bsz.reshape(shape), accum.reshape(shape)
 
     # -- internals ---------------------------------------------------------
@@ -593,13 +789,31 @@ class GoodputFunction:
         p = self.perf_params
         compute = p.alpha_c + p.beta_c * bsz
         network = _network_time(p, nodes, replicas)
-        log_optim, _ = _log_optim_time(np.log(compute), _safe_log(network), p.gamma)
-        step = accum * compute + np.exp(log_optim)
+        log_optim, _ = _log_optim_time(_ARRAY_MATH, np.log(compute), _safe_log(network), p.gamma)
+        step: FloatArray = accum * compute + np.exp(log_optim)
         return replicas * bsz * (accum + 1.0) / step
 
     def _efficiency(self, total: FloatArray) -> FloatArray:
         sqr, var = _effective_grad(self.grad_params)
-        return _efficiency(sqr, var, float(self.init_batch_size), total)
+        value: FloatArray = _efficiency(_ARRAY_MATH, sqr, var, float(self.init_batch_size), total)
+        return value
+
+    def _optimize_scalar(
+        self, nodes: float, replicas: float, m_max: int, bmin: int, bmax: int, accumulation: bool
+    ) -> tuple[float, int, int]:
+        m0 = self.init_batch_size
+        reach = _reachable_one(int(replicas), m0, m_max, bmin, bmax, accumulation)
+        search = _Search(
+            prob=_make_problem(
+                self.perf_params, self.grad_params, m0, nodes, replicas, scalar=True
+            ),
+            r_int=np.array([int(replicas)], dtype=np.int64),
+            floor_total=np.array([m0 if reach else 0], dtype=np.int64),
+            m_max=m_max,
+            bmin=bmin,
+            bmax=bmax,
+        )
+        return _optimize_one(search, nodes, replicas, accumulation)
 
     def _optimize(
         self,
@@ -700,23 +914,12 @@ class _Search:
         #     by the best real b at u micro-batches without atomic bounds, cheap to
         #     compute: once that bound is no better than the best found, stop.
         prob = self.prob
-        p = prob.p
-        m0 = prob.m0
         replicas = prob.replicas
         n = replicas.shape[0]
         u_max = self.m_max // (self.r_int * self.bmin)
-        # Envelope at b = bmax: step time a0 + a1 * m, with a0 the time that
-        # synchronisation adds to T_o and a1 the compute time per sample.
-        compute = p.alpha_c + p.beta_c * self.bmax
-        log_optim, _ = _log_optim_time(np.full(n, math.log(compute)), prob.log_network, p.gamma)
-        a0 = compute * np.expm1(log_optim - math.log(compute))
-        a1 = compute / self.bmax
-        with np.errstate(divide="ignore", invalid="ignore"):
-            m_peak = np.sqrt(a0 * prob.var * m0 / (a1 * prob.sqr * replicas))
-        m_peak = np.where(np.isnan(m_peak), np.inf, m_peak)
-        m_lo = np.maximum(self.bmin, self.floor_total / replicas)
-        m_star = np.clip(np.maximum(m_peak, m0 / replicas), m_lo, self.m_max / replicas)
-        start = np.maximum(1, np.floor(m_star / self.bmax * (1.0 - 1e-9))).astype(np.int64)
+        start = _first_micro_batches(
+            prob, replicas, self.floor_total, self.m_max, self.bmin, self.bmax
+        )
 
         best_g = np.full(n, -np.inf)
         best_b = np.zeros(n)
@@ -764,7 +967,15 @@ class _Search:
         number u of micro-batches (step time (u - 1) T_c + T_o is affine in u), so
         the best u is a neighbour of a closed-form real maximiser.
         """
-        prob = self.prob.subset(np.array([row]), ndim=1)
+        if self.prob.m is _SCALAR_MATH:
+            prob = attrs.evolve(
+                self.prob,
+                m=_ARRAY_MATH,
+                replicas=np.array([self.prob.replicas]),
+                log_network=np.array([self.prob.log_network]),
+            )
+        else:
+            prob = self.prob.subset(np.array([row]), ndim=1)
         r = int(self.r_int[row])
         hi_b = min(self.bmax, self.m_max // r)
         b = np.arange(self.bmin, hi_b + 1, dtype=np.int64)
@@ -826,7 +1037,7 @@ class _Observations:
         network = np.concatenate([a[4] + a[5] * extra[:m], a[2] + a[3] * extra[m:]])
         log_n = np.log(network)
         log_cm = log_c[k:]
-        log_o, z = _log_optim_time(log_cm, log_n, gamma)
+        log_o, z = _log_optim_time(_ARRAY_MATH, log_cm, log_n, gamma)
         err2 = np.concatenate([log_c[:k], log_o]) - self.log_optim
         rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
         rms2 = math.sqrt(float(err2 @ err2) / n + 1e-18)

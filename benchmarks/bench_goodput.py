@@ -1,0 +1,116 @@
+"""Benchmark of adaptdl.core.goodput: the optimiser and the fit against their targets.
+
+Prints median wall times (time.perf_counter over repetitions) next to the target
+on one core, and for one configuration the ratio to a brute force that evaluates
+every admissible (atomic_bsz, accum_steps) pair at once with numpy. Timings on a
+shared machine are noisy: read the ratios, and rerun before trusting a figure.
+
+    python benchmarks/bench_goodput.py
+"""
+
+from __future__ import annotations
+
+import os
+
+# The targets are for one core: keep BLAS (used inside L-BFGS-B) single-threaded.
+# Threaded OpenBLAS on a busy machine makes each tiny BLAS call of the fit ~10x slower.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params  # noqa: E402
+
+# A job like the Pollux ImageNet traces: compute-bound steps, costlier links across nodes.
+PERF = PerfParams(
+    alpha_c=0.02, beta_c=0.0025, alpha_n=0.15, beta_n=0.01, alpha_r=0.03, beta_r=0.004, gamma=2.5
+)
+GRAD = GradParams(sqr=0.02, var=0.5)
+INIT_BATCH_SIZE = 128
+MAX_BATCH_SIZE = 8192
+ATOMIC_RANGE = (16, 256)
+
+
+def median_time(fn: Callable[[], Any], *, budget_s: float = 2.0, min_reps: int = 5) -> float:
+    """Median seconds of one call of fn, repeated for about budget_s."""
+    fn()  # warm up
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_reps or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 20_000:
+            break
+    return statistics.median(times)
+
+
+def brute_force(
+    f: GoodputFunction, nodes: int, replicas: int, accumulation: bool
+) -> tuple[float, int, int]:
+    """Best configuration by evaluating every admissible integer pair (the peer)."""
+    bmin, bmax = ATOMIC_RANGE
+    u_max = MAX_BATCH_SIZE // (replicas * bmin) if accumulation else 1
+    u, b = np.meshgrid(np.arange(1, u_max + 1), np.arange(bmin, bmax + 1), indexing="ij")
+    total = replicas * u * b
+    values = np.where(
+        (total <= MAX_BATCH_SIZE) & (total >= INIT_BATCH_SIZE),
+        f.evaluate(nodes, replicas, b, u - 1),
+        -np.inf,
+    )
+    i = np.unravel_index(np.argmax(values), values.shape)
+    return float(values[i]), int(b[i]), int(u[i] - 1)
+
+
+def synthetic_observations(n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    nodes = rng.integers(1, 5, n)
+    replicas = nodes * rng.integers(1, 5, n)
+    bsz = rng.integers(16, 257, n)
+    f = GoodputFunction(PERF, GRAD, 1)
+    accum = (PERF.alpha_c + PERF.beta_c * bsz) * np.exp(rng.normal(0, 0.05, n))
+    optim = replicas * bsz / f.throughput(nodes, replicas, bsz, 0) * np.exp(rng.normal(0, 0.05, n))
+    return nodes, replicas, bsz, accum, optim
+
+
+def main() -> None:
+    f = GoodputFunction(PERF, GRAD, INIT_BATCH_SIZE)
+    bounds = {"max_batch_size": MAX_BATCH_SIZE, "atomic_bsz_range": ATOMIC_RANGE}
+    rng = np.random.default_rng(0)
+    replicas = rng.integers(1, 65, 1024)
+    nodes = np.maximum(1, replicas // rng.integers(1, 9, 1024))
+    nodes = np.minimum(nodes, replicas)
+    rows: list[tuple[str, float, float, str]] = []
+
+    for accumulation in (False, True):
+        label = "accumulation" if accumulation else "no accumulation"
+        ours = median_time(lambda acc=accumulation: f.optimize(2, 8, **bounds, accumulation=acc))
+        peer = median_time(lambda acc=accumulation: brute_force(f, 2, 8, acc))
+        best = brute_force(f, 2, 8, accumulation)
+        found = f.optimize(2, 8, **bounds, accumulation=accumulation)
+        assert found[0] >= best[0] * (1 - 1e-9), (found, best)
+        rows.append((f"optimize, 1 configuration, {label}", ours, 200e-6, f"{ours / peer:.3f}"))
+        many = median_time(
+            lambda acc=accumulation: f.optimize(nodes, replicas, **bounds, accumulation=acc)
+        )
+        rows.append((f"optimize, 1024 configurations, {label}", many, 20e-3, ""))
+
+    for n in (10, 50, 200):
+        data = synthetic_observations(n, rng)
+        fit = median_time(lambda data=data: fit_perf_params(*data), budget_s=3.0)
+        rows.append((f"fit_perf_params, {n} observations", fit, 50e-3, ""))
+
+    print(f"{'figure':<46} {'median':>10} {'target':>10} {'/target':>8} {'/brute':>8}")
+    for name, value, target, peer_ratio in rows:
+        print(
+            f"{name:<46} {value * 1e3:>8.3f}ms {target * 1e3:>8.3f}ms "
+            f"{value / target:>8.2f} {peer_ratio:>8}"
+        )
+
+
+if __name__ == "__main__":
+    main()
