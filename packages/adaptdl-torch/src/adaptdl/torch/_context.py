@@ -110,6 +110,29 @@ def init_process_group(
 def _init_default_group(
     backend: str, topology: Topology, timeout: timedelta, init_method: str | None
 ) -> None:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    if init_method is None and "MASTER_ADDR" in os.environ and restart:
+        # torchrun keeps one rendezvous store for all restarts of a launch; keys of the
+        # attempt that died (gloo's peer addresses) would be read by the next one, whose
+        # replicas then connect to dead ports. Each attempt gets its own key prefix.
+        tcp = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            topology.num_replicas,
+            is_master=(
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and topology.rank == 0
+            ),
+            timeout=timeout,
+            multi_tenant=True,
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"adaptdl/attempt-{restart}", tcp),
+            rank=topology.rank,
+            world_size=topology.num_replicas,
+            timeout=timeout,
+        )
+        return
     if init_method is not None or "MASTER_ADDR" in os.environ:
         dist.init_process_group(
             backend,
