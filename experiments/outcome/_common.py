@@ -1,0 +1,140 @@
+"""What the outcome experiments share: launching torchrun workers, fixed batch sizes, data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adaptdl.core.batchsize import BatchSizeQuery
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FixedSplit:
+    """A batch-size decision that always answers (local_bsz, accum_steps).
+
+    The torch adapter takes its batch size from the job's decision; installing this
+    one as ``current_job().batch_size_decision`` runs the loader at a chosen total
+    batch size ``replicas * local_bsz * (accum_steps + 1)``, which is how these
+    experiments reach a scale (total / initial batch size) above the number of
+    replicas: the seed API's ``local_bsz_bounds`` must contain the initial batch
+    size, so accumulation cannot be forced through it.
+    """
+
+    def __init__(self, local_bsz: int, accum_steps: int) -> None:
+        if local_bsz < 1 or accum_steps < 0:
+            raise ValueError(
+                f"need local_bsz >= 1 and accum_steps >= 0, got {local_bsz}, {accum_steps}"
+            )
+        self.local_bsz = local_bsz
+        self.accum_steps = accum_steps
+
+    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
+        return self.local_bsz, self.accum_steps
+
+
+class WorkerError(RuntimeError):
+    """A torchrun job of an experiment failed; the message holds its output's tail."""
+
+
+def launch(
+    module: str, nproc: int, config: dict[str, Any], *, timeout: float = 600.0
+) -> dict[str, Any]:
+    """Run ``python -m module`` under torchrun on ``nproc`` CPU replicas; return its result.
+
+    The worker reads ``config`` (JSON) from ``$OUTCOME_CONFIG`` and rank 0 writes
+    its result (JSON) to ``$OUTCOME_RESULT``.
+    """
+    with tempfile.TemporaryDirectory(prefix="adaptdl-outcome-") as tmp:
+        cfg = Path(tmp) / "config.json"
+        res = Path(tmp) / "result.json"
+        cfg.write_text(json.dumps(config))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "OUTCOME_CONFIG": str(cfg),
+            "OUTCOME_RESULT": str(res),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        }
+        env.pop("ADAPTDL_CHECKPOINT_PATH", None)  # every run starts fresh
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0",
+            "--monitor-interval=0.2",
+            "-m",
+            module,
+        ]
+        start = time.perf_counter()
+        proc = subprocess.run(
+            command,
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0 or not res.exists():
+            tail = proc.stdout.decode(errors="replace")[-4000:]
+            raise WorkerError(f"{module} on {nproc} replicas exited {proc.returncode}:\n{tail}")
+        result: dict[str, Any] = json.loads(res.read_text())
+        result["launch_seconds"] = time.perf_counter() - start
+        return result
+
+
+def worker_config() -> dict[str, Any]:
+    """The config a worker was launched with."""
+    data: dict[str, Any] = json.loads(Path(os.environ["OUTCOME_CONFIG"]).read_text())
+    return data
+
+
+def write_result(result: dict[str, Any]) -> None:
+    """Write the worker's result (call on rank 0 only)."""
+    path = Path(os.environ["OUTCOME_RESULT"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+
+
+def gaussian_mixture(
+    num_samples: int, *, num_classes: int = 10, dim: int = 20, spread: float = 1.0, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Features and labels of a Gaussian-mixture classification problem.
+
+    Each class has a random centre (unit-variance entries, scaled by ``spread``)
+    and a random linear transformation of its noise, so the classes overlap
+    unevenly and no classifier reaches 100%. The centres and transforms depend on
+    ``seed`` only; the samples are drawn with ``seed + 1``.
+    """
+    gen = np.random.default_rng(seed)
+    centres = spread * gen.standard_normal((num_classes, dim))
+    transforms = gen.standard_normal((num_classes, dim, dim)) / np.sqrt(dim)
+    draw = np.random.default_rng(seed + 1)
+    labels = draw.integers(0, num_classes, size=num_samples)
+    noise = draw.standard_normal((num_samples, dim))
+    features = centres[labels] + np.einsum("nij,nj->ni", transforms[labels], noise)
+    return features.astype(np.float32), labels.astype(np.int64)
+
+
+def rel_error(
+    estimate: Sequence[float] | np.ndarray, truth: Sequence[float] | np.ndarray
+) -> np.ndarray:
+    """|estimate - truth| / truth, elementwise."""
+    e = np.asarray(estimate, dtype=np.float64)
+    t = np.asarray(truth, dtype=np.float64)
+    return np.abs(e - t) / t

@@ -1,0 +1,173 @@
+"""Adaptive batch size on real training, against a sweep of fixed batch sizes in the same run.
+
+The classifier of `experiments.outcome.classifier` on 2 replicas (torchrun, CPU):
+
+* adaptive: ``autoscale_batch_size(max_batch_size, local_bsz_bounds,
+  gradient_accumulation=True)``: AdaptDL's goodput-driven decision picks the local
+  batch size and accumulation steps at the start of every pass, from the
+  throughput model fitted on the job's own step timings and the gradient noise
+  measured so far; AdaScale adapts the learning rate;
+* fixed: the same training at each total batch size of a small sweep (AdaScale
+  too, so that every run gets the learning rate its batch size deserves, the
+  strongest fixed baseline short of tuning each one by hand).
+
+Every run stops when the validation accuracy first reaches the target; the time
+to it is training wall time, evaluation excluded. The machine is shared and
+noisy, so the runs are interleaved in one invocation and the figure reported is
+the ratio of the best fixed run's time to the adaptive run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from experiments.outcome._common import launch
+from experiments.outcome.classifier import PROBLEM
+
+#: Fixed total batch sizes of the sweep, as (local batch size, accumulation) on 2 replicas.
+SWEEP = ((8, 0), (32, 0), (128, 0), (512, 0))
+
+DEFAULT = {
+    **PROBLEM,
+    "progress_epochs": 8,  # the cap, and the length of the cosine schedule
+    "eval_every_samples": 2048,
+    "target_accuracy": 0.93,
+    "stop_at_target": True,
+    "max_batch_size": 1024,
+    "local_bsz_bounds": [8, 512],
+    "gradient_accumulation": True,
+}
+
+
+def run_adaptive(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The adaptive run."""
+    result = launch(
+        "experiments.outcome.classifier", 2, {**cfg, "autoscale": True, "rule": "adascale"}
+    )
+    result["label"] = "adaptive"
+    return result
+
+
+def run_fixed(cfg: dict[str, Any], local: int, accum: int) -> dict[str, Any]:
+    """One fixed run at total batch size ``2 * local * (accum + 1)``."""
+    result = launch(
+        "experiments.outcome.classifier",
+        2,
+        {**cfg, "rule": "adascale", "local_bsz": local, "accum_steps": accum},
+    )
+    result["label"] = f"fixed {2 * local * (accum + 1)}"
+    return result
+
+
+def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per run the time, progress and samples to the target; the best fixed one; the ratio."""
+    rows = []
+    for r in results:
+        steps = np.asarray(r["steps"], dtype=np.float64)
+        reached = r["reached"]
+        rows.append(
+            {
+                "label": r["label"],
+                "seconds": reached["seconds"] if reached else None,
+                "samples": reached["samples"] if reached else None,
+                "progress": reached["progress"] if reached else None,
+                "steps": len(steps),
+                "batch_sizes": sorted({int(b) for b in steps[:, 1]}) if len(steps) else [],
+                "final_batch": int(steps[-1, 1]) if len(steps) else 0,
+                "final_accum": int(steps[-1, 3]) if len(steps) else 0,
+                "val_acc": r["val_acc"],
+            }
+        )
+    fixed = [row for row in rows if row["label"] != "adaptive" and row["seconds"] is not None]
+    adaptive = next(row for row in rows if row["label"] == "adaptive")
+    best = min(fixed, key=lambda row: row["seconds"]) if fixed else None
+    ratio = None
+    if best is not None and adaptive["seconds"] is not None:
+        ratio = best["seconds"] / adaptive["seconds"]
+    return {"rows": rows, "best_fixed": best["label"] if best else None, "ratio": ratio}
+
+
+def table(summary: dict[str, Any], target: float) -> str:
+    """The markdown table of item 3."""
+    lines = [
+        f"| run | time to {target:.0%} val. accuracy (s) | samples | progress | optimiser steps "
+        "| batch sizes used | final batch (accum) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in summary["rows"]:
+        secs = f"{row['seconds']:.2f}" if row["seconds"] is not None else "not reached"
+        sizes = ", ".join(str(b) for b in row["batch_sizes"])
+        if len(row["batch_sizes"]) > 6:
+            sizes = (
+                f"{row['batch_sizes'][0]} .. {row['batch_sizes'][-1]} ({len(row['batch_sizes'])})"
+            )
+        lines.append(
+            f"| {row['label']} | {secs} | {row['samples'] or '-'} | "
+            f"{row['progress'] or 0:.0f} | {row['steps']} | {sizes} | "
+            f"{row['final_batch']} ({row['final_accum']}) |"
+        )
+    ratio = summary["ratio"]
+    lines.append("")
+    lines.append(
+        f"Best fixed batch size: {summary['best_fixed']}; time(best fixed) / time(adaptive) = "
+        + (f"{ratio:.2f}" if ratio is not None else "n/a")
+    )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
+    """The adaptive run over time (batch size, accumulation, gain, goodput); all accuracies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    adaptive = next(r for r in results if r["label"] == "adaptive")
+    steps = np.asarray(adaptive["steps"], dtype=np.float64)
+    t = steps[:, 8]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
+    panels = (
+        (axes[0, 0], steps[:, 1], "total batch size", "log"),
+        (axes[0, 1], steps[:, 3], "accumulation steps", "linear"),
+        (axes[0, 2], steps[:, 4], "gain", "linear"),
+        (axes[1, 0], steps[:, 7], "modelled goodput (samples/s)", "log"),
+        (axes[1, 1], steps[:, 2], "local batch size", "log"),
+    )
+    for ax, values, name, yscale in panels:
+        ax.plot(t, values, "-")
+        ax.set(xlabel="training time (s)", ylabel=name, yscale=yscale)
+    ax = axes[1, 2]
+    for r in results:
+        evals = np.asarray(r["evals"], dtype=np.float64)
+        ax.plot(
+            evals[:, 2], evals[:, 4], "-" if r["label"] == "adaptive" else "--", label=r["label"]
+        )
+    ax.axhline(adaptive["config"]["target_accuracy"], color="k", lw=0.8)
+    ax.set(xlabel="training time (s)", ylabel="validation accuracy", ylim=(0.5, 1.0))
+    ax.legend(fontsize=8)
+    fig.suptitle("autoscale_batch_size on 2 replicas (adaptive run)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the adaptive job and the fixed sweep, print the table, write the plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/outcome"))
+    parser.add_argument("--target-accuracy", type=float, default=DEFAULT["target_accuracy"])
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = {**DEFAULT, "target_accuracy": args.target_accuracy}
+    results = [run_adaptive(cfg)] + [run_fixed(cfg, local, accum) for local, accum in SWEEP]
+    summary = summarise(results)
+    plot(results, args.out / "autoscale_vs_fixed.png")
+    print(table(summary, cfg["target_accuracy"]))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
