@@ -115,7 +115,7 @@ def _init_default_group(
         # torchrun keeps one rendezvous store for all restarts of a launch; keys of the
         # attempt that died (gloo's peer addresses) would be read by the next one, whose
         # replicas then connect to dead ports. Each attempt gets its own key prefix.
-        tcp = dist.TCPStore(
+        tcp = dist.TCPStore(  # type: ignore[attr-defined]
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             topology.num_replicas,
@@ -127,7 +127,7 @@ def _init_default_group(
         )
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"adaptdl/attempt-{restart}", tcp),
+            store=dist.PrefixStore(f"adaptdl/attempt-{restart}", tcp),  # type: ignore[attr-defined]
             rank=topology.rank,
             world_size=topology.num_replicas,
             timeout=timeout,

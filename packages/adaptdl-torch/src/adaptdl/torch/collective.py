@@ -127,6 +127,30 @@ class _Gathered:
         ]
 
 
+_SCALARS = (bool, int, float, type(None))
+
+
+def _local_copy(value: Any) -> Any:
+    """What one replica's reduction returns: ``decode(encode(value))``, cheaply for flags.
+
+    The loader reduces a pair of flags at every step; a flat list of scalars needs
+    no JSON round trip to come back as the same value (tuples as lists).
+    """
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, (list, tuple)) and all(type(v) in _SCALARS for v in value):
+        return list(value)
+    return decode(encode(value))
+
+
+class _Ready:
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
+
+
 class _PendingReduce:
     def __init__(self, gathered: _Gathered, op: Callable[[Any, Any], Any]) -> None:
         self._gathered = gathered
@@ -183,6 +207,9 @@ class TorchCollective:
             or not 0 <= root < self._num_replicas
         ):
             raise ValueError(f"root must be an int in [0, {self._num_replicas}), got {root!r}")
+        if self._num_replicas == 1:
+            result_one: T = decode(encode(value))
+            return result_one
         payload = encode(value) if self._rank == root else b""
         # dist.broadcast takes a global rank.
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
@@ -207,6 +234,8 @@ class TorchCollective:
 
     def allgather(self, value: T) -> list[T]:
         """Every replica's ``value``, in rank order."""
+        if self._num_replicas == 1:  # nothing to exchange; same wire format all the same
+            return [decode(encode(value))]
         return _Gathered(self, encode(value), async_op=False).values()
 
     def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
@@ -216,6 +245,8 @@ class TorchCollective:
 
     def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
         """Start an allreduce; ``.result()`` waits for the peers and folds."""
+        if self._num_replicas == 1:
+            return _Ready(_local_copy(value))
         return _PendingReduce(_Gathered(self, encode(value), async_op=True), op)
 
     def barrier(self) -> None:

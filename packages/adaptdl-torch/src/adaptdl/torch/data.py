@@ -86,7 +86,7 @@ class ElasticSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """This replica's indices from the set index to the end of the pass."""
-        return (int(i) for i in self._shard())
+        return iter(self._shard())  # Python ints, drawn in numpy chunks
 
     def __len__(self) -> int:
         """How many indices `__iter__` yields."""
