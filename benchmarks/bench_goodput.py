@@ -79,29 +79,29 @@ def synthetic_observations(n: int, rng: np.random.Generator) -> tuple[np.ndarray
 
 def main() -> None:
     f = GoodputFunction(PERF, GRAD, INIT_BATCH_SIZE)
-    bounds = {"max_batch_size": MAX_BATCH_SIZE, "atomic_bsz_range": ATOMIC_RANGE}
     rng = np.random.default_rng(0)
     replicas = rng.integers(1, 65, 1024)
     nodes = np.maximum(1, replicas // rng.integers(1, 9, 1024))
     nodes = np.minimum(nodes, replicas)
     rows: list[tuple[str, float, float, str]] = []
 
-    for accumulation in (False, True):
-        label = "accumulation" if accumulation else "no accumulation"
-        ours = median_time(lambda acc=accumulation: f.optimize(2, 8, **bounds, accumulation=acc))
-        peer = median_time(lambda acc=accumulation: brute_force(f, 2, 8, acc))
-        best = brute_force(f, 2, 8, accumulation)
-        found = f.optimize(2, 8, **bounds, accumulation=accumulation)
+    def optimize(num_nodes: Any, num_replicas: Any, accumulation: bool) -> Any:
+        return f.optimize(num_nodes, num_replicas, MAX_BATCH_SIZE, ATOMIC_RANGE, accumulation)
+
+    for acc in (False, True):
+        label = "accumulation" if acc else "no accumulation"
+        ours = median_time(lambda: optimize(2, 8, acc))  # noqa: B023 (called at once)
+        peer = median_time(lambda: brute_force(f, 2, 8, acc))  # noqa: B023
+        best = brute_force(f, 2, 8, acc)
+        found = optimize(2, 8, acc)
         assert found[0] >= best[0] * (1 - 1e-9), (found, best)
         rows.append((f"optimize, 1 configuration, {label}", ours, 200e-6, f"{ours / peer:.3f}"))
-        many = median_time(
-            lambda acc=accumulation: f.optimize(nodes, replicas, **bounds, accumulation=acc)
-        )
+        many = median_time(lambda: optimize(nodes, replicas, acc))  # noqa: B023
         rows.append((f"optimize, 1024 configurations, {label}", many, 20e-3, ""))
 
     for n in (10, 50, 200):
         data = synthetic_observations(n, rng)
-        fit = median_time(lambda data=data: fit_perf_params(*data), budget_s=3.0)
+        fit = median_time(lambda: fit_perf_params(*data), budget_s=3.0)  # noqa: B023
         rows.append((f"fit_perf_params, {n} observations", fit, 50e-3, ""))
 
     print(f"{'figure':<46} {'median':>10} {'target':>10} {'/target':>8} {'/brute':>8}")

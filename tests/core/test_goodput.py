@@ -302,9 +302,8 @@ def test_optimize_matches_brute_force(space: dict[str, Any]) -> None:
     if g_best == 0.0:
         assert (g, b, k) == (0.0, 0, 0)
         return
-    assert g >= g_best * (1 - 5e-3)
-    if not space["accumulation"]:
-        assert g == pytest.approx(g_best, rel=1e-9)  # exact without accumulation
+    assert g >= g_best * (1 - 5e-3)  # the requirement
+    assert g == pytest.approx(g_best, rel=1e-9)  # what the search proves: exact
     # The reported goodput is that of the reported configuration.
     assert g == pytest.approx(space["function"].evaluate(space["nodes"], space["replicas"], b, k))
 
@@ -329,15 +328,18 @@ def test_optimize_respects_every_bound(space: dict[str, Any]) -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(f=st.builds(GoodputFunction, perf_params, grad_params, st.integers(1, 512)))
-def test_optimize_vectorised_equals_one_at_a_time(f: GoodputFunction) -> None:
+def test_optimize_vectorised_agrees_with_one_at_a_time(f: GoodputFunction) -> None:
     nodes = np.array([1, 1, 2, 2, 4, 8])
     replicas = np.array([1, 4, 2, 8, 16, 64])
     m_max, bounds = 50 * f.init_batch_size, (2, 200)
     for accumulation in (False, True):
         g, b, k = f.optimize(nodes, replicas, m_max, bounds, accumulation)
         for i in range(len(nodes)):
-            one = f.optimize(int(nodes[i]), int(replicas[i]), m_max, bounds, accumulation)
-            assert (g[i], b[i], k[i]) == pytest.approx(one, rel=1e-12)
+            g1, b1, k1 = f.optimize(int(nodes[i]), int(replicas[i]), m_max, bounds, accumulation)
+            assert g[i] == pytest.approx(g1, rel=1e-12)
+            if (b[i], k[i]) != (b1, k1):  # only a tie within rounding may differ
+                other = f.evaluate(int(nodes[i]), int(replicas[i]), b1, k1)
+                assert other == pytest.approx(g[i], rel=1e-12)
 
 
 def test_optimize_large_ranges_beyond_brute_force_stay_consistent() -> None:
@@ -445,7 +447,7 @@ fit_params = st.builds(
 )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(true=fit_params, seed=st.integers(0, 2**32 - 1), n=st.sampled_from([50, 200]))
 def test_fit_predicts_held_out_step_times(true: PerfParams, seed: int, n: int) -> None:
     rng = np.random.default_rng(seed)
@@ -455,7 +457,7 @@ def test_fit_predicts_held_out_step_times(true: PerfParams, seed: int, n: int) -
     assert err_optim < 0.10
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     true=fit_params,
     seed=st.integers(0, 2**32 - 1),
@@ -471,6 +473,18 @@ def test_fit_converges_from_poor_starts(
     err_accum, err_optim = prediction_errors(fitted, true, rng)
     assert err_accum < 0.10
     assert err_optim < 0.10
+
+
+@pytest.mark.parametrize("scale", [1e-5, 1e4])
+def test_fit_is_indifferent_to_the_time_unit(scale: float) -> None:
+    # Microsecond and multi-hour steps: far from any fixed default start.
+    true = PerfParams(
+        0.05 * scale, 0.002 * scale, 0.3 * scale, 0.02 * scale, 0.1 * scale, 0.01 * scale, 3.0
+    )
+    rng = np.random.default_rng(11)
+    fitted = fit_perf_params(*synthetic_profile(true, rng, 100))
+    err_accum, err_optim = prediction_errors(fitted, true, rng)
+    assert err_accum < 0.05 and err_optim < 0.05
 
 
 def test_fit_recovers_exact_parameters_without_noise() -> None:

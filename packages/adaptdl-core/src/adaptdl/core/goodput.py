@@ -22,6 +22,25 @@ Efficiency model: with gradient statistics measured at the initial batch size
 variance of a gradient estimate at batch size ``M0``), the gradient noise scale
 is ``B_noise = M0 * var / sqr`` samples, and a total batch size ``M >= M0`` has
 efficiency ``(B_noise + M0) / (B_noise + M) = (var + sqr) / (var + sqr * M / M0)``.
+It is 1 at ``M0``, non-increasing, and taken as 1 below ``M0`` (a smaller batch is
+not credited with more progress per sample than the initial one). Limits:
+``sqr = 0 < var`` (pure noise) gives 1 everywhere, ``var = 0`` gives ``M0 / M``
+(no noise: a larger batch makes no more progress per step), and so does
+``sqr = var = 0`` (no information: assume nothing is gained by scaling).
+
+The optimiser (:meth:`GoodputFunction.optimize`) searches integers, never a grid.
+For a fixed number ``u = accum_steps + 1`` of micro-batches, goodput is
+quasiconcave in the atomic batch size ``b`` (``b`` over a convex, positive,
+increasing function), so the best integer is a neighbour of the real maximiser,
+found by safeguarded Newton on the stationarity condition and confirmed by a
+local search: exact. Over ``u``, two facts bound the scan: for a fixed local
+batch ``u * b``, fewer and larger micro-batches are never slower (triangle
+inequality of the ``gamma``-norm); hence no ``u`` below ``floor(m* / bmax)``
+can win (``m*`` maximises the envelope over local batch sizes), and no ``u' >= u``
+can beat the best real ``b`` at ``u`` without atomic bounds. The scan stops once
+that bound is no better than the best found (up to rounding): exact again.
+Configurations it cannot settle in a few rounds are searched exhaustively over
+``b`` (the best ``u`` for a given ``b`` has a closed form).
 """
 
 from __future__ import annotations
@@ -45,16 +64,13 @@ PARAM_FLOOR = 1e-8
 #: Range of the compute/communication overlap exponent.
 GAMMA_RANGE = (1.0, 10.0)
 
-# The optimiser over accumulation steps stops once no larger number of steps can
-# beat the best configuration found by more than this relative margin.
-_ACCUM_TOLERANCE = 1e-6
+# Relative margin of floating-point rounding in goodput comparisons over numbers
+# of accumulation steps: the scan stops once no larger number can beat the best
+# found by more, and a tie within it goes to fewer steps.
+_ACCUM_TOLERANCE = 1e-12
 # Numbers of accumulation steps examined per round, and rounds at most.
 _ACCUM_BLOCK = 2
 _ACCUM_ROUNDS = 8
-
-
-def _check_param(name: str, value: Any, *, min: float, max: float | None = None) -> float:
-    return check_float(name, value, min=min, max=max)
 
 
 def _from_mapping(cls_name: str, names: tuple[str, ...], data: Any) -> dict[str, Any]:
@@ -100,11 +116,11 @@ class PerfParams:
 
     def __attrs_post_init__(self) -> None:
         for name in self.FIELDS[:-1]:
-            value = _check_param(name, getattr(self, name), min=0.0)
+            value = check_float(name, getattr(self, name), min=0.0)
             object.__setattr__(self, name, value)
         if self.beta_c <= 0.0:
             raise ValueError(f"beta_c must be > 0, got {self.beta_c!r}")
-        gamma = _check_param("gamma", self.gamma, min=GAMMA_RANGE[0], max=GAMMA_RANGE[1])
+        gamma = check_float("gamma", self.gamma, min=GAMMA_RANGE[0], max=GAMMA_RANGE[1])
         object.__setattr__(self, "gamma", gamma)
 
     def to_dict(self) -> dict[str, float]:
@@ -136,7 +152,7 @@ class GradParams:
 
     def __attrs_post_init__(self) -> None:
         for name in self.FIELDS:
-            object.__setattr__(self, name, _check_param(name, getattr(self, name), min=0.0))
+            object.__setattr__(self, name, check_float(name, getattr(self, name), min=0.0))
 
     def to_dict(self) -> dict[str, float]:
         """Return the statistics as a JSON-ready mapping of name to float."""
@@ -584,7 +600,7 @@ def _optimize_one(
     # One number of micro-batches at a time, as many as the vectorised scan's rounds.
     for _ in range(_ACCUM_ROUNDS * _ACCUM_BLOCK):
         g, b = solve(u)
-        if g > best[0]:
+        if g > best[0] * (1.0 + _ACCUM_TOLERANCE):
             best = (g, b, u)
         u += 1
         if u > u_max:
@@ -595,7 +611,7 @@ def _optimize_one(
             break
     else:
         fallback = search.by_atomic(0)
-        if fallback[0] > best[0]:
+        if fallback[0] > best[0] * (1.0 + _ACCUM_TOLERANCE):
             best = (fallback[0], int(fallback[1]), int(fallback[2]))
     return max(best[0], 0.0), best[1], best[2] - 1
 
@@ -737,9 +753,8 @@ class GoodputFunction:
         is admissible (``num_replicas * min > max_batch_size``) the result is
         (0.0, 0, 0).
 
-        Without accumulation the result is the exact optimum over every integer
-        atomic batch size; with it, within a relative 1e-6 of the exact optimum
-        over every integer pair (see the module's notes on the search).
+        The result is the exact optimum over every admissible integer pair, up to
+        floating-point rounding (see the module docstring for why).
         """
         one_nodes = _check_count("num_nodes", num_nodes)
         one_replicas = _check_count("num_replicas", num_replicas)
@@ -903,16 +918,9 @@ class _Search:
         return g[:, 0], b[:, 0], np.ones(n)
 
     def with_accumulation(self) -> tuple[FloatArray, FloatArray, FloatArray]:
-        # Search over u = accum_steps + 1 micro-batches. Two facts make a short scan
-        # exact to _ACCUM_TOLERANCE:
-        # (1) for a fixed local batch u * b, fewer, larger micro-batches are never
-        #     slower (triangle inequality of the gamma-norm), so goodput over the
-        #     local batch m has an envelope G(m), reached at b = min(m, bmax), that
-        #     is quasiconcave in m. Every u below u0 = floor(m* / bmax), m* the
-        #     envelope's maximiser, is beaten by b = bmax at u0.
-        # (2) by (1) again, every configuration with u' >= u micro-batches is beaten
-        #     by the best real b at u micro-batches without atomic bounds, cheap to
-        #     compute: once that bound is no better than the best found, stop.
+        # Scan u = accum_steps + 1 upwards from the first count that can win, a
+        # block of counts per round, until the bound on all larger counts is no
+        # better than the best found (the module docstring gives the reasons).
         prob = self.prob
         replicas = prob.replicas
         n = replicas.shape[0]
@@ -930,10 +938,11 @@ class _Search:
             u = start[rows, None] + block
             g, b = self.solve(u, rows)
             g = np.where(u <= u_max[rows, None], g, -np.inf)
-            j = np.argmax(g, axis=1)
+            top = g.max(axis=1, keepdims=True)
+            j = np.argmax(g >= top - np.abs(top) * _ACCUM_TOLERANCE, axis=1)  # fewest steps
             pick = np.arange(len(rows))
             gj = g[pick, j]
-            better = gj > best_g[rows]
+            better = gj > best_g[rows] * (1.0 + _ACCUM_TOLERANCE)
             sel = rows[better]
             best_g[sel] = gj[better]
             best_b[sel] = b[pick, j][better]
@@ -956,7 +965,7 @@ class _Search:
             # search those configurations exactly, atomic batch size by batch size.
             for row in rows:
                 g1, b1, u1 = self.by_atomic(int(row))
-                if g1 > best_g[row]:
+                if g1 > best_g[row] * (1.0 + _ACCUM_TOLERANCE):
                     best_g[row], best_b[row], best_u[row] = g1, b1, u1
         return np.maximum(best_g, 0.0), best_b, best_u
 
@@ -990,6 +999,8 @@ class _Search:
             peak = np.sqrt(extra * prob.var * prob.m0 / (compute * prob.sqr * r * bf))
         peak = np.where(np.isnan(peak), np.inf, peak)
         u_real = np.clip(np.maximum(peak, prob.m0 / (r * bf)), u_lo, np.maximum(u_lo, u_hi))
+        # Without synchronisation time more micro-batches never help: fewest steps.
+        u_real = np.where(extra > 0, u_real, u_lo)
         cand = np.clip(np.stack([np.floor(u_real), np.ceil(u_real)]), u_lo, np.maximum(u_lo, u_hi))
         values = np.where(u_lo <= u_hi, prob.goodput(bf, cand), -np.inf)
         i, j = np.unravel_index(np.argmax(values), values.shape)
@@ -1132,6 +1143,10 @@ def fit_perf_params(
       replicas there (an optimistic model, so the scheduler tries the configuration);
     * no multi-node step: afterwards ``alpha_n, beta_n >= 1.1 * (alpha_r, beta_r)``;
     * no multi-replica step at all: ``gamma = 1``.
+
+    Runs in a few milliseconds with single-threaded BLAS; threaded OpenBLAS on a
+    busy machine slows L-BFGS-B's tiny vector operations about tenfold
+    (``OPENBLAS_NUM_THREADS=1`` avoids it).
     """
     nodes, replicas, bsz, accum, optim = _check_observations(
         num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time
