@@ -34,6 +34,61 @@ SHAPES = ((1, 8, 0), (4, 16, 1), (16, 32, 3))
 DEFAULT = {**PROBLEM, "progress_epochs": 6, "eval_every_samples": 8192}
 
 
+def simulate_core(
+    scale: int,
+    rule: str = "adascale",
+    *,
+    progress: float = 2000.0,
+    lr: float = 0.05,
+    init_batch_size: int = 16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """AdaScale (or linear scaling) on the regression of `gns_accuracy`, in numpy, through core.
+
+    Each step at ``scale`` averages ``max(scale, 2)`` micro-batches of
+    ``init_batch_size * scale / max(scale, 2)`` fresh samples, feeds core's
+    `GradientNoiseScale`, takes an SGD step with the rule's learning-rate factor
+    from core's `adaptdl.core.scaling` and adds the gain to the progress, until the
+    progress reaches ``progress``. Returns the gains, the steps taken and the final
+    excess loss ``E loss - sigma^2 / 2 = delta' Lambda delta / 2`` (closed form).
+    """
+    from adaptdl.core import scaling
+    from adaptdl.core.gns import GradientNoiseScale
+    from experiments.outcome import gns_accuracy as ga
+
+    cfg = {**ga.DEFAULT, "seed": seed}
+    p = ga.problem(cfg)
+    lam, w_star = p["lam"], p["w_star"]
+    count = max(scale, 2)
+    batch = init_batch_size * scale
+    local = batch // count
+    gns = GradientNoiseScale(init_batch_size=init_batch_size)
+    core_rule = scaling.AdaScale() if rule == "adascale" else scaling.LinearScale()
+    gen = np.random.default_rng(seed + 3)
+    w = p["w0"].copy()
+    gains = []
+    while gns.progress < progress:
+        x = gen.standard_normal((batch, lam.size)) * np.sqrt(lam)
+        y = x @ w_star + cfg["sigma"] * gen.standard_normal(batch)
+        grads = (x * (x @ w - y)[:, None]).reshape(count, local, -1).mean(axis=1)
+        mean = grads.mean(axis=0)
+        gns.update(float(np.sum(grads**2)), float(mean @ mean), count, local)
+        gain = gns.gain(scale)
+        w = w - lr * core_rule.lr_factor(gain, scale, gns.progress) * mean
+        gns.add_progress(scale)
+        gains.append(gain)
+        if not np.all(np.isfinite(w)):
+            break
+    delta = w - w_star
+    return {
+        "scale": scale,
+        "rule": rule,
+        "gains": gains,
+        "steps": len(gains),
+        "excess_loss": float(0.5 * np.sum(lam * delta**2)),
+    }
+
+
 def run(cfg: dict[str, Any], rule: str, scale: int, local: int, accum: int) -> dict[str, Any]:
     """One training run on 2 replicas at ``2 * local * (accum + 1)`` samples per step."""
     result = launch(

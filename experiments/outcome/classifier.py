@@ -28,12 +28,12 @@ from experiments.outcome._common import FixedSplit, gaussian_mixture, worker_con
 PROBLEM = {
     "num_classes": 10,
     "dim": 20,
-    "spread": 0.8,
+    "spread": 0.35,
     "train_size": 8192,
     "val_size": 4096,
     "hidden": 64,
     "init_batch_size": 16,
-    "lr": 0.1,
+    "lr": 0.6,
     "seed": 0,
 }
 

@@ -1,0 +1,8 @@
+"""Make the repository root importable, so that tests can import ``experiments.outcome``."""
+
+import sys
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
