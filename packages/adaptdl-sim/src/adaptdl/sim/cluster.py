@@ -172,6 +172,8 @@ class ClusterSimulation:
                             job.restart_until, EventKind.RESTART_DONE, job.name, job.version
                         )
                     self._push_boundary(job)
+                elif job.maybe_reconfigure(self.now):
+                    self._push_boundary(job)
         used = sum(j.num_gpus for j in self.active.values())
         self.utilization.append((self.now, used))
         if self.on_progress is not None:

@@ -50,6 +50,8 @@ class JobGoodput:
         self._speedup: FloatArray | None = None
         self._speedup_key: tuple[int, int] = (0, 0)
         self.fits = 0
+        #: Goodput on one GPU (samples/s at initial-batch efficiency) at the last speedup.
+        self.base_goodput = 0.0
 
     @property
     def has_profile(self) -> bool:
@@ -151,6 +153,7 @@ class JobGoodput:
                 base = float(goodput[0])
                 out[1:] = goodput / base if base > 0 else 0.0
                 out[1] = 1.0
+                self.base_goodput = base
         self._speedup = out
         self._speedup_key = key
         return out
@@ -190,6 +193,7 @@ class SimJob:
         self.max_gpus_seen = 0
         self.restart_time = 0.0  # seconds spent restarting
         self.history: list[tuple[float, int, int, int]] = []  # (time, GPUs, batch, accum)
+        self._decided_with: GoodputFunction | None = None
         self.goodput = JobGoodput(
             app.init_batch_size,
             app.max_batch_size,
@@ -225,7 +229,7 @@ class SimJob:
 
     def fixed_config(self, num_gpus: int) -> tuple[int, int]:
         """(atomic_bsz, accum_steps) for the submitted batch size on ``num_gpus`` GPUs."""
-        lo, hi = self.app.local_bsz_bounds
+        hi = self.app.local_bsz_bounds[1]
         local = max(math.ceil(self.spec.batch_size / num_gpus), 1)
         accum = max(math.ceil(local / hi), 1) - 1
         atomic = max(math.ceil(local / (accum + 1)), 1)
@@ -308,20 +312,45 @@ class SimJob:
             return
         nnodes = len(self.placement)
         if self.adaptive:
-            _, atomic, accum = self.goodput.optimize(nnodes, gpus)
+            # The job profiles its first steps and decides again once its model learnt
+            # from them (as the real loader does within its first batches).
+            for _ in range(2):
+                before = self.goodput.goodput_fn()
+                _, atomic, accum = self.goodput.optimize(nnodes, gpus)
+                self._measure(nnodes, gpus, atomic)
+                self._decided_with = self.goodput.goodput_fn()
+                if self._decided_with is before:
+                    break
         else:
             atomic, accum = self.fixed_config(gpus)
+            self._measure(nnodes, gpus, atomic)
         self.atomic_bsz, self.accum_steps = atomic, accum
         self.batch_size = gpus * atomic * (accum + 1)
-        step, sync = self.app.iteration_time(self.placement, atomic, accum)
-        compute, _ = self.app.step_time(self.placement, atomic)
-        # What the job's profiler measures: one compute-only micro-batch, one optimiser step.
-        self.goodput.record(nnodes, gpus, atomic, max(compute - sync, 1e-6), compute)
+        step, _ = self.app.iteration_time(self.placement, atomic, accum)
         self.iter_time = step
         self.rate = self.app.gain(self.batch_size, self.epoch) / step
         self.version += 1
         if not self.history or self.history[-1][1:] != (gpus, self.batch_size, accum):
             self.history.append((time, gpus, self.batch_size, accum))
+
+    def _measure(self, nnodes: int, gpus: int, atomic: int) -> None:
+        # What the job's profiler measures: one compute-only micro-batch (the step
+        # less its synchronisation) and one optimiser step.
+        step, sync = self.app.step_time(self.placement, atomic)
+        self.goodput.record(nnodes, gpus, atomic, max(step - sync, 1e-6), step)
+
+    def maybe_reconfigure(self, time: float) -> bool:
+        """Decide the batch size again if the job's goodput model changed since it last did.
+
+        Returns whether it decided again (the rate, and so the next boundary, may have
+        changed). The caller must have advanced the job to ``time``.
+        """
+        if not self.adaptive or not self.nodes or self.done:
+            return False
+        if self.goodput.goodput_fn() is self._decided_with:
+            return False
+        self.configure(time)
+        return True
 
     def next_boundary(self) -> tuple[float, bool] | None:
         """(time, is_completion) of the next epoch boundary at the current rate, if any."""

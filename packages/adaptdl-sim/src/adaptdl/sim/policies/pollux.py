@@ -3,9 +3,15 @@
 Each job's speedup function (goodput with k GPUs over goodput with one, each at the
 batch size its own goodput engine would choose) comes from the job's core
 ``GoodputFunction``, fitted to the step times that job has experienced. GPUs go to
-maximise the sum of speedups, greedily by best gain per GPU; a change of a job's
-allocation scales its speedup by ``1 - restart_penalty / restart_horizon``, so a
-marginal gain does not pay for a restart. A job may grow to at most twice the most
+maximise the p-mean of the jobs' speedups (``fairness`` p; -1, the published
+default, favours the slowest jobs; 1 is the plain sum), greedily by best gain per
+GPU; a job with no GPUs counts as a very small speedup, so every job gets one GPU
+(in submission order) before any gets a second. A change of a job's
+allocation scales its speedup by ``1 - restart_penalty / H``, H the job's own
+estimate of its remaining time (remaining epochs' progress over its goodput; or
+``restart_horizon`` if given): a change pays off only if the speedup ratio beats
+``H / (H - restart_penalty)``, so a marginal gain, or any gain near the end of a
+job, does not pay for a restart. A job may grow to at most ``explore_factor`` (4) times the most
 GPUs it has run on (its model is untested beyond), multi-node jobs do not share
 their partial nodes with other multi-node jobs where avoidable, and the batch size
 is chosen by each job at its new allocation.
@@ -19,6 +25,9 @@ from adaptdl.core._validate import check_float, check_int
 from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.policies.base import Allocation, ClusterState, greedy_allocate, pack
 
+# Speedup a job with no GPUs counts as (finite, so that the p-mean stays finite).
+_NO_GPU_SPEEDUP = 1e-3
+
 
 class PolluxPolicy:
     """Goodput-optimising allocation with restart-cost weighting."""
@@ -30,9 +39,18 @@ class PolluxPolicy:
         self,
         *,
         restart_horizon: float | None = None,
-        explore_factor: int = 2,
+        explore_factor: int = 4,
         max_gpus_per_job: int | None = None,
+        fairness: float = -1.0,
+        max_horizon: float | None = 1800.0,
     ) -> None:
+        if max_horizon is not None:
+            check_float("max_horizon", max_horizon, min=0.0, min_exclusive=True)
+        self.max_horizon = max_horizon
+        check_float("fairness", fairness, min=-10.0, max=1.0)
+        if fairness == 0.0:
+            raise ValueError("fairness must be non-zero (p-mean exponent in [-10, 1])")
+        self.fairness = fairness
         if restart_horizon is not None:
             check_float("restart_horizon", restart_horizon, min=0.0, min_exclusive=True)
         check_int("explore_factor", explore_factor, min=1)
@@ -54,14 +72,26 @@ class PolluxPolicy:
 
     def utility(self, job: SimJob, state: ClusterState) -> np.ndarray:
         """The job's value with 0..cap GPUs: its speedup, discounted where it restarts."""
-        horizon = self.restart_horizon or 10.0 * state.interval
-        discount = max(0.0, 1.0 - state.restart_penalty / horizon)
         speedup = job.goodput.speedup(self.gpu_cap(job, state), state.gpus_per_node)
-        u = speedup * discount
         cur = job.num_gpus
-        if 0 < cur < len(u):
-            u[cur] = speedup[cur]
-        return u
+        s = speedup.copy()
+        if 0 < cur < len(s):
+            horizon = self.restart_horizon
+            if horizon is None:
+                # Progress per second = goodput / initial batch size.
+                rate = speedup[cur] * job.goodput.base_goodput / job.app.init_batch_size
+                horizon = job.remaining_progress / rate if rate > 0 else np.inf
+                if self.max_horizon is not None:
+                    # Churn hurts the other jobs too: however long this one has left,
+                    # a change must pay for itself within max_horizon.
+                    horizon = min(horizon, self.max_horizon)
+            discount = max(0.0, 1.0 - state.restart_penalty / max(horizon, 1e-9))
+            s *= discount
+            s[cur] = speedup[cur]
+        p = self.fairness
+        # Maximising the p-mean is maximising sum(s^p) for p > 0, -sum(s^p) for p < 0.
+        s = np.maximum(s, _NO_GPU_SPEEDUP)
+        return np.power(s, p) if p > 0 else -np.power(s, p)
 
     def allocate(self, state: ClusterState) -> Allocation:
         utilities = [self.utility(job, state) for job in state.jobs]
