@@ -258,10 +258,34 @@ def test_arrays_broadcast() -> None:
         ((True, 1, 32, 0), "num_nodes must be a real number"),
     ],
 )
-def test_evaluate_rejects_bad_configurations(args: tuple[Any, ...], match: str) -> None:
+@pytest.mark.parametrize("as_array", [False, True])
+def test_evaluate_rejects_bad_configurations(
+    args: tuple[Any, ...], match: str, as_array: bool
+) -> None:
     f = GoodputFunction(PERF, GRAD, 128)
+    if as_array:
+        args = tuple(np.array([a]) if np.ndim(a) == 0 else a for a in args)
     with pytest.raises(ValueError, match=match):
         f.evaluate(*args)
+    with pytest.raises(ValueError, match=match):
+        f.throughput(*args)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    f=st.builds(GoodputFunction, perf_params, grad_params, st.integers(1, 512)),
+    topology=topologies(max_replicas=64),
+    bsz=st.integers(1, 10_000),
+    accum=st.integers(0, 50),
+)
+def test_scalar_and_array_evaluation_agree(
+    f: GoodputFunction, topology: tuple[int, int], bsz: int, accum: int
+) -> None:
+    nodes, replicas = topology
+    for method in (f.evaluate, f.throughput):
+        one = method(nodes, replicas, bsz, accum)
+        many = method(np.array([nodes]), [replicas], bsz, np.array(accum))
+        assert one == pytest.approx(many[0], rel=1e-12)
 
 
 # -- efficiency --------------------------------------------------------------------

@@ -236,8 +236,10 @@ def _check_array(
     return array
 
 
-def _check_count(name: str, value: Any) -> float | None:
-    """A whole number >= 1 given as a plain scalar, checked fast; None if not a plain scalar."""
+def _check_plain(
+    name: str, value: Any, *, min: float, integer: bool = False, exclusive: bool = False
+) -> float | None:
+    """:func:`_check_array` for a plain scalar, fast; None if ``value`` is not one."""
     if isinstance(value, bool | np.bool_) or not isinstance(
         value, int | float | np.integer | np.floating
     ):
@@ -245,11 +247,15 @@ def _check_count(name: str, value: Any) -> float | None:
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name} must be finite, got {number!r}")
-    if number < 1.0:
-        raise ValueError(f"{name} must be >= 1.0, got {number!r}")
-    if number != math.floor(number):
+    if number <= min if exclusive else number < min:
+        raise ValueError(f"{name} must be {'>' if exclusive else '>='} {min}, got {number!r}")
+    if integer and number != math.floor(number):
         raise ValueError(f"{name} must be whole numbers, got {number!r}")
     return number
+
+
+def _check_count(name: str, value: Any) -> float | None:
+    return _check_plain(name, value, min=1.0, integer=True)
 
 
 def _check_topology(nodes: FloatArray, replicas: FloatArray) -> None:
@@ -705,6 +711,10 @@ class GoodputFunction:
         accum_steps: npt.ArrayLike,
     ) -> Any:
         """Return goodput = throughput x efficiency of the total batch size."""
+        one = self._scalar_problem(num_nodes, num_replicas, atomic_bsz, accum_steps)
+        if one is not None:
+            prob, bsz_one, micro = one
+            return float(prob.goodput(bsz_one, micro))
         nodes, replicas, bsz, accum = self._check_config(
             num_nodes, num_replicas, atomic_bsz, accum_steps
         )
@@ -720,6 +730,10 @@ class GoodputFunction:
         accum_steps: npt.ArrayLike,
     ) -> Any:
         """Return samples per second: total batch size over ``k * T_c + T_o``."""
+        one = self._scalar_problem(num_nodes, num_replicas, atomic_bsz, accum_steps)
+        if one is not None:
+            prob, bsz_one, micro = one
+            return float(prob.replicas * micro * bsz_one / prob.parts(bsz_one, micro)[0])
         nodes, replicas, bsz, accum = self._check_config(
             num_nodes, num_replicas, atomic_bsz, accum_steps
         )
@@ -787,6 +801,25 @@ class GoodputFunction:
         return goodput.reshape(shape), bsz.reshape(shape), accum.reshape(shape)
 
     # -- internals ---------------------------------------------------------
+
+    def _scalar_problem(
+        self, num_nodes: Any, num_replicas: Any, atomic_bsz: Any, accum_steps: Any
+    ) -> tuple[_Problem, float, float] | None:
+        """For plain scalar arguments, checked: the one-configuration problem, b and u."""
+        nodes = _check_count("num_nodes", num_nodes)
+        replicas = _check_count("num_replicas", num_replicas)
+        if nodes is None or replicas is None:
+            return None
+        if nodes > replicas:
+            _check_topology(np.float64(nodes), np.float64(replicas))
+        bsz = _check_plain("atomic_bsz", atomic_bsz, min=0.0, exclusive=True)
+        accum = _check_plain("accum_steps", accum_steps, min=0.0, integer=True)
+        if bsz is None or accum is None:
+            return None
+        prob = _make_problem(
+            self.perf_params, self.grad_params, self.init_batch_size, nodes, replicas, scalar=True
+        )
+        return prob, bsz, accum + 1.0
 
     def _check_config(
         self, num_nodes: Any, num_replicas: Any, atomic_bsz: Any, accum_steps: Any
@@ -1132,10 +1165,10 @@ def fit_perf_params(
 
     Minimises the RMS log error of the accumulation step times against ``T_c`` plus
     that of the optimiser step times against ``T_o`` (bounded L-BFGS-B on the log
-    of every alpha and beta, analytic gradient). The descent starts from the best
-    of weighted least-squares starts at several values of gamma, and also from
-    ``initial`` if given; the best result wins. Parameters that the data cannot
-    identify take priors:
+    of every alpha and beta, analytic gradient). The descent starts from whichever
+    fits best of weighted least-squares starts at several values of gamma and
+    ``initial`` (for example the last fit), if given. Parameters that the data
+    cannot identify take priors:
 
     * one atomic batch size: ``alpha_c`` is fixed to half the compute time;
     * no multi-replica step within a node (across nodes): ``alpha_r`` (``alpha_n``)
@@ -1189,21 +1222,19 @@ def fit_perf_params(
             theta[i] = value
         return theta
 
-    candidates = [to_theta(start) for start in _starts(obs, pinned)]
-    starts = [min(candidates, key=lambda theta: obs.objective(theta)[0])]
+    starts = [to_theta(start) for start in _starts(obs, pinned)]
     if initial is not None:
         starts.append(to_theta(initial.astuple()))
-    best: Any = None
-    for theta0 in starts:
-        result = scipy.optimize.minimize(
-            obs.objective,
-            theta0,
-            jac=True,
-            method="L-BFGS-B",
-            bounds=scipy.optimize.Bounds(lower, upper),
-        )
-        if best is None or result.fun < best.fun:
-            best = result
+    # One descent, from the start that already fits best: a warm start from the
+    # last fit usually wins, a poor one never does.
+    theta0 = min(starts, key=lambda theta: obs.objective(theta)[0])
+    best = scipy.optimize.minimize(
+        obs.objective,
+        theta0,
+        jac=True,
+        method="L-BFGS-B",
+        bounds=scipy.optimize.Bounds(lower, upper),
+    )
     theta = np.clip(best.x, lower, upper)
     values = [float(v) for v in np.exp(theta[:6])] + [float(theta[6])]
     if not inter.any():
