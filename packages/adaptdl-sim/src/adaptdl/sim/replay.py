@@ -1,0 +1,566 @@
+"""Job replay: one elastic job through a timeline of resizes, preemptions and crashes.
+
+A scenario drives a real ``adaptdl.core.job.Job`` in simulated time: the core sampler
+(``Shard``) chooses every replica's samples, the core loader walks the epoch and
+decides when an adaptive loop ends, the core goodput engine (``GoodputDecision`` on
+the job's ``Profiler`` and ``GradientNoiseScale``) picks the batch size and
+accumulation, and checkpoints go through a ``MemoryCheckpointStore``. The simulator
+only supplies time (step times from an application model), the gradient statistics
+of the model (fed to the core estimator as the squared norms a real step would
+produce), and the failures.
+
+On a resize or a preemption the job is asked to stop: it checkpoints at the next
+batch boundary and restarts with the new topology. On a crash it dies at once:
+whatever it did since its last checkpoint is lost, and replayed after the restart.
+The report says, per epoch, whether every sample was consumed exactly once by the
+work that survived (padding aside).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+
+from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.checkpoint import MemoryCheckpointStore
+from adaptdl.core.collective import add
+from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.sampling import Shard
+from adaptdl.core.topology import Topology
+from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
+
+T = TypeVar("T")
+
+EVENT_KINDS = ("resize", "preempt", "crash")
+
+
+class SimClock:
+    """Simulated seconds, advanced by the replay; callable like ``time.perf_counter``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Ready:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+class SimCollective:
+    """The collective of rank 0 in a job of ``num_replicas`` identical replicas.
+
+    Every replica of a simulated job holds the same values, so a reduction folds
+    rank 0's value ``num_replicas`` times and a gather repeats it.
+    """
+
+    def __init__(self, num_replicas: int) -> None:
+        self._n = check_int("num_replicas", num_replicas, min=1)
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self._n
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        check_int("root", root, min=0, max=self._n - 1)
+        return _copy(value)
+
+    def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
+        out = _copy(value)
+        for _ in range(self._n - 1):
+            out = op(out, _copy(value))
+        return out
+
+    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> _Ready:
+        return _Ready(self.allreduce(value, op))
+
+    def allgather(self, value: T) -> list[T]:
+        return [_copy(value) for _ in range(self._n)]
+
+    def barrier(self) -> None:
+        """Every simulated replica is always at the barrier."""
+
+
+def _copy(value: T) -> T:
+    result: T = json.loads(json.dumps(value))
+    return result
+
+
+@attrs.frozen
+class TimelineEvent:
+    """At ``time`` seconds: ``resize`` to ``replicas`` on ``nodes``; ``preempt`` (no GPUs
+    for ``duration`` seconds, then ``replicas``/``nodes`` if given); or ``crash``."""
+
+    time: float
+    kind: str
+    replicas: int | None = None
+    nodes: int | None = None
+    duration: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        check_float("time", self.time, min=0.0)
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"event kind must be one of {list(EVENT_KINDS)}, got {self.kind!r}")
+        if self.replicas is not None:
+            check_int("replicas", self.replicas, min=1)
+        if self.nodes is not None:
+            check_int("nodes", self.nodes, min=1)
+            if self.replicas is not None and self.nodes > self.replicas:
+                raise ValueError(f"nodes ({self.nodes}) must be <= replicas ({self.replicas})")
+        if self.kind == "resize" and self.replicas is None:
+            raise ValueError("a resize event needs replicas")
+        check_float("duration", self.duration, min=0.0)
+
+
+@attrs.frozen
+class Scenario:
+    """One job and what happens to it. Times in seconds."""
+
+    name: str
+    application: str
+    epochs: int
+    dataset_size: int
+    init_batch_size: int
+    max_batch_size: int | None = None  # None: fixed batch size
+    local_bsz_bounds: tuple[int | None, int | None] | None = None
+    gradient_accumulation: bool = False
+    replicas: int = 1
+    nodes: int = 1
+    gpus_per_node: int = 4
+    timeline: tuple[TimelineEvent, ...] = ()
+    restart_penalty: float = 30.0
+    checkpoint_interval: float | None = 600.0
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        check_int("epochs", self.epochs, min=1)
+        check_int("dataset_size", self.dataset_size, min=1)
+        check_int("init_batch_size", self.init_batch_size, min=1)
+        if self.max_batch_size is not None:
+            check_int("max_batch_size", self.max_batch_size, min=self.init_batch_size)
+        check_int("replicas", self.replicas, min=1)
+        check_int("nodes", self.nodes, min=1, max=self.replicas)
+        check_int("gpus_per_node", self.gpus_per_node, min=1)
+        check_float("restart_penalty", self.restart_penalty, min=0.0)
+        if self.checkpoint_interval is not None:
+            check_float(
+                "checkpoint_interval", self.checkpoint_interval, min=0.0, min_exclusive=True
+            )
+        times = [e.time for e in self.timeline]
+        if times != sorted(times):
+            raise ValueError("timeline events must be in time order")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Scenario:
+        """Build from JSON data (as :meth:`to_dict` writes)."""
+        known = {f.name for f in attrs.fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise ValueError(f"unknown scenario keys {extra}; known: {sorted(known)}")
+        values = dict(data)
+        values["timeline"] = tuple(TimelineEvent(**e) for e in data.get("timeline", ()))
+        if values.get("local_bsz_bounds") is not None:
+            values["local_bsz_bounds"] = tuple(values["local_bsz_bounds"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = attrs.asdict(self, recurse=True)
+        out["timeline"] = [attrs.asdict(e) for e in self.timeline]
+        return out
+
+
+def load_scenario(path: Path | str) -> Scenario:
+    """Read a scenario JSON file; errors name the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        return Scenario.from_dict(data)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: bad scenario: {exc}") from exc
+
+
+def replay_application(name: str = "replay-small") -> ParametricApplication:
+    """A small parametric application for built-in replay scenarios."""
+    return ParametricApplication(
+        name=name,
+        init_batch_size=32,
+        max_batch_size=1024,
+        local_bsz_bounds=(8, 256),
+        dataset_size=6000,
+        epochs=6,
+        alpha_c=0.02,
+        beta_c=0.0015,
+        alpha_r=0.005,
+        beta_r=0.002,
+        alpha_n=0.04,
+        beta_n=0.01,
+        noise_start=60.0,
+        noise_end=2000.0,
+    )
+
+
+def builtin_scenarios() -> dict[str, Scenario]:
+    """Named scenarios that need no external data."""
+    base = {
+        "application": "replay-small",
+        "epochs": 6,
+        "dataset_size": 6000,
+        "init_batch_size": 32,
+        "max_batch_size": 1024,
+        "local_bsz_bounds": (8, 256),
+        "gradient_accumulation": True,
+        "checkpoint_interval": 15.0,
+    }
+    E = TimelineEvent
+    return {
+        "elastic": Scenario(
+            name="elastic",
+            timeline=(
+                E(10.0, "resize", replicas=4, nodes=1),
+                E(55.0, "crash"),
+                E(75.0, "resize", replicas=8, nodes=2),
+                E(115.0, "preempt", duration=60.0, replicas=2, nodes=1),
+                E(230.0, "crash"),
+                E(250.0, "resize", replicas=6, nodes=2),
+            ),
+            **base,  # type: ignore[arg-type]
+        ),
+        "fixed": Scenario(
+            name="fixed",
+            **{**base, "max_batch_size": None, "local_bsz_bounds": None},  # type: ignore[arg-type]
+            replicas=2,
+            timeline=(E(10.0, "resize", replicas=4, nodes=1), E(33.0, "crash")),
+        ),
+        "crashy": Scenario(
+            name="crashy",
+            replicas=4,
+            timeline=tuple(E(11.0 * (i + 1), "crash") for i in range(8)),
+            **base,  # type: ignore[arg-type]
+        ),
+    }
+
+
+@attrs.frozen
+class EpochReport:
+    epoch: int
+    passes: int
+    samples: int  # real samples that survived (not padding)
+    padding: int
+    duplicates: int  # real samples consumed more than once in a pass
+    missing: int  # samples of completed passes never consumed
+    replayed: int  # samples consumed by work that a crash threw away
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.duplicates == 0 and self.missing == 0
+
+
+@attrs.frozen
+class ReplayReport:
+    scenario: str
+    epochs: tuple[EpochReport, ...]
+    #: (time, replicas, local_bsz, accum_steps, batch_size, goodput, progress) at every change.
+    timeline: tuple[tuple[float, int, int, int, int, float, float], ...]
+    restarts: int
+    crashes: int
+    restart_seconds: float
+    lost_seconds: float  # work thrown away by crashes
+    end_time: float
+    checkpoints: int
+
+    @property
+    def exactly_once(self) -> bool:
+        return all(e.exactly_once for e in self.epochs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "exactly_once": self.exactly_once,
+            "end_time": self.end_time,
+            "restarts": self.restarts,
+            "crashes": self.crashes,
+            "restart_seconds": self.restart_seconds,
+            "lost_seconds": self.lost_seconds,
+            "checkpoints": self.checkpoints,
+            "epochs": [attrs.asdict(e) | {"exactly_once": e.exactly_once} for e in self.epochs],
+            "timeline": [
+                dict(
+                    zip(
+                        (
+                            "time",
+                            "replicas",
+                            "local_bsz",
+                            "accum_steps",
+                            "batch_size",
+                            "goodput",
+                            "progress",
+                        ),
+                        row,
+                        strict=True,
+                    )
+                )
+                for row in self.timeline
+            ],
+        }
+
+
+class _Crash(Exception):
+    """The simulated process died (no checkpoint)."""
+
+
+def _placement(replicas: int, nodes: int) -> tuple[int, ...]:
+    base, extra = divmod(replicas, nodes)
+    return tuple(base + (i < extra) for i in range(nodes))
+
+
+class _Ledger:
+    """Samples consumed, split into what a checkpoint made durable and what is pending."""
+
+    def __init__(self) -> None:
+        # (epoch, pass) -> counts of real indices; padding counted apart.
+        self.counts: dict[tuple[int, int], np.ndarray] = {}
+        self.padding: defaultdict[int, int] = defaultdict(int)
+        self.replayed: defaultdict[int, int] = defaultdict(int)
+        self.pending: list[tuple[int, int, np.ndarray, int]] = []
+
+    def take(self, epoch: int, pass_: int, real: np.ndarray, padding: int) -> None:
+        self.pending.append((epoch, pass_, real, padding))
+
+    def commit(self, n: int) -> None:
+        for epoch, pass_, real, padding in self.pending:
+            counts = self.counts.setdefault((epoch, pass_), np.zeros(n, dtype=np.int64))
+            np.add.at(counts, real, 1)
+            self.padding[epoch] += padding
+        self.pending = []
+
+    def discard(self) -> None:
+        for epoch, _, real, _ in self.pending:
+            self.replayed[epoch] += len(real)
+        self.pending = []
+
+
+def run_replay(
+    scenario: Scenario,
+    application: ApplicationModel | None = None,
+    *,
+    max_runs: int = 1000,
+) -> ReplayReport:
+    """Run ``scenario`` through the real core; return the report."""
+    app = application or _scenario_app(scenario)
+    n = scenario.dataset_size
+    clock = SimClock()
+    store = MemoryCheckpointStore(clock=clock)
+    events = list(scenario.timeline)
+    ledger = _Ledger()
+    replicas, nodes = scenario.replicas, scenario.nodes
+    restarts = crashes = 0
+    restart_seconds = lost_seconds = 0.0
+    timeline: list[tuple[float, int, int, int, int, float, float]] = []
+    checkpoints = 0
+    sqr_var_cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+    for run in range(max_runs):
+        topology = Topology(rank=0, num_replicas=replicas, num_nodes=nodes, num_restarts=run)
+        policy = CheckpointPolicy(every_seconds=scenario.checkpoint_interval)
+        job = Job(
+            topology,
+            collective=SimCollective(replicas),
+            store=store,
+            clock=clock,
+            checkpoint_policy=policy,
+        )
+        loader = LoaderHelper(job, batch_size=scenario.init_batch_size, name="replay")
+        if scenario.max_batch_size is not None:
+            loader.autoscale_batch_size(
+                scenario.max_batch_size,
+                scenario.local_bsz_bounds,
+                gradient_accumulation=scenario.gradient_accumulation,
+            )
+        else:
+            loader.train()
+        placement = _placement(replicas, nodes)
+        written = job.checkpoints_written
+        last_checkpoint_time = clock.now
+        pending_stop: TimelineEvent | None = None
+        prev_local = -1
+
+        def batches(epoch: int, index: int, local_bsz: int) -> Iterator[tuple[int, int, Any]]:
+            shards = [
+                Shard(n, index, replicas, r, seed=scenario.seed, epoch=epoch)
+                for r in range(replicas)
+            ]
+            count = shards[0].count
+            for lo in range(0, count, local_bsz):
+                hi = min(lo + local_bsz, count)
+                real = []
+                pad = 0
+                for s in shards:
+                    mask = s.is_padding(lo, hi)
+                    idx = s.indices(lo, hi)
+                    real.append(idx[~mask])
+                    pad += int(mask.sum())
+                yield epoch, shards[0].pass_, (np.concatenate(real), pad)
+
+        try:
+            for epoch in job.epoch.remaining_epochs_until(scenario.epochs):
+                for ep, pass_, (real, pad) in loader.iterate(n, batches):
+                    if job.checkpoints_written != written:
+                        written = job.checkpoints_written
+                        last_checkpoint_time = clock.now
+                        checkpoints += 1
+                        ledger.commit(n)
+                    ledger.take(ep, pass_, real, pad)
+                    local = loader.current_local_bsz
+                    accum = loader.accumulation_steps
+                    step, sync = app.step_time(placement, local)
+                    gns = job.gns
+                    if loader.is_optim_step():
+                        clock.now += step
+                        job.record_sync_time(sync)
+                        assert gns is not None
+                        count = replicas * (accum + 1)
+                        sqr, var = _grad_stats(app, sqr_var_cache, loader, ep, scenario)
+                        _feed_gns(gns, sqr, var, local, count)
+                        gns.add_progress(loader.current_batch_size / scenario.init_batch_size)
+                    else:
+                        clock.now += max(step - sync, 1e-6)
+                    if local != prev_local or not timeline or timeline[-1][1] != replicas:
+                        prev_local = local
+                        timeline.append(_sample(clock.now, job, loader, replicas, nodes))
+                    if pending_stop is None and events and clock.now >= events[0].time:
+                        event = events.pop(0)
+                        if event.kind == "crash":
+                            raise _Crash
+                        pending_stop = event
+                        job.request_stop()
+            # Finished: what it did since the last checkpoint survives (the job ended).
+            ledger.commit(n)
+            break
+        except Preempted:
+            checkpoints += 1
+            ledger.commit(n)
+            restarts += 1
+            assert pending_stop is not None
+            event = pending_stop
+            if event.kind == "preempt":
+                clock.now += event.duration
+            replicas = event.replicas or replicas
+            nodes = min(event.nodes or nodes, replicas)
+            if event.nodes is None:
+                nodes = min(max(nodes, -(-replicas // scenario.gpus_per_node)), replicas)
+            clock.now += scenario.restart_penalty
+            restart_seconds += scenario.restart_penalty
+        except _Crash:
+            crashes += 1
+            restarts += 1
+            lost_seconds += clock.now - last_checkpoint_time
+            ledger.discard()
+            clock.now += scenario.restart_penalty
+            restart_seconds += scenario.restart_penalty
+    return ReplayReport(
+        scenario=scenario.name,
+        epochs=tuple(_epoch_reports(ledger, n, scenario.epochs)),
+        timeline=tuple(timeline),
+        restarts=restarts,
+        crashes=crashes,
+        restart_seconds=restart_seconds,
+        lost_seconds=lost_seconds,
+        end_time=clock.now,
+        checkpoints=checkpoints,
+    )
+
+
+def _scenario_app(scenario: Scenario) -> ApplicationModel:
+    apps: dict[str, ApplicationModel] = dict(builtin_applications())
+    apps["replay-small"] = replay_application()
+    if scenario.application not in apps:
+        raise ValueError(
+            f"scenario {scenario.name!r}: unknown application {scenario.application!r}; "
+            f"built in: {sorted(apps)} (pass an ApplicationModel for others)"
+        )
+    return apps[scenario.application]
+
+
+def _grad_stats(
+    app: ApplicationModel,
+    cache: dict[tuple[int, int], tuple[float, float]],
+    loader: LoaderHelper,
+    epoch: int,
+    scenario: Scenario,
+) -> tuple[float, float]:
+    key = (loader.current_batch_size, epoch)
+    if key not in cache:
+        # The application's epochs are stretched over the scenario's.
+        app_epoch = int(epoch * app.num_epochs / scenario.epochs)
+        cache[key] = app.grad_stats(loader.current_batch_size, app_epoch)
+    return cache[key]
+
+
+def _feed_gns(gns: Any, sqr: float, var: float, local: int, count: int) -> None:
+    """Give the core estimator the squared norms a step with these statistics has.
+
+    ``var`` is the variance at the initial batch size, so one sample's is ``var * M0``.
+    """
+    v = var * gns.init_batch_size
+    if count >= 2:
+        gns.update(count * (sqr + v / local), sqr + v / (local * count), count, local)
+    else:
+        prev = cur = sqr + v / local
+        mixed = sqr + v / (2 * local)
+        gns.update_differenced(prev, cur, mixed, local)
+
+
+def _sample(
+    now: float, job: Job, loader: LoaderHelper, replicas: int, nodes: int
+) -> tuple[float, int, int, int, int, float, float]:
+    fn = job.goodput_fn()
+    goodput = 0.0
+    if fn is not None and loader.current_local_bsz:
+        goodput = float(fn(nodes, replicas, loader.current_local_bsz, loader.accumulation_steps))
+    return (
+        now,
+        replicas,
+        loader.current_local_bsz,
+        loader.accumulation_steps,
+        loader.current_batch_size,
+        goodput,
+        job.progress,
+    )
+
+
+def _epoch_reports(ledger: _Ledger, n: int, epochs: int) -> Iterator[EpochReport]:
+    for epoch in range(epochs):
+        keys = sorted(k for k in ledger.counts if k[0] == epoch)
+        samples = duplicates = missing = 0
+        for i, key in enumerate(keys):
+            counts = ledger.counts[key]
+            samples += int(counts.sum())
+            duplicates += int(np.maximum(counts - 1, 0).sum())
+            # Every pass but an adaptive loop's last one is complete.
+            if i < len(keys) - 1 or int((counts > 0).sum()) >= n:
+                missing += int((counts == 0).sum())
+        yield EpochReport(
+            epoch=epoch,
+            passes=len(keys),
+            samples=samples,
+            padding=ledger.padding[epoch],
+            duplicates=duplicates,
+            missing=missing,
+            replayed=ledger.replayed[epoch],
+        )
