@@ -202,15 +202,25 @@ class Job:
 
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
-        if mark is not None and mark.samples > self.state.samples_consumed:
-            replayed = mark.samples - self.state.samples_consumed
-            self.state.replayed_samples += replayed
+        if mark is None:
+            return
+        # The journal's replays include those counted by runs that died before
+        # writing a checkpoint; the checkpoint's never exceed them.
+        counted = max(self.state.replayed_samples, mark.replayed)
+        replayed = max(0, mark.samples - self.state.samples_consumed)
+        self.state.replayed_samples = counted + replayed
+        if replayed:
             LOG.warning(
-                "resuming from checkpoint %s: the %d samples consumed after it, before the "
-                "previous run died, are consumed again",
+                "resuming from checkpoint %s: the %d samples taken after it, before the "
+                "previous run died, are consumed again (%d replayed in all)",
                 self.restored_from,
                 replayed,
+                self.state.replayed_samples,
             )
+
+    def _mark(self, samples: int) -> None:
+        if self.journal is not None:
+            self.journal.write(Mark(samples=samples, replayed=self.state.replayed_samples))
 
     @property
     def replayed_samples(self) -> int:
@@ -220,6 +230,15 @@ class Job:
     def count_samples(self, samples: int) -> None:
         """Add samples consumed by all replicas (the loader calls this every batch)."""
         self.state.samples_consumed += samples
+
+    def taking_samples(self, samples: int) -> None:
+        """The training loop is about to take a batch of ``samples`` (all replicas).
+
+        Journals them as consumed before the loop sees them, so that a replica
+        killed while training on them, or just after, has them counted as replayed
+        when the job resumes from an earlier checkpoint.
+        """
+        self._mark(self.state.samples_consumed + samples)
 
     def unique_name(self, prefix: str) -> str:
         """``prefix-0``, ``prefix-1``, ...: the same names in the same creation order."""
@@ -274,8 +293,7 @@ class Job:
         `Preempted`; a due checkpoint is written and training goes on.
         """
         self._steps_since_checkpoint += 1
-        if self.journal is not None:
-            self.journal.write(Mark(samples=self.state.samples_consumed))
+        self._mark(self.state.samples_consumed)
         previous = self._boundary_future
         self._boundary_future = None
         if previous is not None:

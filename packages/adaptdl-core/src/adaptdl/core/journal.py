@@ -2,10 +2,14 @@
 
 A checkpoint records how many samples the job had consumed when it was written;
 after a SIGKILL the job resumes there and consumes again the samples taken
-since. To report how many, rank 0 overwrites one small record per step boundary
-with the job's running count of samples. The write goes to the page cache
-without fsync, so it costs a system call and survives the death of the process
-(not of the machine, where the count is then a lower bound).
+since. To report how many, rank 0 overwrites one small record whenever the
+training loop takes a batch and at every step boundary, with the job's running
+count of samples (the batch taken included) and the replays counted so far. The
+replays travel in the record too because a run that resumed, counted a replay
+and died again before its next checkpoint would otherwise lose that count. The
+write goes to the page cache without fsync, so it costs a system call and
+survives the death of the process (not of the machine, where the count is then
+a lower bound).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ _RECORD_SIZE = 64  # bytes; a record is JSON padded with spaces to this size
 
 @attrs.frozen
 class Mark:
-    """The job had consumed ``samples`` samples (all replicas, all loops)."""
+    """The job had taken ``samples`` samples (all replicas, all loops), ``replayed`` twice."""
 
     samples: int
+    replayed: int = 0
 
 
 class Journal:
@@ -39,7 +44,7 @@ class Journal:
             with open(self.path, "rb") as f:
                 raw = f.read(_RECORD_SIZE)
             data: Any = json.loads(raw.decode("utf-8"))
-            return Mark(samples=int(data["samples"]))
+            return Mark(samples=int(data["samples"]), replayed=int(data.get("replayed", 0)))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

@@ -281,11 +281,12 @@ class LoaderHelper:
                 local_bsz = self.sync_local_bsz()
                 progress = self.job.progress
                 for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
-                    with self.profile(self.training and i >= 1):
-                        yield batch
                     index = self._state.current_index
                     # The pass's last batch may be short: count only real positions.
                     step = min(replicas * local_bsz, (index // n + 1) * n - index)
+                    self.job.taking_samples(step)
+                    with self.profile(self.training and i >= 1):
+                        yield batch
                     self._state.current_index = index + step
                     self.job.count_samples(step)
                     if self._accum_count == 0:
