@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, BatchSizeQuery
-from adaptdl.core.checkpoint import JsonState
+from adaptdl.core.checkpoint import CheckpointError, JsonState
 
 if TYPE_CHECKING:
     from adaptdl.core.job import Job
@@ -43,9 +43,11 @@ class LoaderState(JsonState):
         self.last_position: dict[int, int] = {}
         self.current_local_bsz = 0
         self.accumulation_steps = 0
+        self.dataset_len = 0  # of the newest loop; 0 before the first
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "dataset_len": self.dataset_len,
             "current_index": self.current_index,
             "end_index": self.end_index,
             "last_position": {str(k): v for k, v in self.last_position.items()},
@@ -63,6 +65,8 @@ class LoaderState(JsonState):
         self.accumulation_steps = check_int(
             "accumulation_steps", data["accumulation_steps"], min=0
         )
+        # Absent from checkpoints written before it was recorded.
+        self.dataset_len = check_int("dataset_len", data.get("dataset_len", 0), min=0)
 
 
 class LoaderHelper:
@@ -272,6 +276,7 @@ class LoaderHelper:
         """
         n = check_int("dataset length", dataset_len, min=1)
         epoch = self._require_epoch()
+        self._check_dataset_len(n)
         with self.context():
             if self.skipdone():
                 return
@@ -300,6 +305,28 @@ class LoaderHelper:
                     )
                 # A pass ended (or the loop did): the next pass starts at a multiple of n.
                 self._state.current_index = math.ceil(self._state.current_index / n) * n
+
+    def _check_dataset_len(self, n: int) -> None:
+        """Refuse to resume a loop over a dataset whose length changed; record ``n``."""
+        recorded = self._state.dataset_len
+        if recorded and recorded != n:
+            root = getattr(self.job.store, "root", None)
+            where = f"'{root}'" if root is not None else "the checkpoint store"
+            if self._state.current_index > 0:
+                raise CheckpointError(
+                    f"{self.name} resumes a loop over a dataset of {recorded} samples (from "
+                    f"checkpoint {self.job.restored_from}) but the dataset now has {n}: the "
+                    "dataset changed since the checkpoint, and its positions no longer name "
+                    f"the same samples. Restore the original dataset, or remove {where} to "
+                    "start the job from scratch."
+                )
+            LOG.warning(
+                "%s: the dataset had %d samples in the previous loop and has %d now",
+                self.name,
+                recorded,
+                n,
+            )
+        self._state.dataset_len = n
 
     def _finished(self, n: int, epoch: int) -> bool:
         """One pass without adaptive batch size; with it, one pass's worth of progress."""
