@@ -13,7 +13,13 @@ import attrs
 
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision
-from adaptdl.core.checkpoint import Checkpoint, CollectiveState, JsonState, State
+from adaptdl.core.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CollectiveState,
+    JsonState,
+    State,
+)
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
@@ -198,7 +204,23 @@ class Job:
             raise ValueError(f"a state named {state.name!r} is already registered")
         self._states[state.name] = state
         if self._loaded is not None and state.name in self._loaded.entries:
-            state.from_bytes(self._loaded.entries[state.name])
+            try:
+                state.from_bytes(self._loaded.entries[state.name])
+            except (CheckpointError, ValueError, TypeError, KeyError) as exc:
+                # Bytes that passed the store's checks but do not decode (a crafted or
+                # foreign entry): say which checkpoint, not just a decoder's traceback.
+                del self._states[state.name]
+                root = getattr(self.store, "root", None)
+                where = (
+                    f"'{os.path.join(root, self._loaded.label)}'"
+                    if root is not None
+                    else self._loaded.label
+                )
+                raise CheckpointError(
+                    f"checkpoint {where}: its entry {state.name!r} cannot be restored "
+                    f"({type(exc).__name__}: {exc}). Remove that checkpoint directory to "
+                    "resume from the one before it, or all of them to start from scratch."
+                ) from exc
 
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
