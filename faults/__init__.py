@@ -1,0 +1,1 @@
+"""Fault injection for AdaptDL: randomised trials of real torchrun jobs (see run.py)."""

@@ -1,0 +1,628 @@
+"""The fault-injection harness: randomised trials of real torchrun jobs on CPU with gloo.
+
+Each trial trains the tiny job in ``faults/train.py`` to the end through one kind of
+fault, chosen from :data:`KINDS`:
+
+``kill``            SIGKILL of a random replica at a random step (once or twice);
+                    torchrun (``--max-restarts``) restarts the group, which resumes
+                    from the newest periodic checkpoint.
+``kill_in_save``    SIGKILL while rank 0 is inside a checkpoint write (rank 0, or a
+                    replica waiting for it); torchrun restarts the group.
+``double_sigterm``  two SIGTERMs to torchrun, at a random step or while rank 0 is
+                    inside a checkpoint write; every replica must checkpoint and
+                    exit 143; the job is then relaunched at a random size.
+``enospc``          the disk fills up during a checkpoint write (injected ENOSPC);
+                    the job fails with a clear error, torchrun restarts it, and it
+                    resumes from the previous complete checkpoint.
+``resize``          SIGTERM and relaunch at another number of replicas, twice.
+``hang``            SIGSTOP of a random replica: the others must stop within the
+                    collective timeout (``ADAPTDL_COLLECTIVE_TIMEOUT``), not hang;
+                    torchrun then restarts the group.
+
+After every torchrun launch the checkpoint directory must hold a loadable
+checkpoint. After every trial: the job finished all its epochs; every sample of
+every epoch was consumed at least once; samples were repeated only by the replay
+after a crash, which the library counted (``job.replayed_samples``).
+
+Run ``python -m faults --trials 30 --seed S`` (or ``python faults/run.py``). It
+prints the seed, one row per trial, a summary table, and the time of a step
+boundary that wrote a checkpoint next to the time of the checkpoint and of the
+store's write, and exits non-zero if any trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
+
+SCRIPT = Path(__file__).with_name("train.py")
+KINDS = ("kill", "kill_in_save", "double_sigterm", "enospc", "resize", "hang")
+JOB_ID = "faults-job"
+EPOCHS = 2
+WAIT_TIMEOUT = 120.0  # seconds a launch may take to reach a point or to exit: a hang
+HANG_TIMEOUT = 5.0  # the collective timeout of a `hang` trial
+HANG_SLACK = 25.0  # survivors must stop within HANG_TIMEOUT + this (process teardown)
+
+
+class TrialFailure(AssertionError):
+    """A trial broke one of the properties the harness checks."""
+
+
+@attrs.define
+class Result:
+    """What one trial did and found."""
+
+    index: int
+    kind: str
+    seed: int
+    detail: str = ""
+    launches: int = 0
+    restarts: int = 0
+    finished: bool = False
+    lost: int = 0
+    repeated: int = 0
+    replayed: int = 0
+    checkpoint_checks: int = 0
+    stop_seconds: float | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    timings: list[dict[str, float]] = attrs.field(factory=list)
+
+
+# --------------------------------------------------------------------------- records
+
+
+def read_records(record_dir: Path, run: int | None = None) -> list[dict[str, Any]]:
+    """Every JSON line the training script wrote (a line cut by SIGKILL is skipped)."""
+    out = []
+    for path in sorted(record_dir.glob("run*-restart*-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if run is None or entry["run"] == run:
+                out.append(entry)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for torchrun to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Launch:
+    """One torchrun invocation of the training script, in its own process group."""
+
+    def __init__(
+        self, trial: Trial, nproc: int, max_restarts: int, env: dict[str, str] | None = None
+    ) -> None:
+        self.trial = trial
+        self.run = len(trial.launches)
+        self.nproc = nproc
+        self.log = trial.dir / f"torchrun-{self.run}.log"
+        full_env = {**trial.env, "FAULTS_RUN": str(self.run), **(env or {})}
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.2",
+            str(SCRIPT),
+        ]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                command, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        trial.launches.append(self)
+
+    def records(self) -> list[dict[str, Any]]:
+        return read_records(self.trial.records, self.run)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def fail(self, message: str) -> TrialFailure:
+        return TrialFailure(f"run {self.run}: {message}\n--- torchrun log tail:\n{self.output()}")
+
+    def wait_for(self, what: str, predicate: Callable[[list[dict[str, Any]]], Any]) -> Any:
+        """Poll the records until ``predicate`` returns something true; return it."""
+        deadline = time.monotonic() + WAIT_TIMEOUT
+        while time.monotonic() < deadline:
+            found = predicate(self.records())
+            if found:
+                return found
+            if self.proc.poll() is not None:
+                raise self.fail(f"ended (rc {self.proc.returncode}) before {what}")
+            time.sleep(0.05)
+        raise self.fail(f"did not reach {what} in {WAIT_TIMEOUT}s (hang?)")
+
+    def attempt(self) -> int:
+        """The newest torchrun attempt (restart count) that has started records."""
+        return max((r["restart"] for r in self.records() if r.get("start")), default=0)
+
+    def pids(self) -> dict[int, int]:
+        """rank -> pid of the newest attempt, once all its replicas have started."""
+
+        def started(records: list[dict[str, Any]]) -> dict[int, int] | None:
+            if not records:
+                return None
+            newest = max((r["restart"] for r in records if r.get("start")), default=-1)
+            pids = {
+                r["rank"]: r["pid"] for r in records if r.get("start") and r["restart"] == newest
+            }
+            return pids if len(pids) == self.nproc else None
+
+        return self.wait_for("all replicas started", started)  # type: ignore[no-any-return]
+
+    def wait_steps(self, steps: int, restart: int | None = None) -> None:
+        """Wait until rank 0 took ``steps`` steps in this launch (in attempt ``restart``)."""
+
+        def reached(records: list[dict[str, Any]]) -> bool:
+            return (
+                sum(
+                    1
+                    for r in records
+                    if "indices" in r
+                    and r["rank"] == 0
+                    and (restart is None or r["restart"] == restart)
+                )
+                >= steps
+            )
+
+        self.wait_for(f"{steps} steps", reached)
+
+    def wait_in_save(self) -> int:
+        """Wait until rank 0 pauses inside a checkpoint write; return its pid."""
+        marker = self.trial.records / f"in-save-run{self.run}"
+
+        def inside(_: list[dict[str, Any]]) -> int | None:
+            try:
+                return int(marker.read_text())
+            except (OSError, ValueError):
+                return None
+
+        return self.wait_for("a checkpoint write", inside)  # type: ignore[no-any-return]
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=WAIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise self.fail(f"did not exit in {WAIT_TIMEOUT}s (hang)") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+# --------------------------------------------------------------------------- trials
+
+
+class Trial:
+    """One job in its own directory, trained to the end through one kind of fault."""
+
+    def __init__(self, index: int, kind: str, seed: int, root: Path) -> None:
+        self.rng = random.Random(seed)
+        self.result = Result(index=index, kind=kind, seed=seed)
+        self.dir = root / f"trial-{index:03d}-{kind}"
+        self.records = self.dir / "records"
+        self.checkpoints = self.dir / "checkpoints"
+        self.records.mkdir(parents=True)
+        self.n = self.rng.choice([40, 48, 64])
+        self.batch_size = self.rng.choice([4, 8])
+        self.every_steps = self.rng.randint(2, 4)
+        self.steps_per_epoch = -(-self.n // self.batch_size)
+        self.launches: list[Launch] = []
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "FAULTS_RECORD_DIR": str(self.records),
+            "FAULTS_N": str(self.n),
+            "FAULTS_EPOCHS": str(EPOCHS),
+            "FAULTS_BATCH_SIZE": str(self.batch_size),
+            "FAULTS_STEP_SLEEP": "0.03",
+            "ADAPTDL_CHECKPOINT_PATH": str(self.checkpoints),
+            "ADAPTDL_CHECKPOINT_STEPS": str(self.every_steps),
+            "ADAPTDL_CHECKPOINT_INTERVAL": "0",
+            "ADAPTDL_JOB_ID": JOB_ID,
+            "ADAPTDL_COLLECTIVE_TIMEOUT": "30",
+        }
+        self.result.detail = f"n={self.n} bs={self.batch_size} ckpt/{self.every_steps}"
+
+    # -- helpers ---------------------------------------------------------------------
+    def procs(self, lo: int = 1, hi: int = 3, other_than: int | None = None) -> int:
+        choices = [p for p in range(lo, hi + 1) if p != other_than]
+        return self.rng.choice(choices)
+
+    def step_target(self) -> int:
+        """A random step of the job, early enough that a checkpoint came before it."""
+        total = self.steps_per_epoch * EPOCHS
+        return self.rng.randint(1, max(1, total - 2))
+
+    def finish(self, launch: Launch) -> None:
+        """Wait for ``launch`` to end and require success."""
+        rc = launch.wait()
+        self.check_checkpoints(launch)
+        if rc != 0:
+            raise launch.fail(f"torchrun exited with {rc}, expected 0")
+
+    def check_checkpoints(self, launch: Launch) -> None:
+        """The checkpoint directory holds a loadable checkpoint (once one was written)."""
+        store = CheckpointStore(self.checkpoints, job_id=JOB_ID)
+        try:
+            loaded = store.load()
+        except CheckpointError as exc:
+            raise launch.fail(f"no loadable checkpoint: {exc}") from exc
+        written = any("checkpoint_s" in r for r in read_records(self.records))
+        if written and loaded is None:
+            raise launch.fail("checkpoints were written but none is there")
+        if len(store.labels()) > store.keep:
+            raise launch.fail(f"more than {store.keep} checkpoints: {store.labels()}")
+        self.result.checkpoint_checks += 1
+
+    def signal_torchrun(self, launch: Launch, times: int) -> None:
+        for i in range(times):
+            if i:
+                time.sleep(self.rng.uniform(0.0, 0.6))
+            if launch.proc.poll() is None:
+                launch.proc.send_signal(signal.SIGTERM)
+
+    def stopped(self, launch: Launch) -> None:
+        """``launch`` got SIGTERM: every replica of its last attempt checkpointed, exit 143."""
+        rc = launch.wait()
+        self.check_checkpoints(launch)
+        if rc == 0:
+            return  # the job finished before the signal arrived
+        attempt = launch.attempt()
+        exits = {
+            r["rank"]: r["exit"]
+            for r in launch.records()
+            if "exit" in r and r["restart"] == attempt
+        }
+        if exits != dict.fromkeys(range(launch.nproc), 143):
+            raise launch.fail(f"after SIGTERM the replicas exited with {exits}, not all 143")
+
+    # -- the kinds -------------------------------------------------------------------
+    def kill(self) -> None:
+        kills = 2 if self.rng.random() < 0.3 else 1
+        launch = Launch(self, self.procs(), max_restarts=kills + 1)
+        for k in range(kills):
+            launch.pids()
+            attempt = launch.attempt()
+            if k == 0:
+                launch.wait_steps(self.step_target(), attempt)
+            else:
+                launch.wait_steps(self.rng.randint(1, 3), attempt)
+            pids = launch.pids()
+            rank = self.rng.randrange(launch.nproc)
+            self.result.detail += f" kill rank {rank}"
+            _kill(pids[rank], signal.SIGKILL)
+            self._wait_restart(launch, attempt)
+        self.finish(launch)
+
+    def kill_in_save(self) -> None:
+        launch = Launch(self, self.procs(), max_restarts=2, env={"FAULTS_SLOW_SAVE": "1.0"})
+        saver = launch.wait_in_save()
+        pids = launch.pids()
+        rank = 0 if self.rng.random() < 0.6 else self.rng.randrange(launch.nproc)
+        self.result.detail += f" kill rank {rank} in save"
+        _kill(saver if rank == 0 else pids[rank], signal.SIGKILL)
+        self.finish(launch)
+
+    def double_sigterm(self) -> None:
+        in_save = self.rng.random() < 0.5
+        env = {"FAULTS_SLOW_SAVE": "1.0"} if in_save else {}
+        first = Launch(self, self.procs(), max_restarts=0, env=env)
+        first.pids()
+        if in_save:
+            first.wait_in_save()
+            self.result.detail += " 2xTERM in save"
+        else:
+            first.wait_steps(self.step_target())
+            self.result.detail += " 2xTERM"
+        self.signal_torchrun(first, 2)
+        self.stopped(first)
+        self.finish(Launch(self, self.procs(), max_restarts=0))
+
+    def enospc(self) -> None:
+        at = self.rng.randint(2, 7)
+        self.result.detail += f" ENOSPC at write {at}"
+        launch = Launch(self, self.procs(), max_restarts=2, env={"FAULTS_ENOSPC_AT": str(at)})
+        self.finish(launch)
+        text = launch.log.read_text(errors="replace")
+        if "No space left on device" not in text or "has space" not in text:
+            raise launch.fail("the full disk was not reported clearly")
+
+    def resize(self) -> None:
+        sizes = [self.procs()]
+        for _ in range(2 if self.rng.random() < 0.3 else 1):
+            sizes.append(self.procs(other_than=sizes[-1]))
+        self.result.detail += " " + "->".join(map(str, sizes))
+        for size in sizes[:-1]:
+            launch = Launch(self, size, max_restarts=0)
+            launch.pids()
+            launch.wait_steps(self.rng.randint(1, self.steps_per_epoch))
+            self.signal_torchrun(launch, 1)
+            self.stopped(launch)
+        self.finish(Launch(self, sizes[-1], max_restarts=0))
+
+    def hang(self) -> None:
+        env = {"ADAPTDL_COLLECTIVE_TIMEOUT": str(HANG_TIMEOUT)}
+        launch = Launch(self, self.procs(lo=2), max_restarts=1, env=env)
+        pids = launch.pids()
+        attempt = launch.attempt()
+        launch.wait_steps(self.step_target(), attempt)
+        rank = self.rng.randrange(launch.nproc)
+        self.result.detail += f" stop rank {rank}"
+        _kill(pids[rank], signal.SIGSTOP)
+        start = time.monotonic()
+        survivors = [pid for r, pid in pids.items() if r != rank]
+        try:
+            while any(_alive(pid) for pid in survivors):
+                if time.monotonic() - start > HANG_TIMEOUT + HANG_SLACK:
+                    raise launch.fail(
+                        f"survivors still running {HANG_TIMEOUT + HANG_SLACK}s after a peer "
+                        f"stopped (collective timeout {HANG_TIMEOUT}s): hang"
+                    )
+                time.sleep(0.05)
+            self.result.stop_seconds = time.monotonic() - start
+        finally:
+            _kill(pids[rank], signal.SIGCONT)
+        self._wait_restart(launch, attempt)
+        self.finish(launch)
+
+    def _wait_restart(self, launch: Launch, attempt: int) -> None:
+        launch.wait_for(
+            f"restart {attempt + 1}",
+            lambda records: any(r.get("start") and r["restart"] > attempt for r in records),
+        )
+
+    # -- the verdict -----------------------------------------------------------------
+    def analyse(self) -> None:
+        """Every epoch finished; every sample consumed; repeats only by counted replay."""
+        records = read_records(self.records)
+        result = self.result
+        result.launches = len(self.launches)
+        result.restarts = sum(launch.attempt() for launch in self.launches)
+        final = [
+            r
+            for r in records
+            if "exit" in r and r["run"] == len(self.launches) - 1 and r["rank"] == 0
+        ]
+        done = [r for r in final if r["exit"] == 0]
+        if not done or done[-1].get("finished_epochs") != EPOCHS:
+            raise TrialFailure(f"the job did not finish its {EPOCHS} epochs: {final}")
+        result.finished = True
+        result.replayed = done[-1]["replayed"]
+        consumed: dict[int, collections.Counter[int]] = collections.defaultdict(
+            collections.Counter
+        )
+        crashes = 0
+        biggest = 0
+        for r in records:
+            if "indices" in r:
+                biggest = max(biggest, r["batch_size"])
+                for index, pad in zip(r["indices"], r["padding"], strict=True):
+                    if not pad:
+                        consumed[r["epoch"]][index] += 1
+        crashes = sum(1 for r in records if r.get("start") and r["restart"] > 0)
+        lost = repeated = 0
+        for epoch in range(EPOCHS):
+            counts = consumed[epoch]
+            lost += sum(1 for i in range(self.n) if counts[i] == 0)
+            repeated += sum(c - 1 for c in counts.values() if c > 1)
+            if set(counts) - set(range(self.n)):
+                raise TrialFailure(f"epoch {epoch} consumed indices outside the dataset")
+        result.lost, result.repeated = lost, repeated
+        result.timings = [
+            {k: r[k] for k in ("boundary_s", "checkpoint_s", "save_s", "plain_s")}
+            for r in records
+            if "checkpoint_s" in r
+        ]
+        if lost:
+            raise TrialFailure(f"{lost} samples were never consumed")
+        if repeated > result.replayed:
+            raise TrialFailure(
+                f"{repeated} samples were consumed twice but only {result.replayed} replays "
+                "were counted"
+            )
+        # A replica killed between taking a batch and finishing its step has the batch
+        # counted as replayed though the step never happened: at most a batch per crash.
+        if result.replayed > repeated + crashes * biggest:
+            raise TrialFailure(
+                f"{result.replayed} replays counted but only {repeated} samples repeated "
+                f"after {crashes} crashes"
+            )
+
+    def run(self) -> Result:
+        start = time.monotonic()
+        try:
+            getattr(self, self.result.kind)()
+            self.analyse()
+        except TrialFailure as exc:
+            self.result.error = str(exc)
+        finally:
+            for launch in self.launches:
+                launch.kill()
+            self.result.seconds = time.monotonic() - start
+        return self.result
+
+
+def _kill(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def plan(trials: int, seed: int, kinds: Sequence[str] = KINDS) -> list[tuple[str, int]]:
+    """(kind, trial seed) for each trial: every kind about equally often, in random order."""
+    rng = random.Random(seed)
+    order = [kinds[i % len(kinds)] for i in range(trials)]
+    rng.shuffle(order)
+    return [(kind, rng.getrandbits(32)) for kind in order]
+
+
+def run_trials(
+    trials: int,
+    seed: int,
+    kinds: Sequence[str] = KINDS,
+    root: Path | None = None,
+    keep: bool = False,
+    progress: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Run the trials in a temporary directory (kept when ``keep`` or on failure)."""
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    base = Path(tempfile.mkdtemp(prefix="adaptdl-faults-", dir=root))
+    results = []
+    for index, (kind, trial_seed) in enumerate(plan(trials, seed, kinds)):
+        result = Trial(index, kind, trial_seed, base).run()
+        results.append(result)
+        if progress is not None:
+            progress(result)
+    if not keep and all(r.error is None for r in results):
+        shutil.rmtree(base, ignore_errors=True)
+    else:
+        print(f"trial directories kept in {base}")
+    return results
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(results: list[Result], seed: int) -> None:
+    """Print the per-trial rows, the summary table and the checkpoint timings."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    rows = Table(title=f"fault-injection trials (seed {seed})")
+    for column in ("#", "kind", "detail", "runs", "restarts", "lost", "repeated", "replayed"):
+        rows.add_column(column)
+    rows.add_column("stop s")
+    rows.add_column("time s")
+    rows.add_column("verdict")
+    for r in results:
+        rows.add_row(
+            str(r.index),
+            r.kind,
+            r.detail,
+            str(r.launches),
+            str(r.restarts),
+            str(r.lost),
+            str(r.repeated),
+            str(r.replayed),
+            "" if r.stop_seconds is None else f"{r.stop_seconds:.1f}",
+            f"{r.seconds:.0f}",
+            "ok" if r.error is None else "FAILED",
+        )
+    console.print(rows)
+
+    kinds = collections.Counter(r.kind for r in results)
+    summary = Table(title="summary")
+    summary.add_column("measure")
+    summary.add_column("value", justify="right")
+    summary.add_row("seed", str(seed))
+    summary.add_row("trials", str(len(results)))
+    for kind in KINDS:
+        summary.add_row(f"  faults: {kind}", str(kinds[kind]))
+    summary.add_row("jobs finished", str(sum(r.finished for r in results)))
+    summary.add_row("torchrun launches", str(sum(r.launches for r in results)))
+    summary.add_row("torchrun restarts (crash recoveries)", str(sum(r.restarts for r in results)))
+    summary.add_row(
+        "checkpoint directory checks passed", str(sum(r.checkpoint_checks for r in results))
+    )
+    summary.add_row("samples lost (must be 0)", str(sum(r.lost for r in results)))
+    summary.add_row("samples repeated", str(sum(r.repeated for r in results)))
+    summary.add_row("replays counted", str(sum(r.replayed for r in results)))
+    stops = [r.stop_seconds for r in results if r.stop_seconds is not None]
+    if stops:
+        summary.add_row(
+            f"slowest stop after a peer hung (timeout {HANG_TIMEOUT:.0f}s)", f"{max(stops):.1f}s"
+        )
+    summary.add_row("trials failed", str(sum(r.error is not None for r in results)))
+    console.print(summary)
+
+    timings = [t for r in results for t in r.timings]
+    if timings:
+        boundary = _median([t["boundary_s"] for t in timings])
+        plain = _median([t["plain_s"] for t in timings])
+        checkpoint = _median([t["checkpoint_s"] for t in timings])
+        save = _median([t["save_s"] for t in timings if t["save_s"]])
+        console.print(
+            f"checkpoint cost, medians over {len(timings)} checkpoints (slowed saves included): "
+            f"step boundary with a checkpoint {boundary * 1e3:.1f} ms, without "
+            f"{plain * 1e3:.2f} ms; the checkpoint {checkpoint * 1e3:.1f} ms, of which the "
+            f"store's write {save * 1e3:.1f} ms; stall beyond the checkpoint "
+            f"{(boundary - plain - checkpoint) * 1e3:.2f} ms"
+        )
+    for r in results:
+        if r.error is not None:
+            console.print(f"[bold red]trial {r.index} ({r.kind}, seed {r.seed}) failed:[/]")
+            console.print(r.error, markup=False, highlight=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m faults", description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=30, help="number of trials (default 30)")
+    parser.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the trial directories")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error(f"--trials must be >= 1, got {args.trials}")
+    seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(31)
+    kinds = [k for k in args.kinds.split(",") if k]
+    print(f"fault injection: {args.trials} trials, seed {seed}", flush=True)
+
+    def progress(r: Result) -> None:
+        verdict = "ok" if r.error is None else "FAILED"
+        print(
+            f"  trial {r.index:3d} {r.kind:15s} {r.detail:40s} {r.seconds:5.0f}s {verdict}",
+            flush=True,
+        )
+
+    try:
+        results = run_trials(args.trials, seed, kinds, keep=args.keep, progress=progress)
+    except ValueError as exc:
+        parser.error(str(exc))
+    report(results, seed)
+    return 0 if all(r.error is None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The training script the fault-injection harness launches under torchrun.
+
+A tiny regression model trained with AdaptDL's data loader and data parallelism.
+Every replica appends one JSON line per optimiser step to
+``$FAULTS_RECORD_DIR/run<R>-restart<T>-rank<k>.jsonl``, written after the step
+(so a record means the step was taken): the dataset indices the loop handed out
+and which of them are padding. It also records its start (the checkpoint it
+resumed from, the replay the library counted), the end of each epoch, how it
+exited, and on rank 0 the time of every checkpoint.
+
+Faults that need to happen inside the process are injected here, never in the
+library, by wrapping the checkpoint store's file writes:
+
+``FAULTS_SLOW_SAVE=<seconds>``
+    in the first attempt of a launch (torchrun restart 0), rank 0 pauses that
+    long inside every checkpoint write, after the entries and before the
+    manifest, and creates ``in-save-run<R>`` in the record directory while it
+    waits, so that the harness can kill or signal it there.
+``FAULTS_ENOSPC_AT=<k>``
+    in the first attempt of a launch, the k-th file write into the checkpoint
+    directory (1 is the writability probe at start) writes half of its bytes and
+    fails with ENOSPC, as a full disk would.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.core.checkpoint import MANIFEST, CheckpointStore
+from adaptdl.core.sampling import Shard
+from adaptdl.torch._context import current_job
+from adaptdl.torch.data import SHUFFLE_SEED
+
+N = int(os.environ.get("FAULTS_N", "64"))
+EPOCHS = int(os.environ.get("FAULTS_EPOCHS", "2"))
+BATCH_SIZE = int(os.environ.get("FAULTS_BATCH_SIZE", "8"))
+STEP_SLEEP = float(os.environ.get("FAULTS_STEP_SLEEP", "0"))
+RUN = int(os.environ.get("FAULTS_RUN", "0"))
+RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+RECORD_DIR = Path(os.environ["FAULTS_RECORD_DIR"])
+SLOW_SAVE = float(os.environ.get("FAULTS_SLOW_SAVE", "0")) if RESTART == 0 else 0.0
+ENOSPC_AT = int(os.environ.get("FAULTS_ENOSPC_AT", "0")) if RESTART == 0 else 0
+
+
+class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """y = x @ w + noise, with each sample's own index first."""
+
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, 4, generator=gen)
+        w = torch.randn(4, 1, generator=gen)
+        self.y = self.x @ w + 0.05 * torch.randn(n, 1, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+def _inject_store_faults() -> None:
+    """Wrap CheckpointStore's file writes for the faults this launch asks for."""
+    if not (SLOW_SAVE or ENOSPC_AT):
+        return
+    original = CheckpointStore._write_file
+    calls = [0]
+
+    def write_file(path: Path, data: bytes) -> None:
+        calls[0] += 1
+        if calls[0] == ENOSPC_AT:
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        if SLOW_SAVE and path.name == MANIFEST:
+            marker = RECORD_DIR / f"in-save-run{RUN}"
+            marker.write_text(str(os.getpid()))
+            time.sleep(SLOW_SAVE)
+            marker.unlink(missing_ok=True)
+        original(path, data)
+
+    CheckpointStore._write_file = staticmethod(write_file)  # type: ignore[method-assign]
+
+
+def main() -> None:
+    _inject_store_faults()
+    adl.init_process_group("gloo")
+    job = current_job()
+    topo = job.topology
+    torch.manual_seed(0)
+    dataset = Regression(N)
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    adp = adl.AdaptiveDataParallel(model, optimizer)
+    path = RECORD_DIR / f"run{RUN}-restart{RESTART}-rank{topo.rank}.jsonl"
+    out = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the OS on SIGKILL too)
+
+    def record(**entry: Any) -> None:
+        entry.update(
+            run=RUN, restart=RESTART, rank=topo.rank, replicas=topo.num_replicas, t=time.time()
+        )
+        out.write(json.dumps(entry) + "\n")
+        out.flush()
+
+    # Time each checkpoint: the whole step boundary that wrote it, the checkpoint
+    # (serialise, write, barrier) and the store's write alone.
+    timing: dict[str, float] = {}
+    plain: list[float] = []
+    store_save = job.store.save if job.store is not None else None
+    job_checkpoint = job.checkpoint
+    job_boundary = job.step_boundary
+
+    def timed_save(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return store_save(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            timing["save"] = time.perf_counter() - start
+
+    def timed_checkpoint() -> None:
+        start = time.perf_counter()
+        try:
+            job_checkpoint()
+        finally:
+            timing["checkpoint"] = time.perf_counter() - start
+
+    def timed_boundary() -> None:
+        written = job.checkpoints_written
+        start = time.perf_counter()
+        try:
+            job_boundary()
+        finally:
+            elapsed = time.perf_counter() - start
+            if job.checkpoints_written != written and topo.rank == 0:
+                record(
+                    checkpoint_s=timing.get("checkpoint", 0.0),
+                    save_s=timing.get("save", 0.0),
+                    boundary_s=elapsed,
+                    plain_s=sorted(plain)[len(plain) // 2] if plain else 0.0,
+                )
+            else:
+                plain.append(elapsed)
+
+    if store_save is not None:
+        job.store.save = timed_save  # type: ignore[method-assign,union-attr]
+    job.checkpoint = timed_checkpoint  # type: ignore[method-assign]
+    job.step_boundary = timed_boundary  # type: ignore[method-assign]
+
+    record(
+        start=True,
+        pid=os.getpid(),
+        restored=job.restored_from,
+        replayed=job.replayed_samples,
+        samples_consumed=job.state.samples_consumed,
+        finished_epochs=adl.finished_epochs(),
+    )
+    try:
+        for epoch in adl.remaining_epochs_until(EPOCHS):
+            for idx, x, y in loader:
+                helper = adl.current_dataloader()
+                assert helper is not None
+                index = helper.current_index
+                assert index is not None
+                shard = Shard(
+                    N,
+                    index,
+                    topo.num_replicas,
+                    topo.rank,
+                    seed=SHUFFLE_SEED,
+                    epoch=epoch,
+                    shuffle=True,
+                )
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(adp(x), y)
+                loss.backward()
+                optimizer.step()
+                record(
+                    epoch=epoch,
+                    index=index,
+                    indices=idx.tolist(),
+                    padding=shard.is_padding(0, len(idx)).tolist(),
+                    batch_size=helper.current_batch_size,
+                )
+                if STEP_SLEEP:
+                    time.sleep(STEP_SLEEP)
+            record(epoch_end=epoch)
+    except SystemExit as exc:
+        record(exit=exc.code, replayed=job.replayed_samples)
+        raise
+    except Exception as exc:
+        record(error=f"{type(exc).__name__}: {exc}"[:400])
+        raise
+    record(exit=0, replayed=job.replayed_samples, finished_epochs=adl.finished_epochs())
+
+
+if __name__ == "__main__":
+    main()
