@@ -400,10 +400,11 @@ def run_replay(
         pending_stop: TimelineEvent | None = None
         prev_local = -1
 
-        def batches(epoch: int, index: int, local_bsz: int) -> Iterator[tuple[int, int, Any]]:
+        def batches(
+            epoch: int, index: int, local_bsz: int, world: int = replicas
+        ) -> Iterator[tuple[int, int, Any]]:
             shards = [
-                Shard(n, index, replicas, r, seed=scenario.seed, epoch=epoch)
-                for r in range(replicas)
+                Shard(n, index, world, r, seed=scenario.seed, epoch=epoch) for r in range(world)
             ]
             count = shards[0].count
             for lo in range(0, count, local_bsz):
@@ -418,7 +419,7 @@ def run_replay(
                 yield epoch, shards[0].pass_, (np.concatenate(real), pad)
 
         try:
-            for epoch in job.epoch.remaining_epochs_until(scenario.epochs):
+            for _ in job.epoch.remaining_epochs_until(scenario.epochs):
                 for ep, pass_, (real, pad) in loader.iterate(n, batches):
                     if job.checkpoints_written != written:
                         written = job.checkpoints_written
