@@ -117,7 +117,7 @@ def _init_default_group(
         # replicas then connect to dead ports. Each attempt gets its own key prefix.
         tcp = dist.TCPStore(  # type: ignore[attr-defined]
             os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            _master_port(),
             topology.num_replicas,
             is_master=(
                 os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and topology.rank == 0
@@ -150,6 +150,20 @@ def _init_default_group(
     # One replica without a launcher: a process group of one over an in-process store.
     store = dist.HashStore()  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def _master_port() -> int:
+    raw = os.environ.get("MASTER_PORT", "")
+    try:
+        port = int(raw.strip(), 10)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ValueError(
+            f"environment variable MASTER_PORT={raw!r} must be a port number in [1, 65535] "
+            "(torchrun sets it)"
+        )
+    return port
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
