@@ -174,6 +174,15 @@ def test_from_dict_names_missing_and_unexpected_keys() -> None:
         GradParams.from_dict([1.0, 2.0])  # type: ignore[arg-type]
 
 
+def test_goodput_function_takes_sequences_and_mappings() -> None:
+    f = GoodputFunction(list(PERF.astuple()), {"sqr": 1.0, "var": 5.0}, 64)
+    assert f.perf_params == PERF and f.grad_params == GRAD
+    with pytest.raises(ValueError, match=r"grad_params must have 2 values \(sqr, var\)"):
+        GoodputFunction(PERF, (1.0, 2.0, 3.0), 64)
+    with pytest.raises(TypeError, match="perf_params must be a PerfParams"):
+        GoodputFunction("fast", GRAD, 64)  # type: ignore[arg-type]
+
+
 def test_goodput_function_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="init_batch_size must be >= 1"):
         GoodputFunction(PERF, GRAD, 0)
@@ -386,6 +395,49 @@ def test_optimize_finds_sparse_admissible_pairs() -> None:
     assert (b, k) == (3, 72)
     _, b_arr, k_arr = f.optimize([1], [1], atomic_bsz_range=(None, 65), accumulation=True)
     assert (b_arr[0], k_arr[0]) == (3, 72)
+
+
+def test_unreachable_initial_batch_size_gives_the_largest_total_below() -> None:
+    # A local batch of exactly 100 needs a divisor of 100 in [30, 40]: there is none,
+    # so the initial batch size cannot be reached and the best total lies below it.
+    f = GoodputFunction(PERF, GRAD, 100)
+    space = {
+        "function": f,
+        "nodes": 1,
+        "replicas": 1,
+        "max_batch_size": None,
+        "atomic_bsz_range": (30, 40),
+        "accumulation": True,
+    }
+    g, b, k = optimize(space)
+    g_best, b_best, k_best, reachable = brute_force(space)
+    assert not reachable
+    assert g == pytest.approx(g_best)
+    assert (b, k) == (b_best, k_best) == (40, 0)  # a tie with (40, 1): fewer steps win
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_optimize_is_exact_even_from_a_wrong_real_maximiser(
+    monkeypatch: pytest.MonkeyPatch, scalar: bool
+) -> None:
+    # The local search after the real maximiser makes the integer result exact on
+    # its own; feed it a maximiser far off to the left and to the right.
+    import adaptdl.core.goodput as goodput
+
+    f = GoodputFunction(PERF, GRAD, 128)
+    sizes = np.arange(16, 257)
+    best = f.evaluate(2, 8, sizes, 0).max()
+    for wrong in (16.0, 256.0):
+        if scalar:
+            monkeypatch.setattr(goodput, "_argmax_scalar", lambda *a, w=wrong: w)
+            g, b, _ = f.optimize(2, 8, 4096, (16, 256))
+        else:
+            monkeypatch.setattr(
+                goodput, "_argmax_continuous", lambda p, u, lo, hi, w=wrong: np.full_like(u, w)
+            )
+            g, b, _ = (x[0] for x in f.optimize([2], [8], 4096, (16, 256)))
+        assert g == pytest.approx(best, rel=1e-12)
+        assert b == sizes[np.argmax(f.evaluate(2, 8, sizes, 0))]
 
 
 def test_default_max_batch_size_is_the_initial_one() -> None:

@@ -638,7 +638,10 @@ def _first_micro_batches(
         m_peak = math.inf + 0.0 * a0
     else:
         m_peak = (a0 * prob.var * prob.m0 / (a1 * prob.sqr * replicas)) ** 0.5
-    m_lo = m.maximum(m.maximum(floor_total / replicas, bmin), prob.m0 / replicas)
+    # Below the kink at total M0 the envelope increases, unless nothing is
+    # synchronised (a0 = 0): then it is flat there, and fewer steps tie.
+    kink = (a0 > 0) * (prob.m0 / replicas)
+    m_lo = m.maximum(m.maximum(floor_total / replicas, bmin), kink)
     m_star = m.minimum(m.maximum(m_lo, m_peak), m_max / replicas)
     first = m.floor(m_star / bmax * (1.0 - 1e-9))
     if m is _SCALAR_MATH:
