@@ -27,6 +27,9 @@ TEST_DEPS = (
     "tensorboard>=2.10",
 )
 PYTHON = "3.11"
+# One BLAS/OpenMP thread per process: runs start several processes on 2 cores, and
+# multithreaded BLAS made the goodput fit ~10x slower on a busy machine.
+THREADS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -44,10 +47,7 @@ def tests(session: nox.Session) -> None:
         "--cov-report=term",
         "--timeout=600",
         *args,
-        env={
-            "OMP_NUM_THREADS": "1",
-            "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
-        },
+        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
     )
 
 
@@ -75,14 +75,14 @@ def bench(session: nox.Session) -> None:
     _install(session)
     scripts = session.posargs or sorted(str(p) for p in (ROOT / "benchmarks").glob("bench_*.py"))
     for script in scripts:
-        session.run("python", script, env={"OMP_NUM_THREADS": "1"})
+        session.run("python", script, env=THREADS)
 
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main demo: elastic training through restarts at 2, 3 and 1 replicas."""
     _install(session)
-    session.run("python", "examples/elastic_demo.py", *session.posargs)
+    session.run("python", "examples/elastic_demo.py", *session.posargs, env=THREADS)
 
 
 @nox.session(python=PYTHON)
@@ -92,7 +92,9 @@ def sim(session: nox.Session) -> None:
     pollux = ROOT.parent / "shared" / "pollux"
     if pollux.is_dir():
         workloads = sorted(str(p) for p in (pollux / "workloads").glob("workload-*.csv"))
-        session.run("adaptdl-sim", "compare", "--traces", str(pollux / "traces"), *workloads)
+        session.run(
+            "adaptdl-sim", "compare", "--traces", str(pollux / "traces"), *workloads, env=THREADS
+        )
     else:
         session.log(f"{pollux} not found: comparing on the built-in workload")
-        session.run("adaptdl-sim", "compare")
+        session.run("adaptdl-sim", "compare", env=THREADS)
