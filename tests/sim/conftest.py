@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Single-threaded BLAS: the core's model fit is much slower with contending threads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from pathlib import Path
 
 import pytest

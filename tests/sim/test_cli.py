@@ -1,0 +1,75 @@
+"""The adaptdl-sim command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adaptdl.sim.cli import main
+
+
+def test_replay_default_scenario_needs_no_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scenario"] == "elastic" and out["exactly_once"] is True
+    assert out["epochs"] and out["timeline"]
+
+
+def test_replay_prints_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "fixed"]) == 0
+    assert "exactly once" in capsys.readouterr().out
+
+
+def test_cluster_json_top_level(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cluster", "--policy", "fifo", "--jobs", "6", "--nodes", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "fifo" and len(out["jobs"]) == 6
+    assert {"avg_jct", "p50_jct", "p99_jct", "makespan"} <= set(out)
+
+
+def test_compare_prints_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "--jobs", "6", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    for policy in ("pollux", "tiresias", "optimus", "fifo"):
+        assert policy in out
+
+
+def test_compare_several_workloads_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for i in (1, 2):
+        (tmp_path / f"w{i}.csv").write_text(
+            "name,time,application,num_replicas,batch_size\n"
+            f"a,0,resnet-small,{i},256\nb,30,speech,2,40\n"
+        )
+    argv = ["compare", str(tmp_path / "w1.csv"), str(tmp_path / "w2.csv"), "--json"]
+    assert main([*argv, "--policies", "fifo,pollux"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["workloads"]) == {"w1", "w2"} and set(out["mean"]) == {"fifo", "pollux"}
+
+
+def test_plots_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    assert main(["cluster", "--jobs", "4", "--nodes", "2", "--plot", str(tmp_path)]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"jct_cdf.png", "pollux_gpus.png", "pollux_batch_size.png"} <= names
+    assert main(["replay", "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "replay_elastic.png").is_file()
+
+
+def test_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "nowhere"]) == 2
+    assert "neither built in" in capsys.readouterr().err
+    bad = tmp_path / "w.csv"
+    bad.write_text("name,time,application,num_replicas,batch_size\na,0,bert,1,12\n")
+    assert main(["cluster", str(bad)]) == 2
+    assert "pass --traces" in capsys.readouterr().err
+
+
+def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "replay" in capsys.readouterr().out
