@@ -15,7 +15,7 @@ total batch size ``M`` adds its gain ``(var + sqr) / (var / s + sqr)``, ``s = M 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -104,7 +104,7 @@ class ApplicationModel:
         return adascale_gain(sqr, var, batch_size / self.init_batch_size)
 
 
-def _positive_int(name: str) -> object:
+def _positive_int(name: str) -> Callable[[object, object, int], None]:
     def check(instance: object, attribute: object, value: int) -> None:
         check_int(name, value, min=1)
 

@@ -91,7 +91,8 @@ class PolluxPolicy:
         p = self.fairness
         # Maximising the p-mean is maximising sum(s^p) for p > 0, -sum(s^p) for p < 0.
         s = np.maximum(s, _NO_GPU_SPEEDUP)
-        return np.power(s, p) if p > 0 else -np.power(s, p)
+        out: np.ndarray = np.power(s, p) if p > 0 else -np.power(s, p)
+        return out
 
     def allocate(self, state: ClusterState) -> Allocation:
         utilities = [self.utility(job, state) for job in state.jobs]
