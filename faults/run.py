@@ -309,6 +309,19 @@ class Trial:
         }
         if exits != dict.fromkeys(range(launch.nproc), 143):
             raise launch.fail(f"after SIGTERM the replicas exited with {exits}, not all 143")
+        # The newest checkpoint is the one of the stop: it holds every sample consumed.
+        records = [r for r in launch.records() if r["restart"] == attempt]
+        (start,) = [r for r in records if r.get("start") and r["rank"] == 0]
+        consumed = start["samples_consumed"] + sum(
+            pad.count(False) for pad in (r["padding"] for r in records if "indices" in r)
+        )
+        loaded = CheckpointStore(self.checkpoints, job_id=JOB_ID).load()
+        saved = json.loads(loaded.entries["adaptdl-job"])["samples_consumed"] if loaded else 0
+        if saved != consumed:
+            raise launch.fail(
+                f"the newest checkpoint holds {saved} samples consumed, but the replicas "
+                f"consumed {consumed} before they stopped"
+            )
 
     # -- the kinds -------------------------------------------------------------------
     def kill(self) -> None:
@@ -353,12 +366,13 @@ class Trial:
         self.finish(Launch(self, self.procs(), max_restarts=0))
 
     def enospc(self) -> None:
-        at = self.rng.randint(2, 7)
+        at = self.rng.randint(1, 7)  # 1: the writability probe at start
         self.result.detail += f" ENOSPC at write {at}"
         launch = Launch(self, self.procs(), max_restarts=2, env={"FAULTS_ENOSPC_AT": str(at)})
         self.finish(launch)
         text = launch.log.read_text(errors="replace")
-        if "No space left on device" not in text or "has space" not in text:
+        advice = "choose a writable directory" if at == 1 else "has space"
+        if "No space left on device" not in text or advice not in text:
             raise launch.fail("the full disk was not reported clearly")
 
     def resize(self) -> None:
@@ -445,7 +459,7 @@ class Trial:
         result.timings = [
             {k: r[k] for k in ("boundary_s", "checkpoint_s", "save_s", "plain_s")}
             for r in records
-            if "checkpoint_s" in r
+            if "checkpoint_s" in r and not r["slowed"]
         ]
         if lost:
             raise TrialFailure(f"{lost} samples were never consumed")
@@ -582,7 +596,7 @@ def report(results: list[Result], seed: int) -> None:
         checkpoint = _median([t["checkpoint_s"] for t in timings])
         save = _median([t["save_s"] for t in timings if t["save_s"]])
         console.print(
-            f"checkpoint cost, medians over {len(timings)} checkpoints (slowed saves included): "
+            f"checkpoint cost, medians over {len(timings)} checkpoints (slowed ones left out): "
             f"step boundary with a checkpoint {boundary * 1e3:.1f} ms, without "
             f"{plain * 1e3:.2f} ms; the checkpoint {checkpoint * 1e3:.1f} ms, of which the "
             f"store's write {save * 1e3:.1f} ms; stall beyond the checkpoint "

@@ -146,6 +146,7 @@ def main() -> None:
                     save_s=timing.get("save", 0.0),
                     boundary_s=elapsed,
                     plain_s=sorted(plain)[len(plain) // 2] if plain else 0.0,
+                    slowed=bool(SLOW_SAVE),
                 )
             else:
                 plain.append(elapsed)
