@@ -52,9 +52,10 @@ def simulate_core(
     progress reaches ``progress``. Returns the gains, the steps taken and the final
     excess loss ``E loss - sigma^2 / 2 = delta' Lambda delta / 2`` (closed form).
     """
+    from experiments.outcome import gns_accuracy as ga
+
     from adaptdl.core import scaling
     from adaptdl.core.gns import GradientNoiseScale
-    from experiments.outcome import gns_accuracy as ga
 
     cfg = {**ga.DEFAULT, "seed": seed}
     p = ga.problem(cfg)
@@ -189,14 +190,30 @@ def plot(results: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def lr_sweep(cfg: dict[str, Any], lrs: Sequence[float] = (0.1, 0.3, 0.6, 1.2)) -> str:
+    """Tune the base learning rate at scale 1 only (how `PROBLEM`'s lr was chosen)."""
+    lines = ["| base lr | val loss | val accuracy |", "|---|---|---|"]
+    for lr in lrs:
+        r = run({**cfg, "lr": lr}, "adascale", 1, 8, 0)
+        lines.append(f"| {lr} | {r['val_loss']:.4f} | {r['val_acc']:.2%} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run every scale and rule, print the table, write the plot; return the rows."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/outcome"))
     parser.add_argument("--progress-epochs", type=int, default=DEFAULT["progress_epochs"])
+    parser.add_argument(
+        "--lr-sweep", action="store_true", help="only tune the base learning rate at scale 1"
+    )
     args = parser.parse_args(argv)
+    cfg = {**DEFAULT, "progress_epochs": args.progress_epochs}
+    if args.lr_sweep:
+        print(lr_sweep(cfg))
+        return []
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_all({**DEFAULT, "progress_epochs": args.progress_epochs})
+    results = run_all(cfg)
     rows = summarise(results)
     plot(results, args.out / "adascale_scale.png")
     print(table(rows))

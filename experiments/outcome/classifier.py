@@ -5,7 +5,7 @@ epochs of the initial batch size: ``progress_epochs * train_size / init_batch_si
 initial-batch steps) and reports the trajectory: per optimiser step the progress,
 total batch size, accumulation steps, gain, learning-rate factor and goodput; at
 regular intervals of processed samples the validation loss and accuracy, with
-the training wall time so far (evaluation time excluded).
+the training wall time and this process's CPU time so far (evaluation excluded).
 
 Either the batch size is fixed (``local_bsz`` and ``accum_steps`` given: the job's
 batch-size decision is replaced by `FixedSplit`) or it is adaptive
@@ -108,13 +108,15 @@ def worker() -> None:
     samples = 0
     next_eval = 0
     train_time = 0.0
+    train_cpu = 0.0  # this process's CPU time: less sensitive than wall time to other load
     target_acc = cfg.get("target_accuracy")
     reached: dict[str, float] | None = None
     diverged = False
-    tick = time.perf_counter()
+    tick, tick_cpu = time.perf_counter(), time.process_time()
     for _ in adl.remaining_epochs_until(cfg["progress_epochs"]):
         for idx in loader:
-            helper = loader._elastic
+            helper = adl.current_dataloader()
+            assert helper is not None
             loss = F.cross_entropy(adp(x[idx]), y[idx])
             optimizer.zero_grad()
             loss.backward()
@@ -143,17 +145,25 @@ def worker() -> None:
             )
             if samples >= next_eval:
                 train_time += time.perf_counter() - tick
+                train_cpu += time.process_time() - tick_cpu
                 val_loss, val_acc = evaluate()
-                evals.append([adp.progress, samples, train_time, val_loss, val_acc])
+                evals.append([adp.progress, samples, train_time, val_loss, val_acc, train_cpu])
                 if target_acc is not None and reached is None and val_acc >= target_acc:
-                    reached = {"seconds": train_time, "progress": adp.progress, "samples": samples}
+                    reached = {
+                        "seconds": train_time,
+                        "cpu_seconds": train_cpu,
+                        "progress": adp.progress,
+                        "samples": samples,
+                        "steps": len(steps),
+                    }
                 next_eval += cfg["eval_every_samples"]
-                tick = time.perf_counter()
-            if diverged:
+                tick, tick_cpu = time.perf_counter(), time.process_time()
+            if diverged or (cfg.get("stop_at_target") and reached is not None):
                 break
         if diverged or (cfg.get("stop_at_target") and reached is not None):
             break
     train_time += time.perf_counter() - tick
+    train_cpu += time.process_time() - tick_cpu
     val_loss, val_acc = evaluate()
     if job.topology.rank == 0:
         gns = adp.gns
@@ -168,6 +178,7 @@ def worker() -> None:
                 "progress": adp.progress,
                 "samples": samples,
                 "train_seconds": train_time,
+                "train_cpu_seconds": train_cpu,
                 "reached": reached,
                 "diverged": diverged,
                 "noise_scale": gns.noise_scale if gns is not None else None,

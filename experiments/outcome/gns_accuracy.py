@@ -230,7 +230,8 @@ def worker() -> None:
             loss = 0.5 * ((pred - y[idx]) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
-            if loader._elastic.is_optim_step():
+            helper = adl.current_dataloader()
+            if helper is not None and helper.is_optim_step():
                 optimizer.step()
                 gns = adp.gns
                 assert gns is not None

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from adaptdl.core.gns import GradientNoiseScale
 
 FAST = {**gns_accuracy.DEFAULT, "steps": 800}
+FAST_TORCH = {**gns_accuracy.DEFAULT, "steps": 500}
 
 
 def test_closed_form_matches_monte_carlo() -> None:
@@ -121,12 +122,12 @@ def test_gain_is_in_range_and_grows_with_scale_on_real_estimates() -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["replicas", "accumulation"])
 def test_torch_estimates_within_ten_percent_of_truth(mode: str) -> None:
-    result = gns_accuracy.run_mode(FAST, mode)
+    result = gns_accuracy.run_mode(FAST_TORCH, mode)
     summary = gns_accuracy.summarise(result)
     assert (summary["replicas"], summary["accum_steps"]) == (
         (2, 0) if mode == "replicas" else (1, 1)
     )
-    assert summary["steps"] == FAST["steps"]
+    assert summary["steps"] == FAST_TORCH["steps"]
     for quantity in ("sqr", "var"):
         assert summary[f"{quantity}_lag_max"] < 0.10, summary
         assert summary[f"{quantity}_now_max"] < 0.15, summary
@@ -135,10 +136,10 @@ def test_torch_estimates_within_ten_percent_of_truth(mode: str) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_torch_adascale_scale_four_matches_scale_one() -> None:
-    cfg = {**adascale_scale.DEFAULT, "progress_epochs": 2}
+    cfg = {**adascale_scale.DEFAULT, "progress_epochs": 1}
     base = adascale_scale.run(cfg, "adascale", 1, 8, 0)
     big = adascale_scale.run(cfg, "adascale", 4, 16, 1)
-    target = 2 * cfg["train_size"] / cfg["init_batch_size"]
+    target = cfg["train_size"] / cfg["init_batch_size"]
     base_gains = np.asarray(base["steps"])[:, 4]
     gains = np.asarray(big["steps"])[:, 4]
     assert np.all(base_gains == 1.0)

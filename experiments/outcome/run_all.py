@@ -1,0 +1,95 @@
+"""Run the three outcome experiments, print their tables and write their plots.
+
+    python -m experiments.outcome.run_all --out out/outcome
+
+writes ``gns_accuracy.png``, ``adascale_scale.png``, ``autoscale_vs_fixed.png``,
+``tables.md`` (the three tables, as printed) and ``summary.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.outcome import adascale_scale, autoscale_vs_fixed, gns_accuracy
+
+
+class _Tee(io.TextIOBase):
+    """Write to several text streams at once."""
+
+    def __init__(self, *streams: Any) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run everything; return 0 when every target is met, 1 otherwise."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/outcome"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = ["--out", str(args.out)]
+    captured = io.StringIO()
+    summary: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
+        for name, title, run in (
+            ("gns_accuracy", "1. Gradient-noise accuracy", gns_accuracy.main),
+            ("adascale_scale", "2. AdaScale at scale", adascale_scale.main),
+            ("autoscale_vs_fixed", "3. Adaptive batch size vs fixed", autoscale_vs_fixed.main),
+        ):
+            print(f"\n## {title}\n")
+            start = time.perf_counter()
+            summary[name] = run(out)
+            seconds[name] = time.perf_counter() - start
+            print(f"\n({name}: {seconds[name]:.0f} s)")
+        targets = check_targets(summary)
+        print("\n## Targets\n")
+        for label, met in targets.items():
+            print(f"- {label}: {'met' if met else 'NOT met'}")
+        print(f"\nTotal: {sum(seconds.values()):.0f} s")
+    (args.out / "tables.md").write_text(captured.getvalue())
+    (args.out / "summary.json").write_text(
+        json.dumps({"summary": summary, "seconds": seconds, "targets": targets}, indent=1)
+    )
+    return 0 if all(targets.values()) else 1
+
+
+def check_targets(summary: dict[str, Any]) -> dict[str, bool]:
+    """The issue's targets, each as a label and whether it is met."""
+    gns = summary["gns_accuracy"]["summaries"]
+    targets = {}
+    for s in gns[:2]:
+        targets[f"GNS {s['mode']}: |G|^2 and tr(Sigma) within 10% after warm-up"] = all(
+            s[f"{q}_{ref}_max"] < 0.10 for q in ("sqr", "var") for ref in ("lag", "now")
+        )
+    rows = {(r["rule"], r["scale"]): r for r in summary["adascale_scale"]}
+    big = rows["adascale", 16]
+    targets[
+        "AdaScale at scale 16 within 2% of scale 1 (loss no worse than +2%, accuracy "
+        "within 2 points)"
+    ] = big["loss_gap"] <= 0.02 and abs(big["acc_gap"]) <= 0.02
+    ratio = summary["autoscale_vs_fixed"]["ratio"]
+    targets["adaptive batch size reaches the target accuracy no later than the best fixed"] = (
+        ratio is not None and ratio >= 1.0
+    )
+    return targets
+
+
+if __name__ == "__main__":
+    sys.exit(main())
