@@ -35,16 +35,28 @@ __all__ = ["AdaptiveDataParallel"]
 LOG = logging.getLogger("adaptdl.torch.parallel")
 
 
-def _sqr(grad: torch.Tensor) -> torch.Tensor:
-    """The squared L2 norm of a gradient as a float32 scalar tensor (no device sync)."""
+def _norm(grad: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of a gradient as a scalar tensor (no device sync)."""
     grad = grad.detach()
     if grad.is_sparse:
         grad = grad.coalesce().values()
-    norm = torch.linalg.vector_norm(
-        grad, dtype=torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else None
-    )
-    result: torch.Tensor = norm.float().square()
-    return result
+    half = grad.dtype in (torch.float16, torch.bfloat16)
+    norm: torch.Tensor = torch.linalg.vector_norm(grad, dtype=torch.float32 if half else None)
+    return norm
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each gradient (one fused call for dense ones)."""
+    if grads and not any(g.is_sparse or g.dtype in (torch.float16, torch.bfloat16) for g in grads):
+        return list(torch._foreach_norm(grads))
+    return [_norm(g) for g in grads]
+
+
+def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of ``norms`` as a float64 scalar tensor on the CPU (0 for none)."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([n.double() for n in norms]).square().sum().cpu()
 
 
 class AdaptiveDataParallel(DistributedDataParallel):
@@ -93,7 +105,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self._accum_index = 0
         self._loader: LoaderHelper | None = None
         self._sync_start = 0.0
-        self._local_future: Future[Any] | list[float] | None = None
+        self._pending: tuple[Future[Any], list[float], int, int] | None = None
         self._prev_grads: list[list[torch.Tensor]] | None = None
         self._prev_bsz = 0
         self.last_lr_factor = 1.0
@@ -127,7 +139,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
     def _grad_hook(self, group: int, grad: torch.Tensor) -> None:
         if not self._in_backward:
             self._begin_backward()
-        self._local_parts[group].append(_sqr(grad))
+        self._local_parts[group].append(_norm(grad))
 
     def _begin_backward(self) -> None:
         loader = self._job.current_loader
@@ -154,13 +166,6 @@ class AdaptiveDataParallel(DistributedDataParallel):
             self._accum_index = loader.current_index or 0
             return
         self._sync_start = self._job.clock()
-        local = [
-            float(torch.stack(parts).sum().item()) if parts else 0.0 for parts in self._local_parts
-        ]
-        if self._job.topology.num_replicas > 1:
-            self._local_future = self._job.collective.allreduce_async(local)
-        else:
-            self._local_future = local
         torch.autograd.Variable._execution_engine.queue_callback(self._after_sync)
 
     def _after_sync(self) -> None:
@@ -168,43 +173,68 @@ class AdaptiveDataParallel(DistributedDataParallel):
         job.record_sync_time(job.clock() - self._sync_start)
         loader = self._loader
         assert loader is not None
+        self._apply_pending()
         micro, self._micro = self._micro, 0
-        self._local_parts = [[] for _ in range(self._num_groups)]
-        future, self._local_future = self._local_future, None
-        local = future if isinstance(future, list) else future.result()  # type: ignore[union-attr]
+        parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
         groups = self._grad_groups()
         if micro > 1:
             for grads in groups:
-                for grad in grads:
-                    grad.div_(micro)
-        mp = self._mp_scale()
-        total = [
-            float(torch.stack([_sqr(g) for g in grads]).sum().item()) / mp**2 if grads else 0.0
-            for grads in groups
-        ]
-        local = [value / mp**2 for value in local]
-        if not all(math.isfinite(v) for v in (*total, *local)):
-            LOG.warning("non-finite gradient: gradient-noise statistics skip this step")
-            self._prev_grads = None
-            return
+                torch._foreach_div_(grads, float(micro))
+        mp2 = self._mp_scale() ** 2
+        # One host transfer for every squared norm of the step.
+        sums = torch.stack(
+            [_sum_sqr_norms(p) for p in parts] + [_sum_sqr_norms(_norms(g)) for g in groups]
+        ).tolist()
+        local = [v / mp2 for v in sums[: self._num_groups]]
+        total = [v / mp2 for v in sums[self._num_groups :]]
         training = job.training_loader or loader
         gns = job.metrics.ensure_gns(training.batch_size, self._num_groups)
         bsz = max(loader.current_local_bsz, 1)
-        count = job.topology.num_replicas * micro
+        replicas = job.topology.num_replicas
+        count = replicas * micro
         if count >= 2:
-            gns.update(local, total, count, bsz)
             self._prev_grads = None
+            if replicas > 1:
+                # The replicas' local norms are summed in the background and folded in
+                # at the next step: no wait here, and a one-step lag is immaterial to
+                # a moving average over hundreds of steps.
+                self._pending = (job.collective.allreduce_async(local), total, count, bsz)
+            else:
+                self._update(gns.update, local, total, count, bsz)
             return
-        current = [[g.detach() / mp for g in grads] for grads in groups]
+        if not all(math.isfinite(v) for v in total):
+            self._skip()
+            return
+        current = [[g.detach() / mp2**0.5 for g in grads] for grads in groups]
         if self._prev_grads is not None:
             mixed = [
-                float(sum(_sqr((p + c) / 2).item() for p, c in zip(pg, cg, strict=True)))
+                float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
                 for pg, cg in zip(self._prev_grads, current, strict=True)
             ]
-            prev = [float(sum(_sqr(p).item() for p in pg)) for pg in self._prev_grads]
-            gns.update_differenced(prev, total, mixed, bsz, self._prev_bsz)
+            prev = [float(_sum_sqr_norms(_norms(pg))) for pg in self._prev_grads]
+            self._update(gns.update_differenced, prev, total, mixed, bsz, self._prev_bsz)
         self._prev_grads = [[g.clone() for g in grads] for grads in current]
         self._prev_bsz = bsz
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        future, total, count, bsz = pending
+        gns = self._job.metrics.gns
+        if gns is not None:
+            self._update(gns.update, future.result(), total, count, bsz)
+
+    def _update(self, update: Callable[..., None], *args: Any) -> None:
+        values = [v for a in args if isinstance(a, list) for v in a]
+        if not all(math.isfinite(v) for v in values):
+            self._skip()
+            return
+        update(*args)
+
+    def _skip(self) -> None:
+        LOG.warning("non-finite gradient: gradient-noise statistics skip this step")
+        self._prev_grads = None
 
     def _grad_groups(self) -> list[list[torch.Tensor]]:
         return [
