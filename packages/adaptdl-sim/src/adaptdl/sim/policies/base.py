@@ -142,7 +142,10 @@ def _place_one(
 
 
 def greedy_allocate(
-    utilities: Sequence[np.ndarray], capacity: int, min_first: bool = False
+    utilities: Sequence[np.ndarray],
+    capacity: int,
+    min_first: bool = False,
+    start: Sequence[int] | None = None,
 ) -> list[int]:
     """Split ``capacity`` GPUs to maximise the sum of per-job utilities, greedily.
 
@@ -150,11 +153,17 @@ def greedy_allocate(
     Each step takes the jump (from a job's current count to any larger one that fits)
     with the best value per GPU, so a non-concave utility (a speedup that only pays
     off at a full node) is still found. Ties go to the earlier job. With
-    ``min_first``, every job first gets one GPU in order while any is left.
+    ``min_first``, every job first gets one GPU in order while any is left. With
+    ``start``, jobs begin from those counts (their sum at most ``capacity``) and only
+    gain GPUs.
     """
     n = len(utilities)
-    alloc = [0] * n
-    free = capacity
+    alloc = (
+        [0] * n
+        if start is None
+        else [min(int(a), len(u) - 1) for a, u in zip(start, utilities, strict=True)]
+    )
+    free = capacity - sum(alloc)
     if min_first:
         for i in range(n):
             if free <= 0:

@@ -43,7 +43,10 @@ class PolluxPolicy:
         max_gpus_per_job: int | None = None,
         fairness: float = -1.0,
         max_horizon: float | None = 1800.0,
+        min_gain: float = 0.01,
     ) -> None:
+        check_float("min_gain", min_gain, min=0.0)
+        self.min_gain = min_gain
         if max_horizon is not None:
             check_float("max_horizon", max_horizon, min=0.0, min_exclusive=True)
         self.max_horizon = max_horizon
@@ -97,5 +100,14 @@ class PolluxPolicy:
     def allocate(self, state: ClusterState) -> Allocation:
         utilities = [self.utility(job, state) for job in state.jobs]
         alloc = greedy_allocate(utilities, state.total_gpus)
+        # The current allocation, topped up with the free GPUs, is a candidate too: a
+        # reshuffle restarts jobs, so it must beat keeping things by ``min_gain``.
+        current = [j.num_gpus if all(state.up[n] for n in j.nodes) else 0 for j in state.jobs]
+        if sum(current) <= state.total_gpus:
+            kept = greedy_allocate(utilities, state.total_gpus, start=current)
+            value_new = sum(float(u[a]) for u, a in zip(utilities, alloc, strict=True))
+            value_kept = sum(float(u[a]) for u, a in zip(utilities, kept, strict=True))
+            if value_new <= value_kept + self.min_gain * abs(value_kept):
+                alloc = kept
         counts = {j.name: a for j, a in zip(state.jobs, alloc, strict=True) if a > 0}
         return pack(state, counts)
