@@ -216,10 +216,14 @@ class Launch:
             raise self.fail(f"did not exit in {WAIT_TIMEOUT}s (hang)") from None
 
     def kill(self) -> None:
+        """End torchrun and every worker it started (each runs in its own session)."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        for r in self.records():
+            if r.get("start") and _alive(r["pid"]):
+                _kill(r["pid"], signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------- trials
@@ -238,7 +242,6 @@ class Trial:
         self.n = self.rng.choice([40, 48, 64])
         self.batch_size = self.rng.choice([4, 8])
         self.every_steps = self.rng.randint(2, 4)
-        self.steps_per_epoch = -(-self.n // self.batch_size)
         self.launches: list[Launch] = []
         self.env = {
             **os.environ,
@@ -248,7 +251,7 @@ class Trial:
             "FAULTS_N": str(self.n),
             "FAULTS_EPOCHS": str(EPOCHS),
             "FAULTS_BATCH_SIZE": str(self.batch_size),
-            "FAULTS_STEP_SLEEP": "0.03",
+            "FAULTS_STEP_SLEEP": "0.05",
             "ADAPTDL_CHECKPOINT_PATH": str(self.checkpoints),
             "ADAPTDL_CHECKPOINT_STEPS": str(self.every_steps),
             "ADAPTDL_CHECKPOINT_INTERVAL": "0",
@@ -262,10 +265,15 @@ class Trial:
         choices = [p for p in range(lo, hi + 1) if p != other_than]
         return self.rng.choice(choices)
 
-    def step_target(self) -> int:
-        """A random step of the job, early enough that a checkpoint came before it."""
-        total = self.steps_per_epoch * EPOCHS
-        return self.rng.randint(1, max(1, total - 2))
+    def steps_per_epoch(self, nproc: int) -> int:
+        """Optimiser steps in an epoch at ``nproc`` replicas (the batch splits evenly, up)."""
+        local = -(-self.batch_size // nproc)
+        return -(-self.n // (local * nproc))
+
+    def step_target(self, nproc: int) -> int:
+        """A random step of the job before its last four (the harness polls; leave it time)."""
+        total = self.steps_per_epoch(nproc) * EPOCHS
+        return self.rng.randint(1, max(1, total - 4))
 
     def finish(self, launch: Launch) -> None:
         """Wait for ``launch`` to end and require success."""
@@ -331,7 +339,7 @@ class Trial:
             launch.pids()
             attempt = launch.attempt()
             if k == 0:
-                launch.wait_steps(self.step_target(), attempt)
+                launch.wait_steps(self.step_target(launch.nproc), attempt)
             else:
                 launch.wait_steps(self.rng.randint(1, 3), attempt)
             pids = launch.pids()
@@ -359,7 +367,7 @@ class Trial:
             first.wait_in_save()
             self.result.detail += " 2xTERM in save"
         else:
-            first.wait_steps(self.step_target())
+            first.wait_steps(self.step_target(first.nproc))
             self.result.detail += " 2xTERM"
         self.signal_torchrun(first, 2)
         self.stopped(first)
@@ -383,7 +391,7 @@ class Trial:
         for size in sizes[:-1]:
             launch = Launch(self, size, max_restarts=0)
             launch.pids()
-            launch.wait_steps(self.rng.randint(1, self.steps_per_epoch))
+            launch.wait_steps(self.rng.randint(1, self.steps_per_epoch(size)))
             self.signal_torchrun(launch, 1)
             self.stopped(launch)
         self.finish(Launch(self, sizes[-1], max_restarts=0))
@@ -393,7 +401,7 @@ class Trial:
         launch = Launch(self, self.procs(lo=2), max_restarts=1, env=env)
         pids = launch.pids()
         attempt = launch.attempt()
-        launch.wait_steps(self.step_target(), attempt)
+        launch.wait_steps(self.step_target(launch.nproc), attempt)
         rank = self.rng.randrange(launch.nproc)
         self.result.detail += f" stop rank {rank}"
         _kill(pids[rank], signal.SIGSTOP)
@@ -456,6 +464,16 @@ class Trial:
             if set(counts) - set(range(self.n)):
                 raise TrialFailure(f"epoch {epoch} consumed indices outside the dataset")
         result.lost, result.repeated = lost, repeated
+        # Every run and restart resumed from the newest checkpoint written before it.
+        newest = None
+        for r in sorted(records, key=lambda r: r["t"]):
+            if "saved" in r:
+                newest = r["saved"]
+            elif r.get("start") and r["rank"] == 0 and r["restored"] != newest:
+                raise TrialFailure(
+                    f"run {r['run']} restart {r['restart']} resumed from {r['restored']}, "
+                    f"but the newest checkpoint was {newest}"
+                )
         result.timings = [
             {k: r[k] for k in ("boundary_s", "checkpoint_s", "save_s", "plain_s")}
             for r in records

@@ -122,9 +122,11 @@ def main() -> None:
     def timed_save(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return store_save(*args, **kwargs)  # type: ignore[misc]
+            saved = store_save(*args, **kwargs)  # type: ignore[misc]
         finally:
             timing["save"] = time.perf_counter() - start
+        record(saved=saved.label)
+        return saved
 
     def timed_checkpoint() -> None:
         start = time.perf_counter()
