@@ -161,6 +161,15 @@ def test_each_epoch_yields_every_sample_once(shuffle: bool) -> None:
     assert adl.finished_epochs() == 2
 
 
+@pytest.mark.parametrize(("drop_last", "expected"), [(False, 6), (True, 5)])
+def test_len_counts_the_batches_of_a_pass(drop_last: bool, expected: int) -> None:
+    loader = AdaptiveDataLoader(indexed(23), batch_size=4, drop_last=drop_last)
+    assert len(loader) == expected
+    if not drop_last:  # (core's loop does not yet end a drop_last pass: see the report)
+        for _ in adl.remaining_epochs_until(1):
+            assert len(list(loader)) == expected
+
+
 def test_workers_yield_the_same_samples_and_get_distinct_deterministic_seeds() -> None:
     def run() -> list[tuple[int, int, int, float]]:
         loader = AdaptiveDataLoader(SeedReport(), batch_size=3, shuffle=True, num_workers=2)

@@ -255,3 +255,15 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
             return DataLoader.__iter__(self)
 
         yield from helper.iterate(len(sampler.dataset), batches)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        """Batches this replica yields in a pass from the sampler's index at the current size.
+
+        An adaptive loop may change the batch size at each pass and walk several
+        passes, so for it this is an estimate of one pass.
+        """
+        helper = self._elastic
+        replicas = helper.job.topology.num_replicas
+        local = helper.current_local_bsz or -(-helper.batch_size // replicas)
+        count = len(self.sampler)  # type: ignore[arg-type]
+        return count // local if self.drop_last else -(-count // local)
