@@ -239,3 +239,22 @@ def test_torch_state_loads_with_weights_only_and_refuses_code() -> None:
         state.from_bytes(buffer.getvalue())
     with pytest.raises(CheckpointError, match="no state for"):
         StateDictState("s", {"model": model, "other": clone}).from_bytes(state.to_bytes())
+
+
+def test_gradients_of_a_loop_left_mid_accumulation_belong_to_no_step() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=16)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    model, optimizer, adp = setup()
+    for epoch in adl.remaining_epochs_until(2):
+        for i, (_, x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            if epoch == 1:
+                # The first step of the new loop starts from clean gradients.
+                assert model.weight.grad is None or not model.weight.grad.any()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            optimizer.step()  # a no-op on accumulation micro-batches
+            if epoch == 0 and i == 1:
+                break  # leaves two micro-batches accumulated in .grad
+            if epoch == 1:
+                break
