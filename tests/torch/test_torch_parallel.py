@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.job import Preempted
-from adaptdl.torch import _context
+from adaptdl.torch import _context, scaling_rules
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import AdaScale, LinearScale
 from adaptdl.torch.state import StateDictState
@@ -258,3 +259,26 @@ def test_gradients_of_a_loop_left_mid_accumulation_belong_to_no_step() -> None:
                 break  # leaves two micro-batches accumulated in .grad
             if epoch == 1:
                 break
+
+
+def test_adamscale_measures_adam_preconditioned_gradients() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (8, 1)  # 2 micro-batches
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-6)
+    adp = AdaptiveDataParallel(model, optimizer, scaling_rule=scaling_rules.AdamScale())
+    assert adp._preconditioner(0, model.weight) is None  # no optimiser state yet
+    factors = []
+    for _ in adl.remaining_epochs_until(1):
+        for _, x, y in loader:
+            train_step(adp, optimizer, x, y)
+            factors.append(adp.last_lr_factor)
+    state = optimizer.state[model.weight]
+    expected = (state["exp_avg_sq"] / (1 - 0.99 ** float(state["step"]))).sqrt() + 1e-6
+    torch.testing.assert_close(adp._preconditioner(0, model.weight), expected)
+    gns = adp.gns
+    assert gns is not None and gns.num_updates == len(factors) // 2 >= 2
+    assert gns.gain(2.0) > 1.0
+    assert adp.last_lr_factor == pytest.approx(math.sqrt(gns.gain(2.0)))

@@ -26,7 +26,7 @@ from adaptdl.core.collective import Future
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.torch._context import current_job
-from adaptdl.torch.scaling_rules import AdaScale, ScalingRuleBase
+from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
 from adaptdl.torch.state import StateDictState
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,6 +50,10 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     if grads and not any(g.is_sparse or g.dtype in (torch.float16, torch.bfloat16) for g in grads):
         return list(torch._foreach_norm(grads))
     return [_norm(g) for g in grads]
+
+
+def _same_shapes(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return [[t.shape for t in g] for g in a] == [[t.shape for t in g] for g in b]
 
 
 def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
@@ -123,7 +127,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 if param.requires_grad:
-                    param.register_hook(functools.partial(self._grad_hook, index))
+                    param.register_hook(functools.partial(self._grad_hook, index, param))
         self._patch_optimizer(optimizer)
         if mp_scaler is not None:
             self._patch_scaler(mp_scaler)
@@ -136,10 +140,31 @@ class AdaptiveDataParallel(DistributedDataParallel):
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
     # -- backward hooks ----------------------------------------------------------------
-    def _grad_hook(self, group: int, grad: torch.Tensor) -> None:
+    def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         if not self._in_backward:
             self._begin_backward()
-        self._local_parts[group].append(_norm(grad))
+        precond = self._preconditioner(group, param)
+        self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
+
+    def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
+        """Adam's ``sqrt(v_hat) + eps`` for ``param`` under AdamScale, else None.
+
+        The statistics that govern an adaptive optimiser's progress are those of
+        the preconditioned gradient; the optimiser state changes only at the step,
+        so every norm of one step uses the same preconditioner.
+        """
+        if not isinstance(self.scaling_rule, AdamScale):
+            return None
+        state = self.adaptdl_optimizer.state.get(param)
+        if not state or "exp_avg_sq" not in state or "step" not in state:
+            return None
+        options = self.adaptdl_optimizer.param_groups[group]
+        beta2 = options.get("betas", (0.9, 0.999))[1]
+        correction = 1.0 - beta2 ** float(state["step"])
+        if correction <= 0.0:
+            return None
+        v_hat: torch.Tensor = state["exp_avg_sq"] / correction
+        return v_hat.sqrt().add_(options.get("eps", 1e-8))
 
     def _begin_backward(self) -> None:
         loader = self._job.current_loader
@@ -183,7 +208,8 @@ class AdaptiveDataParallel(DistributedDataParallel):
         mp2 = self._mp_scale() ** 2
         # One host transfer for every squared norm of the step.
         sums = torch.stack(
-            [_sum_sqr_norms(p) for p in parts] + [_sum_sqr_norms(_norms(g)) for g in groups]
+            [_sum_sqr_norms(p) for p in parts]
+            + [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
         ).tolist()
         local = [v / mp2 for v in sums[: self._num_groups]]
         total = [v / mp2 for v in sums[self._num_groups :]]
@@ -206,12 +232,20 @@ class AdaptiveDataParallel(DistributedDataParallel):
             self._skip()
             return
         current = [[g.detach() / mp2**0.5 for g in grads] for grads in groups]
-        if self._prev_grads is not None:
+        if self._prev_grads is not None and _same_shapes(self._prev_grads, current):
+            # Both gradients with this step's preconditioner, as the estimator requires.
+            pairs = zip(
+                self._preconditioned(self._prev_grads),
+                self._preconditioned(current),
+                strict=True,
+            )
             mixed = [
                 float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
-                for pg, cg in zip(self._prev_grads, current, strict=True)
+                for pg, cg in pairs
             ]
-            prev = [float(_sum_sqr_norms(_norms(pg))) for pg in self._prev_grads]
+            prev = [
+                float(_sum_sqr_norms(_norms(pg))) for pg in self._preconditioned(self._prev_grads)
+            ]
             self._update(gns.update_differenced, prev, total, mixed, bsz, self._prev_bsz)
         self._prev_grads = [[g.clone() for g in grads] for grads in current]
         self._prev_bsz = bsz
@@ -235,6 +269,25 @@ class AdaptiveDataParallel(DistributedDataParallel):
     def _skip(self) -> None:
         LOG.warning("non-finite gradient: gradient-noise statistics skip this step")
         self._prev_grads = None
+
+    def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """``groups`` (gradients of the params with grads) divided by their preconditioners."""
+        if not isinstance(self.scaling_rule, AdamScale):
+            return groups
+        out = []
+        for index, (grads, params) in enumerate(zip(groups, self._grad_params(), strict=True)):
+            row = []
+            for grad, param in zip(grads, params, strict=True):
+                precond = self._preconditioner(index, param)
+                row.append(grad if precond is None else grad / precond)
+            out.append(row)
+        return out
+
+    def _grad_params(self) -> list[list[torch.Tensor]]:
+        return [
+            [p for p in group["params"] if p.grad is not None]
+            for group in self.adaptdl_optimizer.param_groups
+        ]
 
     def _grad_groups(self) -> list[list[torch.Tensor]]:
         return [
