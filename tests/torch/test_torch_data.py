@@ -290,3 +290,19 @@ def test_random_state_in_workers_does_not_leak_into_the_main_process() -> None:
     for _ in adl.remaining_epochs_until(1):
         consume(loader)
     assert random.random() == expected
+
+
+def test_helper_gives_fine_grained_control_of_a_custom_loop() -> None:
+    helper = AdaptiveDataLoaderHelper(batch_size=4)
+    steps = []
+    for _ in adl.remaining_epochs_until(1):
+        with helper.context():
+            assert not helper.skipdone()
+            assert current_dataloader() is helper
+            helper.end_index = 12
+            while helper.current_index < helper.end_index:
+                with helper.profile(commit=False):
+                    steps.append(helper.current_index)
+                helper.current_index += 4
+    assert steps == [0, 4, 8]
+    assert helper.current_index is None and helper.end_index == 12
