@@ -15,20 +15,21 @@ from collections import Counter
 
 import numpy as np
 
-from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.core.profiler import Profiler
 from adaptdl.sim.apps import ApplicationModel, FloatArray, Placement, normalize_placement
 from adaptdl.sim.workload import JobSpec
 
-# Observations that differ by less than this relative amount do not trigger a refit.
-_REFIT_TOLERANCE = 0.05
-# Atomic batch sizes within this ratio share one profile entry (the newest wins), as
-# a profiler with geometric buckets would: refitting for every small change of the
-# batch size costs more than it tells.
+# The job's profiler records a configuration the first time its atomic batch size
+# falls in a new geometric bucket of this ratio (step times in the simulation are
+# exact, and every new configuration costs the core a full refit: for the smooth
+# model, one point per bucket says as much as one per batch size).
 _BSZ_BUCKET = 1.25
 
 
 class JobGoodput:
-    """One job's goodput engine: its profile, fitted performance model and gradient stats."""
+    """One job's goodput engine: a core ``Profiler`` of the step times it experienced,
+    the performance model the profiler fits, and the job's gradient statistics."""
 
     def __init__(
         self,
@@ -42,26 +43,30 @@ class JobGoodput:
         self.max_batch_size = max_batch_size
         self.local_bsz_bounds = local_bsz_bounds
         self.accumulation = accumulation
-        self._profile: dict[tuple[int, int, int], tuple[int, float, float]] = {}
+        self.profiler = Profiler()
+        self._buckets: set[tuple[int, int, int]] = set()
         self._params: PerfParams | None = None
-        self._stale = False
         self.grad = GradParams(0.0, 0.0)
         self._fn: GoodputFunction | None = None
         self._speedup: FloatArray | None = None
         self._speedup_key: tuple[int, int] = (0, 0)
-        self.fits = 0
         #: Goodput on one GPU (samples/s at initial-batch efficiency) at the last speedup.
         self.base_goodput = 0.0
 
     @property
+    def fits(self) -> int:
+        """How many times the profiler fitted the performance model."""
+        return self.profiler.num_fits
+
+    @property
     def has_profile(self) -> bool:
         """Whether any step has been observed (and a model can be fitted)."""
-        return bool(self._profile)
+        return bool(self._buckets)
 
     @property
     def max_profiled_replicas(self) -> int:
         """Most replicas of any observed configuration (0 before any)."""
-        return max((k[1] for k in self._profile), default=0)
+        return self.profiler.max_profiled_replicas
 
     def record(
         self,
@@ -70,14 +75,34 @@ class JobGoodput:
         atomic_bsz: int,
         accum_time: float,
         optim_time: float,
+        sync_time: float = 0.0,
     ) -> None:
-        """Add the observed compute-only and optimiser step times of one configuration."""
+        """Profile one accumulation micro-batch and one optimiser step of a configuration."""
         bucket = round(math.log(atomic_bsz) / math.log(_BSZ_BUCKET))
         key = (num_nodes, num_replicas, bucket)
-        old = self._profile.get(key)
-        self._profile[key] = (atomic_bsz, accum_time, optim_time)
-        if old is None or abs(old[2] - optim_time) > _REFIT_TOLERANCE * old[2]:
-            self._stale = True
+        if key in self._buckets:
+            return
+        self._buckets.add(key)
+        p = self.profiler
+        p.record(num_nodes, num_replicas, atomic_bsz, accum_step=True, step_time=accum_time)
+        p.record(
+            num_nodes,
+            num_replicas,
+            atomic_bsz,
+            accum_step=False,
+            step_time=optim_time,
+            sync_time=sync_time,
+        )
+
+    @property
+    def perf_params(self) -> PerfParams | None:
+        """The performance model the profiler fitted (it refits when it learnt more)."""
+        params = self.profiler.perf_params()
+        if params is not self._params:
+            self._params = params
+            self._fn = None
+            self._speedup = None
+        return params
 
     def set_grad(self, sqr: float, var: float) -> None:
         """Set the gradient statistics (measured at the initial batch size's scale)."""
@@ -87,27 +112,12 @@ class JobGoodput:
             self._fn = None
             self._speedup = None
 
-    @property
-    def perf_params(self) -> PerfParams | None:
-        """The performance model fitted to the profile (refitted when it changed)."""
-        if self._stale and self._profile:
-            keys = sorted(self._profile)
-            arr = np.array([(k[0], k[1], *self._profile[k]) for k in keys], dtype=np.float64)
-            # A fresh fit each time: measured, a warm start from the previous
-            # parameters converges more slowly than the fit's own starting points.
-            self._params = fit_perf_params(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4])
-            self._stale = False
-            self._fn = None
-            self._speedup = None
-            self.fits += 1
-        return self._params
-
     def goodput_fn(self) -> GoodputFunction | None:
         """The core goodput function of this job now, or None before any profile."""
-        if self._fn is None or self._stale:
-            params = self.perf_params
-            if params is None:
-                return None
+        params = self.perf_params
+        if params is None:
+            return None
+        if self._fn is None:
             self._fn = GoodputFunction(params, self.grad, self.init_batch_size)
         return self._fn
 
@@ -337,7 +347,7 @@ class SimJob:
         # What the job's profiler measures: one compute-only micro-batch (the step
         # less its synchronisation) and one optimiser step.
         step, sync = self.app.step_time(self.placement, atomic)
-        self.goodput.record(nnodes, gpus, atomic, max(step - sync, 1e-6), step)
+        self.goodput.record(nnodes, gpus, atomic, max(step - sync, 1e-6), step, sync)
 
     def maybe_reconfigure(self, time: float) -> bool:
         """Decide the batch size again if the job's goodput model changed since it last did.

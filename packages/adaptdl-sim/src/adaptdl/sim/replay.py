@@ -461,10 +461,11 @@ def run_replay(
             event = pending_stop
             if event.kind == "preempt":
                 clock.now += event.duration
-            replicas = event.replicas or replicas
+            if event.replicas is not None:
+                replicas = event.replicas
+                # Without a node count, the replicas pack onto the fewest nodes.
+                nodes = event.nodes or -(-replicas // scenario.gpus_per_node)
             nodes = min(event.nodes or nodes, replicas)
-            if event.nodes is None:
-                nodes = min(max(nodes, -(-replicas // scenario.gpus_per_node)), replicas)
             clock.now += scenario.restart_penalty
             restart_seconds += scenario.restart_penalty
         except _Crash:
