@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -222,8 +223,17 @@ class Launch:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         for r in self.records():
-            if r.get("start") and _alive(r["pid"]):
+            if r.get("start") and _alive(r["pid"]) and self._ours(r["pid"]):
                 _kill(r["pid"], signal.SIGKILL)
+
+    def _ours(self, pid: int) -> bool:
+        """Whether ``pid`` is still a worker of this trial (pids get reused)."""
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            return False
+        return f"FAULTS_RECORD_DIR={self.trial.records}".encode() in env
 
 
 # --------------------------------------------------------------------------- trials
@@ -418,6 +428,13 @@ class Trial:
             self.result.stop_seconds = time.monotonic() - start
         finally:
             _kill(pids[rank], signal.SIGCONT)
+        errors = [
+            r["error"]
+            for r in launch.records()
+            if "error" in r and r["restart"] == attempt and r["rank"] != rank
+        ]
+        if not any("timed out" in e.lower() or "timeout" in e.lower() for e in errors):
+            raise launch.fail(f"the survivors did not stop on a collective timeout: {errors}")
         self._wait_restart(launch, attempt)
         self.finish(launch)
 
@@ -554,10 +571,44 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+class _PlainTable:
+    """The part of rich's Table the report uses, as plain text."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.columns: list[str] = []
+        self.rows: list[tuple[str, ...]] = []
+
+    def add_column(self, name: str, **_: Any) -> None:
+        self.columns.append(name)
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append(cells)
+
+    def __str__(self) -> str:
+        table = [tuple(self.columns), *self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns))]
+        lines = [self.title]
+        for row in table:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+        return "\n".join(lines)
+
+
+class _PlainConsole:
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def print(self, text: Any, **_: Any) -> None:
+        print(re.sub(r"\[/?[a-z ]*\]", "", text) if isinstance(text, str) else text)
+
+
 def report(results: list[Result], seed: int) -> None:
     """Print the per-trial rows, the summary table and the checkpoint timings."""
-    from rich.console import Console
-    from rich.table import Table
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich makes it pretty; plain text says the same
+        Console, Table = _PlainConsole, _PlainTable  # type: ignore[assignment,misc]
 
     console = Console(width=120)
     rows = Table(title=f"fault-injection trials (seed {seed})")
