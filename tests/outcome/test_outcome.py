@@ -104,15 +104,18 @@ def test_adascale_follows_the_scale_one_trajectory(seed: int) -> None:
 
 
 def test_gain_is_in_range_and_grows_with_scale_on_real_estimates() -> None:
-    result = gns_accuracy.simulate_core(FAST)
-    est_sqr, est_var = result["rows"][-1][:2]
-    gns = GradientNoiseScale(init_batch_size=FAST["batch_size"])
-    gns.update([2 * (est_sqr + est_var / 128)], est_sqr + est_var / 256, 2, 64)
-    scales = [1.0, 2.0, 4.0, 8.0, 16.0, 64.0]
+    gns = GradientNoiseScale.from_json(gns_accuracy.simulate_core(FAST)["gns"])
+    assert gns.has_estimate and gns.sqr > 0 and gns.var > 0
+    scales = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0]
     gains = [gns.gain(s) for s in scales]
-    assert gains[0] == pytest.approx(1.0)
-    assert all(1.0 <= g <= s for g, s in zip(gains, scales, strict=True))
+    assert gains[1] == pytest.approx(1.0)
+    assert 0.5 <= gains[0] < 1.0
+    assert all(1.0 <= g <= s for g, s in zip(gains[1:], scales[1:], strict=True))
     assert all(a < b for a, b in itertools.pairwise(gains))
+    # Progress adds the gain of each step.
+    before = gns.progress
+    assert gns.add_progress(16.0) == pytest.approx(gains[5])
+    assert gns.progress == pytest.approx(before + gains[5])
 
 
 # -- through adaptdl.torch under torchrun -----------------------------------------------
