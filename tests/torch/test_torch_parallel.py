@@ -282,3 +282,24 @@ def test_adamscale_measures_adam_preconditioned_gradients() -> None:
     assert gns is not None and gns.num_updates == len(factors) // 2 >= 2
     assert gns.gain(2.0) > 1.0
     assert adp.last_lr_factor == pytest.approx(math.sqrt(gns.gain(2.0)))
+
+
+def test_two_backward_passes_on_one_batch_add_up() -> None:
+    dataset = data()
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=8)
+    loader.train()
+    model, optimizer, adp = setup(scaling_rule=LinearScale())
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in adl.remaining_epochs_until(1):
+        for _, x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            adp(x).abs().mean().backward()  # a second loss term, its own backward
+            optimizer.step()
+            ref_opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(reference(x), y) + reference(x).abs().mean()
+            loss.backward()
+            ref_opt.step()
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p, q)

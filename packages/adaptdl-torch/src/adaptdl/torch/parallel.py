@@ -104,7 +104,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         # Per group, squared norms of the local micro-batch gradients since the last step.
         self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
         self._in_backward = False
-        self._micro = 0  # micro-batches accumulated in .grad since the last step
+        # Loop positions of the micro-batches accumulated in .grad since the last step:
+        # several backward passes on one micro-batch add up, they are not averaged.
+        self._micro: set[int] = set()
         self._accum_loader: LoaderHelper | None = None
         self._accum_index = 0
         self._loader: LoaderHelper | None = None
@@ -183,9 +185,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
 
     def _after_backward(self) -> None:
         self._in_backward = False
-        self._micro += 1
         loader = self._loader
         assert loader is not None
+        self._micro.add(loader.current_index or 0)
         if not self.require_backward_grad_sync:
             self._accum_loader = loader
             self._accum_index = loader.current_index or 0
@@ -199,7 +201,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         loader = self._loader
         assert loader is not None
         self._apply_pending()
-        micro, self._micro = self._micro, 0
+        micro, self._micro = max(len(self._micro), 1), set()
         parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
         groups = self._grad_groups()
         if micro > 1:
@@ -308,12 +310,12 @@ class AdaptiveDataParallel(DistributedDataParallel):
 
     def _drop_stale_accumulation(self) -> None:
         # Gradients accumulated by a loop that ended before its step belong to no step.
-        if self._micro == 0:
+        if not self._micro:
             return
         loader = self._job.current_loader
         index = loader.current_index if loader is not None else None
         if loader is not self._accum_loader or index is None or index < self._accum_index:
-            self._micro = 0
+            self._micro = set()
             self._local_parts = [[] for _ in range(self._num_groups)]
             self._accum_loader = None
             self.adaptdl_optimizer.zero_grad(set_to_none=True)
@@ -332,7 +334,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         @functools.wraps(zero_grad)
         def adaptive_zero_grad(*args: Any, **kwargs: Any) -> Any:
             self._drop_stale_accumulation()
-            if self._micro > 0:
+            if self._micro:
                 return None  # keep the gradients being accumulated
             return zero_grad(*args, **kwargs)
 
