@@ -162,6 +162,9 @@ def test_preempted_replicas_checkpoint_and_exit_143(elastic_job: Path) -> None:
     assert by_run[0] == {(0, 143), (1, 143)}
     assert by_run[1] == {(0, 143), (1, 143), (2, 143)}
     assert by_run[2] == {(0, 0)}
+    # Every replica stopped with the very same parameters (same steps, same LR factors).
+    for run in (0, 1):
+        assert len({r["digest"] for r in exits if r["run"] == run}) == 1
     assert len(list((elastic_job / "checkpoints").glob("ckpt-*"))) >= 1
 
 
