@@ -17,9 +17,32 @@ def test_replay_default_scenario_needs_no_arguments(capsys: pytest.CaptureFixtur
     assert out["epochs"] and out["timeline"]
 
 
-def test_replay_prints_tables(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", "fixed"]) == 0
-    assert "exactly once" in capsys.readouterr().out
+def _tiny_scenario(tmp_path: Path) -> str:
+    path = tmp_path / "tiny.json"
+    path.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "application": "replay-small",
+                "epochs": 2,
+                "dataset_size": 300,
+                "init_batch_size": 16,
+                "max_batch_size": 128,
+                "local_bsz_bounds": [4, 64],
+                "replicas": 2,
+                "timeline": [{"time": 3.0, "kind": "crash"}],
+                "restart_penalty": 5.0,
+                "checkpoint_interval": 1.0,
+            }
+        )
+    )
+    return str(path)
+
+
+def test_replay_prints_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", _tiny_scenario(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "exactly once" in out and "tiny" in out
 
 
 def test_cluster_json_top_level(capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,11 +75,12 @@ def test_compare_several_workloads_json(
 
 def test_plots_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
-    assert main(["cluster", "--jobs", "4", "--nodes", "2", "--plot", str(tmp_path)]) == 0
+    argv = ["cluster", "--policy", "fifo", "--jobs", "3", "--nodes", "2", "--plot", str(tmp_path)]
+    assert main(argv) == 0
     names = {p.name for p in tmp_path.iterdir()}
-    assert {"jct_cdf.png", "pollux_gpus.png", "pollux_batch_size.png"} <= names
-    assert main(["replay", "--plot", str(tmp_path)]) == 0
-    assert (tmp_path / "replay_elastic.png").is_file()
+    assert {"jct_cdf.png", "fifo_gpus.png", "fifo_batch_size.png"} <= names
+    assert main(["replay", _tiny_scenario(tmp_path), "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "replay_tiny.png").is_file()
 
 
 def test_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,7 +93,7 @@ def test_workload_missing_column_names_file_and_line(tmp_path: Path) -> None:
 def test_measured_workload_runs_under_every_policy(pollux_dir: Path, trace_apps: dict) -> None:
     jobs = read_workload(pollux_dir / "workloads" / "workload-1.csv", trace_apps)
     assert len(jobs) == 160
-    early = [j for j in jobs if j.submit < 1800]
+    early = [j for j in jobs if j.submit < 1200]
     results = {p: simulate(early, trace_apps, make_policy(p)) for p in ("pollux", "tiresias")}
     for r in results.values():
         assert r.unfinished == 0

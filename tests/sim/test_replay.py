@@ -72,7 +72,12 @@ def test_every_sample_consumed_once_per_epoch(
 
 
 def test_same_scenario_same_report() -> None:
-    sc = builtin_scenarios()["elastic"]
+    timeline = (
+        TimelineEvent(2.0, "resize", replicas=3),
+        TimelineEvent(6.0, "crash"),
+        TimelineEvent(9.0, "preempt", duration=4.0, replicas=5, nodes=2),
+    )
+    sc = _small(timeline, adaptive=True, seed=1)
     assert run_replay(sc).to_json() == run_replay(sc).to_json()
 
 
