@@ -294,7 +294,8 @@ def _cluster(args: argparse.Namespace) -> int:
     if args.command == "cluster":
         result = next(iter(results.values()))[policies[0]]
         if args.json:
-            print(json.dumps(result.to_json(), indent=2))
+            # One run: include each job's timeline and the utilisation over time.
+            print(json.dumps(result.to_json(history=True), indent=2))
         else:
             _print_cluster(result, next(iter(results)))
         return 0

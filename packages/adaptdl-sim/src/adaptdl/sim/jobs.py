@@ -3,9 +3,9 @@
 Between two events a job's configuration (GPUs, batch size, epoch) is constant, so
 its progress grows linearly: ``gain / iteration_time`` of scale-invariant progress per
 second. The job's *decisions* go through the real core: its :class:`JobGoodput`
-holds the step times the job has experienced, fits the core performance model to
-them (``adaptdl.core.goodput.fit_perf_params``) and, with the gradient statistics it
-measures, chooses the batch size with ``GoodputFunction.optimize``.
+records the step times the job experiences in a core ``Profiler``, which fits the
+core performance model to them, and with the gradient statistics the job measures
+chooses the batch size with ``GoodputFunction.optimize``.
 """
 
 from __future__ import annotations
