@@ -298,7 +298,11 @@ class LoaderHelper:
                         self.job.step_boundary()
                         if self._max_batch_size is not None and self._finished(n, epoch):
                             break
-                if self.job.progress == progress and not self._finished(n, epoch):
+                if (
+                    self._max_batch_size is not None
+                    and self.job.progress == progress
+                    and not self._finished(n, epoch)
+                ):
                     raise RuntimeError(
                         f"{self.name}: a whole pass with adaptive batch size made no training "
                         "progress; train with AdaptiveDataParallel, which records it"
