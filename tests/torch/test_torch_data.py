@@ -165,9 +165,8 @@ def test_each_epoch_yields_every_sample_once(shuffle: bool) -> None:
 def test_len_counts_the_batches_of_a_pass(drop_last: bool, expected: int) -> None:
     loader = AdaptiveDataLoader(indexed(23), batch_size=4, drop_last=drop_last)
     assert len(loader) == expected
-    if not drop_last:  # (core's loop does not yet end a drop_last pass: see the report)
-        for _ in adl.remaining_epochs_until(1):
-            assert len(list(loader)) == expected
+    for _ in adl.remaining_epochs_until(1):
+        assert len(list(loader)) == expected  # a drop_last pass ends the loop too
 
 
 def test_workers_yield_the_same_samples_and_get_distinct_deterministic_seeds() -> None:
