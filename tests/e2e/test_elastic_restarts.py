@@ -66,7 +66,7 @@ class Launch:
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
-            "--max-restarts=0",
+            f"--max-restarts={full_env.get('E2E_MAX_RESTARTS', '0')}",
             "--monitor-interval=0.5",
             str(SCRIPT),
         ]
@@ -187,3 +187,31 @@ def test_training_resumes_where_it_stopped(elastic_job: Path) -> None:
     assert [e["epoch_end"] for e in ends] == list(range(EPOCHS))
     curve = [losses[0]] + [e["full_loss"] for e in ends]
     assert all(a > b for a, b in itertools.pairwise(curve)), curve
+
+
+def test_sigterm_to_one_replica_restarts_the_group_inside_torchrun(tmp_path: Path) -> None:
+    """A scheduler signals one worker; torchrun (--max-restarts=1) restarts the group."""
+    (tmp_path / "records").mkdir()
+    launch = Launch(tmp_path, 0, 2, E2E_EPOCHS="2", E2E_MAX_RESTARTS="1")
+    try:
+        launch.wait_until(_reached(0, N // 3))
+        starts = [r for r in _records(tmp_path / "records") if r.get("start")]
+        victim = next(r["pid"] for r in starts if r["rank"] == 1)
+        os.kill(victim, signal.SIGTERM)
+        assert launch.wait() == 0, launch.output()
+    finally:
+        launch.kill()
+    records = _records(tmp_path / "records")
+    exits = {(r["attempt"], r["rank"], r["exit"]) for r in records if "exit" in r}
+    assert exits == {(0, 0, 143), (0, 1, 143), (1, 0, 0), (1, 1, 0)}
+    restarted = [r for r in records if r.get("start") and r["attempt"] == 1]
+    assert len(restarted) == 2 and all(r["restored"] is not None for r in restarted)
+    for epoch in range(2):
+        seen = collections.Counter(
+            i
+            for r in records
+            if "indices" in r and r["epoch"] == epoch
+            for i, pad in zip(r["indices"], r["padding"], strict=True)
+            if not pad
+        )
+        assert seen == collections.Counter(range(N)), epoch

@@ -73,7 +73,9 @@ def main() -> None:
     with open(path, "a", encoding="utf-8") as out:
 
         def record(**entry: Any) -> None:
-            entry.update(run=RUN, rank=topo.rank, replicas=topo.num_replicas)
+            entry.update(
+                run=RUN, rank=topo.rank, replicas=topo.num_replicas, attempt=topo.num_restarts
+            )
             out.write(json.dumps(entry) + "\n")
             out.flush()
 
@@ -83,6 +85,7 @@ def main() -> None:
 
         record(
             start=True,
+            pid=os.getpid(),
             restored=job.restored_from,
             full_loss=full_loss(),
             finished_epochs=adl.finished_epochs(),
