@@ -4,10 +4,12 @@ A 10-million-parameter MLP trains on CPU with 2 replicas under torchrun (gloo).
 Each replica alternates rounds of plain DDP steps (a DataLoader with a
 DistributedSampler) and rounds of AdaptiveDataParallel steps (an
 AdaptiveDataLoader inside ``remaining_epochs_until``): the same model, batch size
-and data. In one process, whichever model is built second runs measurably
-slower, so two jobs run, one per build order, and the figure is the geometric
-mean over both of the overhead of the best adaptive round over the best plain one
-(target: at most 5%); the same from the medians, for reference.
+and data. Which model is built first may matter (memory placement; one early
+run suggested so, on a loaded machine), so two jobs run, one per build order, and
+the figure is the geometric mean over both of the overhead of the best adaptive
+round over the best plain one (target: at most 5%); the same from the medians, for
+reference. On a shared, loaded machine the rounds vary by tens of percent: read the
+figure from a quiet one.
 
     python benchmarks/bench_torch_ddp.py            # launches torchrun itself
     python benchmarks/bench_torch_ddp.py --quick
