@@ -29,17 +29,20 @@ import numpy as np
 from experiments.outcome._common import launch
 from experiments.outcome.classifier import PROBLEM
 
-#: Fixed total batch sizes of the sweep, as (local batch size, accumulation) on 2 replicas.
-SWEEP = ((8, 0), (32, 0), (128, 0), (512, 0))
+#: Fixed total batch sizes of the sweep (16, 64, 256, 1024), as (local batch size,
+#: accumulation steps) on 2 replicas, within the same local bounds as the adaptive run.
+SWEEP = ((8, 0), (32, 0), (128, 0), (128, 3))
 
 DEFAULT = {
     **PROBLEM,
     "progress_epochs": 10,  # the cap, and the length of the cosine schedule
     "eval_every_samples": 2048,
-    "target_accuracy": 0.945,
+    "target_accuracy": 0.94,
     "stop_at_target": True,
     "max_batch_size": 1024,
-    "local_bsz_bounds": [8, 512],
+    # A local batch of at most 128 stands for a device's memory limit: larger totals
+    # need accumulation, so the decision is over (local batch, accumulation steps).
+    "local_bsz_bounds": [8, 128],
     "gradient_accumulation": True,
 }
 

@@ -165,6 +165,8 @@ def worker() -> None:
     train_time += time.perf_counter() - tick
     train_cpu += time.process_time() - tick_cpu
     val_loss, val_acc = evaluate()
+    if not evals or evals[-1][1] != samples:
+        evals.append([adp.progress, samples, train_time, val_loss, val_acc, train_cpu])
     if job.topology.rank == 0:
         gns = adp.gns
         write_result(
