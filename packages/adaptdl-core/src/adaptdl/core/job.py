@@ -357,7 +357,10 @@ class Job:
                 f"dataloader may be used for training, not also {loader.name}"
             )
         self.training_loader = loader
-        self.metrics.ensure_gns(loader.batch_size)
+        # Keep the parameter groups of a restored estimator: the model's adapter, built
+        # later, knows them; reshaping to one group here would drop its statistics.
+        gns = self.metrics.gns
+        self.metrics.ensure_gns(loader.batch_size, gns.num_groups if gns is not None else 1)
 
     # -- metrics ------------------------------------------------------------------------
     @property
