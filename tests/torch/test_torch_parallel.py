@@ -303,3 +303,31 @@ def test_two_backward_passes_on_one_batch_add_up() -> None:
             ref_opt.step()
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(p, q)
+
+
+def test_noise_statistics_of_several_param_groups_survive_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+
+    def build() -> tuple[Any, Any, torch.optim.Optimizer]:
+        adl.init_process_group("gloo")
+        loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+        loader.train()  # before the model, as usual: the job makes a 1-group estimator
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+        return loader, AdaptiveDataParallel(model, optimizer), optimizer
+
+    loader, adp, optimizer = build()
+    with pytest.raises(Preempted):
+        for _ in adl.remaining_epochs_until(1):
+            for step, (_, x, y) in enumerate(loader):
+                train_step(adp, optimizer, x, y)
+                if step == 4:
+                    _context.current_job().request_stop()
+    before = adp.gns.to_json()
+    assert before["num_groups"] == 2 and before["num_updates"] > 0
+    _context._reset()
+    _, adp, _ = build()
+    assert adp.gns.to_json() == before
