@@ -242,8 +242,10 @@ class Launch:
 class Trial:
     """One job in its own directory, trained to the end through one kind of fault."""
 
-    def __init__(self, index: int, kind: str, seed: int, root: Path) -> None:
+    def __init__(self, index: int, kind: str, seed: int, root: Path, occurrence: int = 0) -> None:
         self.rng = random.Random(seed)
+        # Which trial of its kind this is: variants of a kind alternate, so all are run.
+        self.occurrence = occurrence
         self.result = Result(index=index, kind=kind, seed=seed)
         self.dir = root / f"trial-{index:03d}-{kind}"
         self.records = self.dir / "records"
@@ -343,7 +345,7 @@ class Trial:
 
     # -- the kinds -------------------------------------------------------------------
     def kill(self) -> None:
-        kills = 2 if self.rng.random() < 0.3 else 1
+        kills = 2 if self.occurrence % 3 == 1 else 1
         launch = Launch(self, self.procs(), max_restarts=kills + 1)
         for k in range(kills):
             launch.pids()
@@ -369,7 +371,7 @@ class Trial:
         self.finish(launch)
 
     def double_sigterm(self) -> None:
-        in_save = self.rng.random() < 0.5
+        in_save = self.occurrence % 2 == 0
         env = {"FAULTS_SLOW_SAVE": "1.0"} if in_save else {}
         first = Launch(self, self.procs(), max_restarts=0, env=env)
         first.pids()
@@ -556,7 +558,8 @@ def run_trials(
     base = Path(tempfile.mkdtemp(prefix="adaptdl-faults-", dir=root))
     results = []
     for index, (kind, trial_seed) in enumerate(plan(trials, seed, kinds)):
-        result = Trial(index, kind, trial_seed, base).run()
+        occurrence = sum(1 for r in results if r.kind == kind)
+        result = Trial(index, kind, trial_seed, base, occurrence).run()
         results.append(result)
         if progress is not None:
             progress(result)
