@@ -49,8 +49,12 @@ DEFAULT = {
 
 def run_adaptive(cfg: dict[str, Any]) -> dict[str, Any]:
     """The adaptive run."""
+    # It goes on to the progress cap after reaching the target (the time to the target is
+    # recorded when it is reached), so that the plot shows its later decisions too.
     result = launch(
-        "experiments.outcome.classifier", 2, {**cfg, "autoscale": True, "rule": "adascale"}
+        "experiments.outcome.classifier",
+        2,
+        {**cfg, "autoscale": True, "rule": "adascale", "stop_at_target": False},
     )
     result["label"] = "adaptive"
     return result
