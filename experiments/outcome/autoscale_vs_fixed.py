@@ -77,6 +77,8 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for r in results:
         steps = np.asarray(r["steps"], dtype=np.float64)
         reached = r["reached"]
+        if reached is not None:
+            steps = steps[: reached["steps"]]  # what it took to reach the target
         rows.append(
             {
                 "label": r["label"],
@@ -120,7 +122,8 @@ def table(summary: dict[str, Any], target: float) -> str:
     """The markdown table of item 3."""
     lines = [
         f"| run | time to {target:.1%} val. accuracy: wall / CPU (s) | samples | progress | "
-        "optimiser steps | batch sizes used | final batch (accum) | time at initial batch (s) |",
+        "optimiser steps | batch sizes used | batch at target (accum) | "
+        "time at initial batch (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["rows"]:
