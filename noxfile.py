@@ -98,3 +98,23 @@ def sim(session: nox.Session) -> None:
     else:
         session.log(f"{pollux} not found: comparing on the built-in workload")
         session.run("adaptdl-sim", "compare", env=THREADS)
+
+
+@nox.session(python=PYTHON)
+def faults(session: nox.Session) -> None:
+    """Fault-injection trials under real torchrun processes (30 by default, seed printed)."""
+    _install(session, "rich>=13")
+    session.run("python", "-m", "faults", *(session.posargs or ["--trials", "30"]), env=THREADS)
+
+
+@nox.session(python=PYTHON)
+def outcome(session: nox.Session) -> None:
+    """Statistical soundness: GNS accuracy, AdaScale at scale, autoscaling vs fixed."""
+    _install(session)
+    session.run(
+        "python",
+        "-m",
+        "experiments.outcome.run_all",
+        *(session.posargs or ["--out", "out/outcome"]),
+        env=THREADS,
+    )
