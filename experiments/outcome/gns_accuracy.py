@@ -39,7 +39,7 @@ a truth that decays by a rate ``r`` per step is about ``r s / (1 - s)``; its noi
 falls as ``sqrt(1 - s)``. The adapter's default ``s = 0.999`` (a memory of about a
 thousand initial-batch steps) suits long training, where the statistics drift
 slowly; here |G|^2 falls by ``2 lr lam`` per step, and with ``lr = 1.5e-4`` that
-would put the default average some 40% behind. The main runs therefore configure
+puts the default average about a third behind. The main runs therefore configure
 ``s = 0.99`` (a memory of a hundred steps, set on the job's estimator), which
 keeps the lag near 3.5% while |G|^2 still falls by a factor of about 2.7 after
 warm-up; one contrast run keeps the default to show that its error is lag alone.
