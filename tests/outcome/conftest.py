@@ -5,4 +5,4 @@ from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # last, so that nothing installed is shadowed

@@ -153,3 +153,27 @@ def test_torch_adascale_scale_four_matches_scale_one() -> None:
     assert len(gains) < len(base_gains) / 1.5
     assert abs(big["val_loss"] - base["val_loss"]) / base["val_loss"] < 0.05
     assert abs(big["val_acc"] - base["val_acc"]) < 0.02
+
+
+def test_run_all_targets_read_the_summaries() -> None:
+    from experiments.outcome import run_all
+
+    def gns(mode: str, worst: float) -> dict[str, object]:
+        return {
+            "mode": mode,
+            **{f"{q}_{ref}_max": worst for q in ("sqr", "var") for ref in ("lag", "now")},
+        }
+
+    def scale_row(rule: str, scale: int, loss_gap: float, acc_gap: float) -> dict[str, object]:
+        return {"rule": rule, "scale": scale, "loss_gap": loss_gap, "acc_gap": acc_gap}
+
+    summary = {
+        "gns_accuracy": {"summaries": [gns("replicas", 0.05), gns("accumulation", 0.12)]},
+        "adascale_scale": [scale_row("adascale", 16, -0.03, 0.004)],
+        "autoscale_vs_fixed": {"ratio": 0.45},
+    }
+    met = list(run_all.check_targets(summary).values())
+    assert met == [True, False, True, False]
+    summary["adascale_scale"] = [scale_row("adascale", 16, 0.05, 0.0)]
+    summary["autoscale_vs_fixed"] = {"ratio": 1.2}
+    assert list(run_all.check_targets(summary).values()) == [True, False, False, True]
