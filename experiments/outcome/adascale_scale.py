@@ -207,8 +207,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--lr-sweep", action="store_true", help="only tune the base learning rate at scale 1"
     )
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULT["seed"], help="data and initialisation seed"
+    )
     args = parser.parse_args(argv)
-    cfg = {**DEFAULT, "progress_epochs": args.progress_epochs}
+    cfg = {**DEFAULT, "progress_epochs": args.progress_epochs, "seed": args.seed}
     if args.lr_sweep:
         print(lr_sweep(cfg))
         return []
