@@ -306,3 +306,72 @@ def test_adaptive_loop_without_progress_raises():
     for _ in job.epoch.remaining_epochs_until(1):
         with pytest.raises(RuntimeError, match="no training progress"):
             list(loader.iterate(4, shard_batches(4, 0, 1)))
+
+
+class TickingClock:
+    """A clock that advances a fixed amount each time it is read."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class Alternating:
+    """A decision that changes its mind every time it is asked."""
+
+    def __init__(self, choices):
+        self.choices, self.calls = choices, 0
+
+    def __call__(self, query):
+        self.calls += 1
+        return self.choices[self.calls % len(self.choices)]
+
+
+@settings(max_examples=25)
+@given(
+    n=st.integers(20, 80),
+    replicas=st.integers(1, 3),
+    choices=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 2)), min_size=2, max_size=4),
+    tick=st.floats(0.3, 2.0),
+)
+def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
+    """Batch sizes re-decided inside a pass change nothing about what is consumed."""
+    decisions = []
+
+    def replica(collective):
+        decide = Alternating(choices)
+        job = Job(
+            Topology(rank=collective.rank, num_replicas=replicas),
+            collective=collective,
+            clock=TickingClock(tick),
+            batch_size_decision=decide,
+        )
+        # Target batch size 1: one pass's worth of progress is n optimiser steps
+        # (each adds gain 1 while there is no noise estimate).
+        loader = LoaderHelper(job, batch_size=1)
+        loader.autoscale_batch_size(64, gradient_accumulation=True)
+        seen = []
+        for _epoch in job.epoch.remaining_epochs_until(1):
+            for batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
+                seen.append((loader.current_index, [i for i, pad in batch if not pad]))
+                if loader.is_optim_step():
+                    job.gns.add_progress(1.0)
+        if collective.rank == 0:
+            decisions.append(decide.calls)
+        return seen
+
+    outcome = run_replicas(replicas, replica)
+    per_pass: dict[int, Counter] = {}
+    for seen in outcome:
+        for index, samples in seen:
+            per_pass.setdefault(index // n, Counter()).update(samples)
+    passes = sorted(per_pass)
+    assert passes == list(range(len(passes)))
+    for p in passes[:-1]:
+        assert per_pass[p] == Counter(range(n))
+    assert all(c == 1 for c in per_pass[passes[-1]].values())
+    # The clock runs fast enough that the job re-decided inside passes.
+    assert decisions[0] > len(passes)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
+from adaptdl.core._validate import check_float
 from adaptdl.core.goodput import GoodputFunction
 
 
@@ -35,6 +36,33 @@ class BatchSizeDecision(Protocol):
     """Returns (local_bsz, accum_steps) for a query."""
 
     def __call__(self, query: BatchSizeQuery) -> tuple[int, int]: ...
+
+
+@attrs.frozen
+class RedecideSchedule:
+    """When an adaptive loop asks its decision again in the middle of a pass.
+
+    The first model is fitted from a few steps and improves quickly, so the
+    intervals start short and double up to ``max_seconds``: most of the benefit of
+    a better batch size comes early, and each decision costs a model fit.
+    """
+
+    first_seconds: float = attrs.field(default=1.0)
+    max_seconds: float = attrs.field(default=60.0)
+
+    @first_seconds.validator
+    def _check_first(self, attribute: attrs.Attribute[float], value: Any) -> None:
+        check_float("first_seconds", value, min=0.0, min_exclusive=True)
+
+    @max_seconds.validator
+    def _check_max(self, attribute: attrs.Attribute[float], value: Any) -> None:
+        check_float("max_seconds", value, min=self.first_seconds)
+
+    def next_interval(self, interval: float | None) -> float:
+        """The interval after ``interval`` (None: the first one)."""
+        if interval is None:
+            return self.first_seconds
+        return min(2.0 * interval, self.max_seconds)
 
 
 def even_split(query: BatchSizeQuery) -> tuple[int, int]:

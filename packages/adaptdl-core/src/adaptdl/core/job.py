@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision
+from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -179,6 +179,10 @@ class Job:
         self._sync_time = 0.0
         self._stop_requested = False
         self._boundary_future: Future[Any] | None = None
+        self.redecide_schedule = RedecideSchedule()
+        self._redecide_interval: float | None = None
+        self._next_redecide = clock() + self.redecide_schedule.next_interval(None)
+        self.redecide_due = False
         self.checkpoint_policy = checkpoint_policy or CheckpointPolicy()
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = clock()
@@ -309,32 +313,41 @@ class Job:
         """Called after every optimiser step, on every replica, at the same points.
 
         Each call starts a non-blocking reduction of (any replica asked to stop,
-        rank 0 finds a periodic checkpoint due) and reads the one started at the
-        previous boundary, so every replica acts on the same answer at the same
-        boundary without waiting on the network. A stop checkpoints and raises
-        `Preempted`; a due checkpoint is written and training goes on.
+        rank 0 finds a periodic checkpoint due, rank 0 finds the batch size due for
+        another decision) and reads the one started at the previous boundary, so
+        every replica acts on the same answer at the same boundary without waiting
+        on the network. A stop checkpoints and raises `Preempted`; a due checkpoint
+        is written and training goes on; a due decision sets `redecide_due` for the
+        loader until the next boundary.
         """
         self._steps_since_checkpoint += 1
         self._mark(self.state.samples_consumed)
         previous = self._boundary_future
         self._boundary_future = None
+        self.redecide_due = False
         if previous is not None:
-            stop, due = previous.result()
+            stop, due, redecide = previous.result()
             if stop:
                 self.checkpoint()
                 raise Preempted()
             if due:
                 self.checkpoint()
+            self.redecide_due = bool(redecide)
+        now = self.clock()
         due_now = (
             self.store is not None
             and self.topology.rank == 0
             # +1: what is found due now is written at the next boundary.
             and self.checkpoint_policy.due(
-                self._steps_since_checkpoint + 1, self.clock() - self._last_checkpoint_time
+                self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
         )
+        redecide_now = self.topology.rank == 0 and now >= self._next_redecide
+        if redecide_now:
+            self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
+            self._next_redecide = now + self._redecide_interval
         self._boundary_future = self.collective.allreduce_async(
-            [self._stop_requested, due_now], logical_or
+            [self._stop_requested, due_now, redecide_now], logical_or
         )
 
     # -- loops ------------------------------------------------------------------------

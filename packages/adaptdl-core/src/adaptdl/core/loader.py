@@ -282,9 +282,13 @@ class LoaderHelper:
                 return
             replicas = self.job.topology.num_replicas
             # Checked first too: a restart may land exactly where the loop had ended.
+            decided = False  # whether (local_bsz, accum) was just decided mid-pass
+            local_bsz, progress, steps = 0, 0.0, 0
             while not self._finished(n, epoch):
-                local_bsz = self.sync_local_bsz()
-                progress = self.job.progress
+                if not decided:  # a pass starts
+                    local_bsz = self.sync_local_bsz()
+                    progress, steps = self.job.progress, 0
+                decided = False
                 for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
                     index = self._state.current_index
                     # The pass's last batch may be short: count only real positions.
@@ -295,20 +299,36 @@ class LoaderHelper:
                     self._state.current_index = index + step
                     self.job.count_samples(step)
                     if self._accum_count == 0:
+                        steps += 1
                         self.job.step_boundary()
                         if self._max_batch_size is not None and self._finished(n, epoch):
                             break
-                if (
-                    self._max_batch_size is not None
-                    and self.job.progress == progress
-                    and not self._finished(n, epoch)
-                ):
-                    raise RuntimeError(
-                        f"{self.name}: a whole pass with adaptive batch size made no training "
-                        "progress; train with AdaptiveDataParallel, which records it"
-                    )
-                # A pass ended (or the loop did): the next pass starts at a multiple of n.
-                self._state.current_index = math.ceil(self._state.current_index / n) * n
+                        if self._redecided():
+                            # Go on from the current index with the new batch size.
+                            decided, local_bsz = True, self.current_local_bsz
+                            break
+                else:
+                    # The pass ran to its end.
+                    if (
+                        self._max_batch_size is not None
+                        and steps > 0
+                        and self.job.progress == progress
+                        and not self._finished(n, epoch)
+                    ):
+                        raise RuntimeError(
+                            f"{self.name}: a whole pass with adaptive batch size made no "
+                            "training progress; train with AdaptiveDataParallel, which records it"
+                        )
+                    # The next pass starts at the next multiple of n.
+                    self._state.current_index = math.ceil(self._state.current_index / n) * n
+
+    def _redecided(self) -> bool:
+        """Ask the decision again mid-pass when the job says so; True if it changed."""
+        if not (self.job.redecide_due and self.training and self._max_batch_size is not None):
+            return False
+        before = (self._state.current_local_bsz, self._state.accumulation_steps)
+        self.sync_local_bsz()
+        return (self._state.current_local_bsz, self._state.accumulation_steps) != before
 
     def _check_dataset_len(self, n: int) -> None:
         """Refuse to resume a loop over a dataset whose length changed; record ``n``."""
