@@ -127,11 +127,12 @@ def test_replay_after_crash_is_counted(tmp_path):
     store = MemoryCheckpointStore()
     journal = Journal(tmp_path / "journal")
     job = Job(store=store, journal=journal)
+    # What the loader does for each batch: journal it as taken, train, count it.
+    job.taking_samples(40)
     job.count_samples(40)
     job.step_boundary()
     job.checkpoint()
-    job.count_samples(24)
-    job.step_boundary()  # the mark now says 64; the process is killed here
+    job.taking_samples(24)  # the mark now says 64; the process is killed in this step
     journal.close()
     again = Job(store=store, journal=Journal(tmp_path / "journal"))
     assert again.state.samples_consumed == 40

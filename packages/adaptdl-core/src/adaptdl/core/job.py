@@ -321,7 +321,6 @@ class Job:
         loader until the next boundary.
         """
         self._steps_since_checkpoint += 1
-        self._mark(self.state.samples_consumed)
         previous = self._boundary_future
         self._boundary_future = None
         self.redecide_due = False
