@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.scaling import adascale_gain
 
 FloatArray = npt.NDArray[np.float64]
 Placement = tuple[int, ...]
@@ -33,16 +34,6 @@ def normalize_placement(placement: Sequence[int]) -> Placement:
     if not counts:
         raise ValueError(f"placement must use at least one GPU, got {tuple(placement)!r}")
     return counts
-
-
-def adascale_gain(sqr: float, var: float, scale: float) -> float:
-    """Progress of one step at ``scale`` times the initial batch size (AdaScale gain)."""
-    if scale <= 1.0:
-        return scale
-    denom = var / scale + sqr
-    if denom <= 0.0:
-        return 1.0
-    return (var + sqr) / denom
 
 
 class ApplicationModel:
