@@ -17,11 +17,12 @@ def queries(draw):
     lo = draw(st.one_of(st.none(), st.integers(1, batch_size)))
     hi = draw(st.one_of(st.none(), st.integers(max(lo or 1, batch_size), 8192)))
     bounds = draw(st.sampled_from([None, (lo, hi)]))
+    max_batch_size = draw(st.one_of(st.none(), st.integers(batch_size, 2 * batch_size)))
     return BatchSizeQuery(
         num_nodes=1,
         num_replicas=replicas,
         batch_size=batch_size,
-        max_batch_size=None,
+        max_batch_size=max_batch_size,
         local_bsz_bounds=bounds,
         gradient_accumulation=draw(st.booleans()),
     )
@@ -36,15 +37,27 @@ def test_even_split_stays_in_bounds_and_covers_the_batch(query):
     assert accum == 0 or query.gradient_accumulation
     # The total never falls below the target (rounding goes up), and never more
     # than one sample per replica and micro-batch above it unless the lower bound forces it.
-    total = local * query.num_replicas * (accum + 1)
-    assert total >= query.batch_size
+    micro = query.num_replicas * (accum + 1)  # micro-batches per step, all replicas
+    total = local * micro
+    cap = query.max_batch_size
+    if cap is not None and local > (lo or 1):
+        assert total <= cap
+    # Rounding goes up, unless the cap forbids it; then it is within one sample per
+    # micro-batch below the target. Never more than one sample per micro-batch above
+    # it unless the lower bound forces it.
+    if cap is None or -(-query.batch_size // micro) * micro <= cap:
+        assert total >= query.batch_size
+    else:
+        assert total > query.batch_size - micro
     if lo is None or lo * query.num_replicas <= query.batch_size:
-        assert total < query.batch_size + query.num_replicas * (accum + 1)
+        assert total < query.batch_size + micro
 
 
 def test_even_split_examples():
     q = BatchSizeQuery(num_nodes=1, num_replicas=3, batch_size=10)
     assert even_split(q) == (4, 0)
+    q = BatchSizeQuery(num_nodes=1, num_replicas=3, batch_size=10, max_batch_size=10)
+    assert even_split(q) == (3, 0)
     q = BatchSizeQuery(
         num_nodes=1,
         num_replicas=1,

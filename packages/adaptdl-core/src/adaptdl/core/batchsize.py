@@ -69,8 +69,9 @@ def even_split(query: BatchSizeQuery) -> tuple[int, int]:
     """Divide the target batch size evenly over the replicas (rounding up).
 
     When the local batch size would exceed the upper local bound and accumulation
-    is allowed, split it into micro-batches instead; the lower bound is honoured
-    too, so the result always lies inside the bounds.
+    is allowed, split it into micro-batches instead. The total stays at most
+    ``max_batch_size`` when one is set, and the local bounds always hold (the lower
+    bound wins where the two conflict).
     """
     lo, hi = _bounds(query)
     local = math.ceil(query.batch_size / query.num_replicas)
@@ -80,6 +81,9 @@ def even_split(query: BatchSizeQuery) -> tuple[int, int]:
         local = math.ceil(query.batch_size / (query.num_replicas * (accum + 1)))
     if hi is not None:
         local = min(local, hi)
+    if query.max_batch_size is not None:
+        # Rounding up over the replicas must not pass the cap on the total.
+        local = min(local, query.max_batch_size // (query.num_replicas * (accum + 1)))
     return max(local, lo), accum
 
 
