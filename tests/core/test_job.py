@@ -199,3 +199,27 @@ def test_policy_from_env():
 def test_policy_env_garbage_names_the_variable(env, variable):
     with pytest.raises(ValueError, match=variable):
         CheckpointPolicy.from_env(env)
+
+
+def test_boundaries_outside_training_count_no_steps_and_keep_decisions_pending():
+    clock = Clock()
+    store = MemoryCheckpointStore(keep=100)
+    job = Job(
+        store=store,
+        clock=clock,
+        checkpoint_policy=CheckpointPolicy(every_seconds=None, every_steps=3),
+    )
+    clock.now = 100.0
+    job.step_boundary()  # training: a decision is found due
+    for _ in range(10):  # a validation loop
+        job.step_boundary(training=False)
+    assert job.checkpoints_written == 0
+    assert job.redecide_due  # still waiting for the training loader
+    job.redecide_due = False
+    job.step_boundary()
+    job.step_boundary()
+    assert job.checkpoints_written == 1  # at the third training step
+    clock.now = 1000.0  # a decision would be due now, but only training schedules one
+    job.step_boundary(training=False)
+    job.step_boundary(training=False)
+    assert not job.redecide_due

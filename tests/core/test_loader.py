@@ -375,3 +375,21 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
     assert all(c == 1 for c in per_pass[passes[-1]].values())
     # The clock runs fast enough that the job re-decided inside passes.
     assert decisions[0] > len(passes)
+
+
+def test_validation_batches_count_no_steps_toward_periodic_checkpoints():
+    from adaptdl.core.job import CheckpointPolicy
+
+    job = one_replica_job(
+        store=MemoryCheckpointStore(keep=100),
+        checkpoint_policy=CheckpointPolicy(every_seconds=None, every_steps=4),
+    )
+    train, valid = LoaderHelper(job, 1), LoaderHelper(job, 1)
+    train.train()
+    for _ in job.epoch.remaining_epochs_until(1):
+        for _batch in train.iterate(8, shard_batches(8, 0, 1)):
+            pass
+        for _batch in valid.iterate(40, shard_batches(40, 0, 1)):
+            pass
+    # Training boundaries 4 and 8 only; the 40 validation batches add none.
+    assert job.checkpoints_written == 2

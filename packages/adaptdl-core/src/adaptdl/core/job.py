@@ -309,7 +309,7 @@ class Job:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
-    def step_boundary(self) -> None:
+    def step_boundary(self, *, training: bool = True) -> None:
         """Called after every optimiser step, on every replica, at the same points.
 
         Each call starts a non-blocking reduction of (any replica asked to stop,
@@ -317,13 +317,15 @@ class Job:
         another decision) and reads the one started at the previous boundary, so
         every replica acts on the same answer at the same boundary without waiting
         on the network. A stop checkpoints and raises `Preempted`; a due checkpoint
-        is written and training goes on; a due decision sets `redecide_due` for the
-        loader until the next boundary.
+        is written and training goes on; a due decision sets `redecide_due` until the
+        training loader acts on it. Boundaries of other loops (``training=False``,
+        e.g. validation) still stop and checkpoint, but count no step toward
+        ``every_steps`` and schedule no decision.
         """
-        self._steps_since_checkpoint += 1
+        if training:
+            self._steps_since_checkpoint += 1
         previous = self._boundary_future
         self._boundary_future = None
-        self.redecide_due = False
         if previous is not None:
             stop, due, redecide = previous.result()
             if stop:
@@ -331,7 +333,9 @@ class Job:
                 raise Preempted()
             if due:
                 self.checkpoint()
-            self.redecide_due = bool(redecide)
+            # Stays set until the training loader acts on it (a validation loop
+            # may run in between).
+            self.redecide_due = self.redecide_due or bool(redecide)
         now = self.clock()
         due_now = (
             self.store is not None
@@ -341,7 +345,7 @@ class Job:
                 self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
         )
-        redecide_now = self.topology.rank == 0 and now >= self._next_redecide
+        redecide_now = training and self.topology.rank == 0 and now >= self._next_redecide
         if redecide_now:
             self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
             self._next_redecide = now + self._redecide_interval

@@ -300,7 +300,8 @@ class LoaderHelper:
                     self.job.count_samples(step)
                     if self._accum_count == 0:
                         steps += 1
-                        self.job.step_boundary()
+                        # Without a designated training loader, every loop trains.
+                        self.job.step_boundary(training=self.job.training_loader in (None, self))
                         if self._max_batch_size is not None and self._finished(n, epoch):
                             break
                         if self._redecided():
@@ -326,6 +327,7 @@ class LoaderHelper:
         """Ask the decision again mid-pass when the job says so; True if it changed."""
         if not (self.job.redecide_due and self.training and self._max_batch_size is not None):
             return False
+        self.job.redecide_due = False
         before = (self._state.current_local_bsz, self._state.accumulation_steps)
         self.sync_local_bsz()
         return (self._state.current_local_bsz, self._state.accumulation_steps) != before
