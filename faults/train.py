@@ -135,11 +135,11 @@ def main() -> None:
         finally:
             timing["checkpoint"] = time.perf_counter() - start
 
-    def timed_boundary() -> None:
+    def timed_boundary(*, training: bool = True) -> None:
         written = job.checkpoints_written
         start = time.perf_counter()
         try:
-            job_boundary()
+            job_boundary(training=training)
         finally:
             elapsed = time.perf_counter() - start
             if job.checkpoints_written != written and topo.rank == 0:
