@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
+import importlib.metadata
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,14 @@ def _hours(seconds: float | None) -> str:
     return "-" if seconds is None or not np.isfinite(seconds) else f"{seconds / 3600:.2f}"
 
 
+def _version() -> str:
+    """The installed distribution's version; "unknown" when run from a bare source tree."""
+    try:
+        return importlib.metadata.version("adaptdl-sim")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adaptdl-sim",
@@ -49,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
             "cluster of jobs under the pollux, tiresias, optimus and fifo policies."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     rp = sub.add_parser("replay", help="replay one job through a timeline of events")
