@@ -14,8 +14,7 @@ waiting forever.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -29,35 +28,26 @@ from adaptdl.core.collective import (
     decode,
     encode,
 )
+from adaptdl.core.config import COLLECTIVE_TIMEOUT_VAR, DEFAULT_COLLECTIVE_TIMEOUT, JobConfig
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_VAR", "TorchCollective", "collective_timeout"]
 
 LOG = logging.getLogger("adaptdl.torch.collective")
 T = TypeVar("T")
 
-TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0
+TIMEOUT_VAR = COLLECTIVE_TIMEOUT_VAR
+DEFAULT_TIMEOUT = DEFAULT_COLLECTIVE_TIMEOUT
 _HEADER = 8
 _SLOT = 256  # bytes per replica in the first round; holds every flag and metric sum
 
 
-def collective_timeout(env: dict[str, str] | None = None) -> timedelta:
-    """The collective timeout: ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, default 300.
+def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta:
+    """The collective timeout that ``JobConfig.from_env(env)`` reads (`adaptdl.core.config`).
 
-    Raises ValueError when the variable is set but is not a positive number.
+    ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, default 300. Raises ValueError when the
+    variable is set but is not a positive number.
     """
-    raw = (os.environ if env is None else env).get(TIMEOUT_VAR, "").strip()
-    if not raw:
-        return timedelta(seconds=DEFAULT_TIMEOUT)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(
-            f"environment variable {TIMEOUT_VAR}={raw!r} must be a positive number of seconds"
-        )
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=JobConfig.from_env(env).collective_timeout)
 
 
 def _pack(payload: bytes) -> torch.Tensor:
