@@ -21,6 +21,7 @@ from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
 from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal
+from adaptdl.core.storage import LocalStorage, Storage
 from adaptdl.torch.collective import TorchCollective
 
 __all__ = ["current_job", "init_process_group", "is_initialized"]
@@ -43,6 +44,7 @@ def init_process_group(
     *,
     timeout: timedelta | None = None,
     init_method: str | None = None,
+    storage: Storage | None = None,
 ) -> None:
     """Join the job: set up ``torch.distributed``, the default job and its checkpoints.
 
@@ -53,8 +55,10 @@ def init_process_group(
     group (the default group when it is gloo). ``timeout`` (default
     ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, 300) bounds every collective.
 
-    The checkpoint directory comes from ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints
-    when unset); the newest checkpoint there is loaded now. SIGTERM makes every
+    Checkpoints go to ``storage``, by default a directory named by
+    ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints when unset); the newest checkpoint
+    there is loaded now. Every environment variable is read here, once, by
+    `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
     replica checkpoint at the next optimiser step and exit with status 143.
 
     Raises RuntimeError when called twice, and ValueError for an unknown backend or
@@ -92,11 +96,13 @@ def init_process_group(
     policy = CheckpointPolicy(
         every_seconds=config.checkpoint_every_seconds, every_steps=config.checkpoint_every_steps
     )
-    if config.checkpoint_path is not None:
-        store = CheckpointStore(config.checkpoint_path, job_id=config.job_id)
+    if storage is None and config.checkpoint_path is not None:
+        storage = LocalStorage(config.checkpoint_path)
+    if storage is not None:
+        store = CheckpointStore(storage, job_id=config.job_id)
         store.check_writable()
         # Beside the checkpoints (not inside one): counts what a crash replays.
-        journal = Journal(os.path.join(config.checkpoint_path, "progress.journal"))
+        journal = Journal(storage)
     _job = Job(
         topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
     )
