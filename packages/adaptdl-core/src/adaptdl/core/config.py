@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
@@ -42,6 +42,8 @@ from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.topology import Topology
 
 __all__ = ["DEFAULT_CHECKPOINT_INTERVAL", "DEFAULT_COLLECTIVE_TIMEOUT", "ENV_VARS", "JobConfig"]
+
+T = TypeVar("T")
 
 # Variables read, in order of precedence (first one set wins).
 RANK_VARS = ("ADAPTDL_REPLICA_RANK", "RANK")
@@ -186,86 +188,82 @@ def _read_topology(env: Mapping[str, str]) -> Topology:
     )
 
 
+def _read(
+    env: Mapping[str, str],
+    name: str,
+    parse: Callable[[str], T],
+    ok: Callable[[T], bool],
+    rule: str,
+) -> T | None:
+    """``parse`` of variable ``name``, None when unset; ValueError stating ``rule`` unless ok."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = parse(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"environment variable {name}={raw!r} must be {rule}")
+    return value
+
+
 def _read_int(
     env: Mapping[str, str], names: tuple[str, ...], default: int, *, min: int
 ) -> tuple[int, str]:
+    """The first of ``names`` that is set (an integer >= ``min``) and its name."""
     for name in names:
-        raw = env.get(name)
-        if raw is None or raw.strip() == "":
-            continue
-        try:
-            value = int(raw.strip(), 10)
-        except ValueError:
-            value = min - 1
-        if value < min:
-            raise ValueError(f"environment variable {name}={raw!r} must be an integer >= {min}")
-        return value, name
+        value = _read(env, name, _integer, lambda v: v >= min, f"an integer >= {min}")
+        if value is not None:
+            return value, name
     return default, names[0]
 
 
+def _integer(raw: str) -> int:
+    return int(raw, 10)
+
+
 def _read_elastic_restart(env: Mapping[str, str]) -> int | None:
-    if not env.get(ELASTIC_RESTART_VAR, "").strip():
-        return None
-    return _read_int(env, (ELASTIC_RESTART_VAR,), 0, min=0)[0]
+    return _read(env, ELASTIC_RESTART_VAR, _integer, lambda v: v >= 0, "an integer >= 0")
 
 
 def _read_interval(env: Mapping[str, str]) -> float | None:
-    raw = env.get(CHECKPOINT_INTERVAL_VAR, "").strip()
-    if not raw:
-        return DEFAULT_CHECKPOINT_INTERVAL
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(
-            f"environment variable {CHECKPOINT_INTERVAL_VAR}={raw!r} must be a number "
-            "of seconds >= 0 (0 turns periodic checkpoints by time off)"
-        )
-    return seconds or None
+    seconds = _read(
+        env,
+        CHECKPOINT_INTERVAL_VAR,
+        float,
+        lambda v: math.isfinite(v) and v >= 0,
+        "a number of seconds >= 0 (0 turns periodic checkpoints by time off)",
+    )
+    return DEFAULT_CHECKPOINT_INTERVAL if seconds is None else seconds or None
 
 
 def _read_steps(env: Mapping[str, str]) -> int | None:
-    raw = env.get(CHECKPOINT_STEPS_VAR, "").strip()
-    if not raw:
-        return None
-    try:
-        steps = int(raw, 10)
-    except ValueError:
-        steps = -1
-    if steps < 0:
-        raise ValueError(
-            f"environment variable {CHECKPOINT_STEPS_VAR}={raw!r} must be an integer "
-            ">= 0 (0 turns periodic checkpoints by steps off)"
-        )
+    steps = _read(
+        env,
+        CHECKPOINT_STEPS_VAR,
+        _integer,
+        lambda v: v >= 0,
+        "an integer >= 0 (0 turns periodic checkpoints by steps off)",
+    )
     return steps or None
 
 
 def _read_timeout(env: Mapping[str, str]) -> float:
-    raw = env.get(COLLECTIVE_TIMEOUT_VAR, "").strip()
-    if not raw:
-        return DEFAULT_COLLECTIVE_TIMEOUT
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not seconds > 0 or seconds == math.inf:
-        raise ValueError(
-            f"environment variable {COLLECTIVE_TIMEOUT_VAR}={raw!r} must be a positive "
-            "number of seconds"
-        )
-    return seconds
+    seconds = _read(
+        env,
+        COLLECTIVE_TIMEOUT_VAR,
+        float,
+        lambda v: 0 < v < math.inf,
+        "a positive number of seconds",
+    )
+    return DEFAULT_COLLECTIVE_TIMEOUT if seconds is None else seconds
 
 
 def _read_port(env: Mapping[str, str]) -> int:
-    raw = env.get(MASTER_PORT_VAR, "")
-    try:
-        port = int(raw.strip(), 10)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise ValueError(
-            f"environment variable {MASTER_PORT_VAR}={raw!r} must be a port number in "
-            "[1, 65535] (torchrun sets it)"
-        )
+    rule = "a port number in [1, 65535] (torchrun sets it)"
+    port = _read(env, MASTER_PORT_VAR, _integer, lambda v: 0 < v < 65536, rule)
+    if port is None:  # required with MASTER_ADDR
+        raw = env.get(MASTER_PORT_VAR, "")
+        raise ValueError(f"environment variable {MASTER_PORT_VAR}={raw!r} must be {rule}")
     return port
