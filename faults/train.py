@@ -38,9 +38,9 @@ import torch
 from adaptdl.core.checkpoint import MANIFEST
 from adaptdl.core.config import JobConfig
 from adaptdl.core.sampling import Shard
+from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.core.storage import LocalStorage
 from adaptdl.torch._context import current_job
-from adaptdl.torch.data import SHUFFLE_SEED
 
 N = int(os.environ.get("FAULTS_N", "64"))
 EPOCHS = int(os.environ.get("FAULTS_EPOCHS", "2"))
