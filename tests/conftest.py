@@ -1,12 +1,18 @@
-"""Shared test configuration: hypothesis profiles."""
+"""Shared test configuration: hypothesis profiles, the repository root on sys.path."""
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from adaptdl.core.config import ENV_VARS
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.append(ROOT)  # for tests.fakes; last, so that nothing installed is shadowed
 
 # CI: deterministic examples, no per-example deadline (shared 2-core machines).
 settings.register_profile(
