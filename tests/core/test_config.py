@@ -64,19 +64,23 @@ def test_every_variable_is_read() -> None:
     assert (config.elastic_restart, config.use_agent_store) == (3, True)
 
 
-def test_adaptdl_variables_win_but_torchrun_keeps_its_own_restart_count() -> None:
-    env = {
-        "RANK": "1",
-        "WORLD_SIZE": "2",
-        "ADAPTDL_REPLICA_RANK": "4",
-        "ADAPTDL_NUM_REPLICAS": "6",
-        "TORCHELASTIC_RESTART_COUNT": "1",
-        "ADAPTDL_NUM_RESTARTS": "7",
-    }
-    config = JobConfig.from_env(env)
-    assert (config.topology.rank, config.topology.num_replicas) == (4, 6)
-    assert config.topology.num_restarts == 7
-    assert config.elastic_restart == 1  # names torchrun's rendezvous attempt
+@pytest.mark.parametrize(
+    ("ours", "theirs", "field"),
+    [
+        ("ADAPTDL_REPLICA_RANK", "RANK", "rank"),
+        ("ADAPTDL_NUM_REPLICAS", "WORLD_SIZE", "num_replicas"),
+        ("ADAPTDL_NUM_NODES", "GROUP_WORLD_SIZE", "num_nodes"),
+        ("ADAPTDL_NUM_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "num_restarts"),
+    ],
+)
+def test_an_adaptdl_variable_wins_over_its_torchrun_counterpart(
+    ours: str, theirs: str, field: str
+) -> None:
+    base = {"ADAPTDL_NUM_REPLICAS": "8", "WORLD_SIZE": "8"}
+    config = JobConfig.from_env({**base, ours: "3", theirs: "2"})
+    assert getattr(config.topology, field) == 3
+    if theirs == "TORCHELASTIC_RESTART_COUNT":
+        assert config.elastic_restart == 2  # still names torchrun's rendezvous attempt
 
 
 @pytest.mark.parametrize(
