@@ -23,7 +23,6 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -116,10 +115,11 @@ def worker(first: str, rounds: int) -> None:
 
 def launch(first: str, rounds: int) -> dict[str, list[float]]:
     """One torchrun job that builds ``first`` first and alternates rounds of both sides."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=0", os.path.abspath(__file__), f"--worker={first}", f"--rounds={rounds}",
-    ]  # fmt: skip
+    from adaptdl.torch.launch import torchrun_command  # the parent needs no torch until here
+
+    command = torchrun_command(
+        os.path.abspath(__file__), 2, args=[f"--worker={first}", f"--rounds={rounds}"]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -92,6 +92,8 @@ def _row(row: dict[str, object], run: int) -> str:
 
 def drive() -> int:
     """Launch torchrun at 2, 3, then 1 replicas, stopping the first two with SIGTERM."""
+    from adaptdl.torch.launch import torchrun_command
+
     plan = [(2, 3), (3, 3), (1, None)]  # (replicas, epochs to let finish before SIGTERM)
     with tempfile.TemporaryDirectory(prefix="adaptdl-demo-") as checkpoints:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ADAPTDL_CHECKPOINT_PATH": checkpoints}
@@ -99,11 +101,9 @@ def drive() -> int:
         print("run replicas epoch batch_size local_bsz accum   gain   goodput    loss     acc")
         started = time.monotonic()
         for run, (replicas, stop_after) in enumerate(plan):
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={replicas}", "--max-restarts=0", "--monitor-interval=0.5",
-                os.path.abspath(__file__), "--train",
-            ]  # fmt: skip
+            command = torchrun_command(
+                os.path.abspath(__file__), replicas, args=["--train"], monitor_interval=0.5
+            )
             proc = subprocess.Popen(
                 command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
             )

@@ -53,6 +53,7 @@ from typing import Any
 import attrs
 
 from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.torch.launch import torchrun_command
 
 SCRIPT = Path(__file__).with_name("train.py")
 KINDS = ("kill", "kill_in_save", "double_sigterm", "enospc", "resize", "hang")
@@ -125,16 +126,7 @@ class Launch:
         self.nproc = nproc
         self.log = trial.dir / f"torchrun-{self.run}.log"
         full_env = {**trial.env, "FAULTS_RUN": str(self.run), **(env or {})}
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.2",
-            str(SCRIPT),
-        ]
+        command = torchrun_command(SCRIPT, nproc, max_restarts=max_restarts, monitor_interval=0.2)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 command, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -9,7 +9,7 @@ resumed from, the replay the library counted), the end of each epoch, how it
 exited, and on rank 0 the time of every checkpoint.
 
 Faults that need to happen inside the process are injected here, never in the
-library, by wrapping the checkpoint store's file writes:
+library, by handing the library a faulty checkpoint storage (`FaultyStorage`):
 
 ``FAULTS_SLOW_SAVE=<seconds>``
     in the first attempt of a launch (torchrun restart 0), rank 0 pauses that
@@ -35,10 +35,12 @@ from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.checkpoint import MANIFEST, CheckpointStore
+from adaptdl.core.checkpoint import MANIFEST
+from adaptdl.core.config import JobConfig
 from adaptdl.core.sampling import Shard
+from adaptdl.core.seed import SHUFFLE_SEED
+from adaptdl.core.storage import LocalStorage
 from adaptdl.torch._context import current_job
-from adaptdl.torch.data import SHUFFLE_SEED
 
 N = int(os.environ.get("FAULTS_N", "64"))
 EPOCHS = int(os.environ.get("FAULTS_EPOCHS", "2"))
@@ -67,16 +69,16 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         return i, self.x[i], self.y[i]
 
 
-def _inject_store_faults() -> None:
-    """Wrap CheckpointStore's file writes for the faults this launch asks for."""
-    if not (SLOW_SAVE or ENOSPC_AT):
-        return
-    original = CheckpointStore._write_file
-    calls = [0]
+class FaultyStorage(LocalStorage):
+    """The checkpoint directory, with the faults this launch asks for in its file writes."""
 
-    def write_file(path: Path, data: bytes) -> None:
-        calls[0] += 1
-        if calls[0] == ENOSPC_AT:
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.writes = 0
+
+    def write_durably(self, path: Path, data: bytes) -> None:  # type: ignore[override]
+        self.writes += 1
+        if self.writes == ENOSPC_AT:
             with open(path, "wb") as f:
                 f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -85,14 +87,19 @@ def _inject_store_faults() -> None:
             marker.write_text(str(os.getpid()))
             time.sleep(SLOW_SAVE)
             marker.unlink(missing_ok=True)
-        original(path, data)
+        LocalStorage.write_durably(path, data)
 
-    CheckpointStore._write_file = staticmethod(write_file)  # type: ignore[method-assign]
+
+def _storage() -> LocalStorage | None:
+    """The checkpoint storage: faulty when this launch injects faults into writes."""
+    path = JobConfig.from_env(os.environ).checkpoint_path
+    if path is None or not (SLOW_SAVE or ENOSPC_AT):
+        return None  # the library's own
+    return FaultyStorage(path)
 
 
 def main() -> None:
-    _inject_store_faults()
-    adl.init_process_group("gloo")
+    adl.init_process_group("gloo", storage=_storage())
     job = current_job()
     topo = job.topology
     torch.manual_seed(0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from adaptdl.core.batchsize import BatchSizeQuery
+from adaptdl.torch.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,17 +68,7 @@ def launch(
             ),
         }
         env.pop("ADAPTDL_CHECKPOINT_PATH", None)  # every run starts fresh
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "--max-restarts=0",
-            "--monitor-interval=0.2",
-            "-m",
-            module,
-        ]
+        command = torchrun_command(module, nproc, module=True, monitor_interval=0.2)
         start = time.perf_counter()
         proc = subprocess.run(
             command,

@@ -16,11 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import adaptdl.core.checkpoint as ckpt
+import adaptdl.core.storage as ckpt  # where the checkpoint store's file system calls live
 from adaptdl.core.checkpoint import (
     MANIFEST,
     SCHEMA,
-    AbstractCheckpointStore,
     Checkpoint,
     CheckpointError,
     CheckpointStore,
@@ -39,18 +38,17 @@ SETTINGS = settings(
 @pytest.fixture(params=["dir", "memory"])
 def make_store(
     request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[Callable[..., AbstractCheckpointStore]]:
+) -> Iterator[Callable[..., CheckpointStore]]:
     """A factory of stores of either kind; stores of one test share one root."""
 
     memory: dict[str, MemoryCheckpointStore] = {}
 
-    def make(**kwargs: Any) -> AbstractCheckpointStore:
+    def make(**kwargs: Any) -> CheckpointStore:
         if request.param == "dir":
             return CheckpointStore(tmp_path / "ckpt", **kwargs)
         # A memory store is its own storage; reopening means a new view of the same data.
-        store = MemoryCheckpointStore(**kwargs)
-        if "shared" in memory:
-            store._checkpoints = memory["shared"]._checkpoints
+        shared = memory.get("shared")
+        store = MemoryCheckpointStore(storage=shared.storage if shared else None, **kwargs)
         memory.setdefault("shared", store)
         return store
 
@@ -86,7 +84,7 @@ names = st.text(min_size=1, max_size=12)
     metadata=st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5)),
 )
 def test_saved_checkpoint_loads_back_identically(
-    make_store: Callable[..., AbstractCheckpointStore],
+    make_store: Callable[..., CheckpointStore],
     entries: dict[str, bytes],
     metadata: dict[str, Any],
 ) -> None:
@@ -107,7 +105,7 @@ def test_entry_names_unsafe_for_file_names_are_stored(tmp_path: Path) -> None:
     assert files == [*(f"entry-{i:04d}.bin" for i in range(5)), MANIFEST]
 
 
-def test_empty_store_loads_none(make_store: Callable[..., AbstractCheckpointStore]) -> None:
+def test_empty_store_loads_none(make_store: Callable[..., CheckpointStore]) -> None:
     store = make_store()
     assert store.load() is None and store.labels() == [] and store.latest_label() is None
 
@@ -119,7 +117,7 @@ def test_missing_root_loads_none_and_is_not_created_by_load(tmp_path: Path) -> N
 
 
 def test_labels_count_up_and_expected_metadata_is_recorded(
-    make_store: Callable[..., AbstractCheckpointStore],
+    make_store: Callable[..., CheckpointStore],
 ) -> None:
     store = make_store(keep=5, expected={"dataset_len": 100})
     for i in range(3):
@@ -133,7 +131,7 @@ def test_labels_count_up_and_expected_metadata_is_recorded(
 
 
 def test_metadata_contradicting_expected_is_refused(
-    make_store: Callable[..., AbstractCheckpointStore],
+    make_store: Callable[..., CheckpointStore],
 ) -> None:
     store = make_store(expected={"dataset_len": 100})
     with pytest.raises(
@@ -159,7 +157,7 @@ def test_manifest_records_schema_job_sizes_hashes_and_clock(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("keep", [1, 2, 3])
 def test_only_the_newest_keep_checkpoints_remain(
-    make_store: Callable[..., AbstractCheckpointStore], keep: int
+    make_store: Callable[..., CheckpointStore], keep: int
 ) -> None:
     store = make_store(keep=keep)
     for i in range(6):
@@ -525,7 +523,7 @@ def test_unwritable_root_is_reported_by_save(tmp_path: Path) -> None:
     (tmp_path / "ckpt-000001").mkdir()  # in the way of the first checkpoint's rename
     (tmp_path / "ckpt-000001" / "x").write_text("x")
     store = CheckpointStore(tmp_path)
-    store._list = lambda: []  # type: ignore[method-assign]
+    store.storage.list = lambda: []  # type: ignore[method-assign]
     with pytest.raises(CheckpointError, match="could not write checkpoint ckpt-000001"):
         store.save({"m": b"1"})
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
@@ -602,7 +600,7 @@ def test_checkpoint_values_are_validated_and_immutable() -> None:
 def test_labels_sort_by_number_past_six_digits() -> None:
     store = MemoryCheckpointStore(keep=3)
     for label in ["ckpt-1000000", "ckpt-999999"]:
-        store._checkpoints[label] = {}
+        store.storage.write_directory(label, {})
     assert store.labels() == ["ckpt-999999", "ckpt-1000000"]
     assert store.save({}).label == "ckpt-1000001"
 

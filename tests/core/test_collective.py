@@ -17,14 +17,20 @@ from adaptdl.core.collective import (
     CollectiveAborted,
     CollectiveMismatch,
     CollectiveTimeout,
+    Deferred,
+    GroupMember,
     LocalCollective,
+    Ready,
     ThreadCollective,
     add,
+    check_root,
     decode,
     encode,
+    fold,
     logical_or,
     maximum,
     run_replicas,
+    wire_copy,
 )
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -339,3 +345,53 @@ def test_thread_collective_satisfies_the_protocol() -> None:
     c: Collective = ThreadCollective.group(1)[0]
     assert (c.rank, c.num_replicas) == (0, 1)
     assert c.allreduce(2) == 2
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+@SETTINGS
+@given(st.one_of(json_values, st.tuples(scalars, scalars)))
+def test_wire_copy_is_what_arrives_and_never_aliases(value: Any) -> None:
+    copied = wire_copy(value)
+    assert copied == decode(encode(value)) == _normalise(value)
+    assert type(copied) is type(decode(encode(value)))
+    if isinstance(value, (list, dict)):
+        assert copied is not value
+
+
+@pytest.mark.parametrize("value", [np.int64(1), {1: 2}, [object()], (np.int64(3),)])
+def test_wire_copy_refuses_what_cannot_travel(value: Any) -> None:
+    with pytest.raises(TypeError, match="cannot travel"):
+        wire_copy(value)
+
+
+@SETTINGS
+@given(st.lists(st.integers(-100, 100), min_size=1, max_size=6))
+def test_fold_is_the_rank_order_left_fold(values: list[int]) -> None:
+    assert fold(values, lambda a, b: a - b) == functools.reduce(lambda a, b: a - b, values)
+    assert fold([[v] for v in values], lambda a, b: a + b) == values
+
+
+def test_futures_give_one_value_computed_once() -> None:
+    calls: list[int] = []
+    deferred = Deferred(lambda: calls.append(1) or [len(calls)])
+    assert calls == []
+    first = deferred.result()
+    assert deferred.result() is first and calls == [1]
+    assert Ready("x").result() == "x"
+
+
+def test_check_root_names_the_group() -> None:
+    assert check_root(2, 3) == 2
+    with pytest.raises(ValueError, match=r"root must be in \[0, 2\], got 3"):
+        check_root(3, 3)
+
+
+def test_group_members_know_their_place_and_refuse_a_rank_outside_the_group() -> None:
+    assert (LocalCollective().rank, LocalCollective().num_replicas) == (0, 1)
+    assert [(c.rank, c.num_replicas) for c in ThreadCollective.group(2)] == [(0, 2), (1, 2)]
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 1\], got 2"):
+        GroupMember(2, 2)
+    with pytest.raises(ValueError, match="num_replicas must be >= 1"):
+        GroupMember(0, 0)

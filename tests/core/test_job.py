@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.fakes import ManualClock
 
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import LocalCollective, run_replicas
@@ -12,14 +13,6 @@ from adaptdl.core.epoch import EpochState
 from adaptdl.core.job import CheckpointPolicy, Job, Preempted
 from adaptdl.core.journal import Journal, Mark
 from adaptdl.core.topology import Topology
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_states_restore_when_they_register():
@@ -92,7 +85,7 @@ def test_periodic_checkpoint_by_steps(every, steps):
 
 
 def test_periodic_checkpoint_by_time():
-    clock = Clock()
+    clock = ManualClock()
     store = MemoryCheckpointStore()
     job = Job(store=store, clock=clock, checkpoint_policy=CheckpointPolicy(every_seconds=30.0))
     for _ in range(5):
@@ -102,7 +95,7 @@ def test_periodic_checkpoint_by_time():
 
 
 def test_periodic_checkpoints_can_be_off():
-    clock = Clock()
+    clock = ManualClock()
     job = Job(
         store=MemoryCheckpointStore(),
         clock=clock,
@@ -202,7 +195,7 @@ def test_policy_env_garbage_names_the_variable(env, variable):
 
 
 def test_boundaries_outside_training_count_no_steps_and_keep_decisions_pending():
-    clock = Clock()
+    clock = ManualClock()
     store = MemoryCheckpointStore(keep=100)
     job = Job(
         store=store,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.fakes import ManualClock
 
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
@@ -308,17 +309,6 @@ def test_adaptive_loop_without_progress_raises():
             list(loader.iterate(4, shard_batches(4, 0, 1)))
 
 
-class TickingClock:
-    """A clock that advances a fixed amount each time it is read."""
-
-    def __init__(self, tick: float) -> None:
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-
 class Alternating:
     """A decision that changes its mind every time it is asked."""
 
@@ -346,7 +336,7 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
         job = Job(
             Topology(rank=collective.rank, num_replicas=replicas),
             collective=collective,
-            clock=TickingClock(tick),
+            clock=ManualClock(tick),
             batch_size_decision=decide,
         )
         # Target batch size 1: one pass's worth of progress is n optimiser steps

@@ -10,7 +10,6 @@ from adaptdl.core.topology import Topology
 def test_defaults_are_one_replica():
     topo = Topology.from_env({})
     assert (topo.rank, topo.num_replicas, topo.num_nodes, topo.num_restarts) == (0, 1, 1, 0)
-    assert topo.checkpoint_path is None and topo.job_id is None
 
 
 def test_torchrun_variables():
@@ -40,13 +39,9 @@ def test_adaptdl_variables_win_over_torchrun():
         "ADAPTDL_NUM_NODES": "3",
         "TORCHELASTIC_RESTART_COUNT": "1",
         "ADAPTDL_NUM_RESTARTS": "7",
-        "ADAPTDL_CHECKPOINT_PATH": "/ckpt",
-        "ADAPTDL_SHARE_PATH": "/share",
-        "ADAPTDL_JOB_ID": "job-a",
     }
     topo = Topology.from_env(env)
     assert (topo.rank, topo.num_replicas, topo.num_nodes, topo.num_restarts) == (4, 6, 3, 7)
-    assert (topo.checkpoint_path, topo.share_path, topo.job_id) == ("/ckpt", "/share", "job-a")
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from adaptdl.torch.launch import torchrun_command
 
 pytestmark = pytest.mark.e2e
 
@@ -60,16 +61,12 @@ class Launch:
             "E2E_STEP_SLEEP": "0.05",
             **env,
         }
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            f"--max-restarts={full_env.get('E2E_MAX_RESTARTS', '0')}",
-            "--monitor-interval=0.5",
-            str(SCRIPT),
-        ]
+        command = torchrun_command(
+            SCRIPT,
+            nproc,
+            max_restarts=int(full_env.get("E2E_MAX_RESTARTS", "0")),
+            monitor_interval=0.5,
+        )
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 command, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

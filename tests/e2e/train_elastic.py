@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.sampling import Shard
+from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.torch._context import current_job
-from adaptdl.torch.data import SHUFFLE_SEED
 
 N = int(os.environ.get("E2E_N", "120"))
 EPOCHS = int(os.environ.get("E2E_EPOCHS", "3"))

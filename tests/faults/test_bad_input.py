@@ -19,7 +19,8 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.core.checkpoint import CheckpointError
+from adaptdl.core.storage import LocalStorage
 from adaptdl.torch import _context
 
 GARBAGE = [
@@ -98,14 +99,17 @@ def test_an_unwritable_checkpoint_directory_is_reported_at_start(
     assert "choose a writable directory" in message
 
 
-def test_a_full_disk_is_reported_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(path: Path, data: bytes) -> None:
+class FullDisk(LocalStorage):
+    """A directory on a disk with no space left."""
+
+    @staticmethod
+    def write_durably(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(CheckpointStore, "_write_file", staticmethod(full))
-    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ckpt"))
+
+def test_a_full_disk_is_reported_at_start(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as info:
-        adl.init_process_group("gloo")
+        adl.init_process_group("gloo", storage=FullDisk(tmp_path / "ckpt"))
     message = str(info.value)
     assert f"'{tmp_path / 'ckpt'}'" in message and "No space left on device" in message
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,3 +124,14 @@ def test_sim_collective_folds_identical_replicas() -> None:
     assert c.allreduce(2) == 6
     assert c.allgather("x") == ["x", "x", "x"]
     assert c.broadcast([1, 2]) == [1, 2]
+
+
+@pytest.mark.parametrize("value", [np.int64(1), {1: "int key"}, (object(),)])
+def test_sim_collective_checks_the_wire_format_like_real_replicas(value: object) -> None:
+    c = SimCollective(2)
+    for op in (c.broadcast, c.allreduce, c.allgather, c.allreduce_async):
+        with pytest.raises(TypeError, match="cannot travel"):
+            op(value)
+    assert c.broadcast((1, 2)) == [1, 2]  # tuples arrive as lists, as between processes
+    with pytest.raises(ValueError, match="root"):
+        c.broadcast(1, root=2)

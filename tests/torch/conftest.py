@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from tests.fakes import FakeWriter
 
 
 @pytest.fixture(autouse=True)
 def _fresh_job(fresh_torch_job: None) -> None:
     """Every test here gets a fresh default job (see tests/conftest.py)."""
-
-
-class FakeWriter:
-    """Records add_scalar calls like a SummaryWriter."""
-
-    def __init__(self) -> None:
-        self.scalars: dict[str, tuple[float, int]] = {}
-
-    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
-        self.scalars[tag] = (float(value), global_step)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from adaptdl.core.collective import maximum
 from adaptdl.torch import _context
 from adaptdl.torch.collective import TorchCollective, collective_timeout
+from adaptdl.torch.launch import torchrun_command
 
 
 def test_needs_a_process_group() -> None:
@@ -53,16 +53,7 @@ def test_bad_timeout_is_a_value_error(raw: str) -> None:
 def test_three_replicas_agree_and_time_out_on_a_missing_peer(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ADAPTDL_COLLECTIVE_TIMEOUT": "3"}
     script = Path(__file__).with_name("collective_replicas.py")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=3",
-        "--max-restarts=0",
-        str(script),
-        str(tmp_path),
-    ]
+    command = torchrun_command(script, 3, args=[str(tmp_path)])
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

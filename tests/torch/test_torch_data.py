@@ -16,15 +16,14 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.job import Preempted
 from adaptdl.core.sampling import Shard
+from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.torch import _context
 from adaptdl.torch.data import (
-    SHUFFLE_SEED,
     AdaptiveDataLoader,
     AdaptiveDataLoaderHelper,
     AdaptiveDataLoaderMixin,
     ElasticSampler,
     current_dataloader,
-    derive_seed,
 )
 
 
@@ -187,12 +186,6 @@ def test_workers_yield_the_same_samples_and_get_distinct_deterministic_seeds() -
     by_seed = {s for s, _ in seeds}
     assert len(by_seed) == len(seeds) == 4  # 2 workers x 2 epochs, all distinct
     assert all(w in (0, 1) for _, w in seeds)
-
-
-def test_derive_seed_is_stable_and_spreads() -> None:
-    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2)
-    assert len({derive_seed(0, e, r) for e in range(10) for r in range(10)}) == 100
-    assert 0 <= derive_seed(5) < 2**63
 
 
 def test_current_dataloader_and_properties_inside_a_loop(writer: Any) -> None:

@@ -8,16 +8,16 @@ metadata such as the dataset length) and falls back to an older checkpoint, with
 logged warning, when the newest is damaged. Nothing is ever unpickled: entries are
 bytes and the manifest is JSON, so loading a checkpoint cannot run code.
 
-On disk (:class:`CheckpointStore`)::
+The bytes live on a :class:`~adaptdl.core.storage.Storage`. On disk
+(:class:`CheckpointStore` on a directory)::
 
     root/
       ckpt-000011/  manifest.json  entry-0000.bin  entry-0001.bin ...
       ckpt-000012/  ...
       .tmp-...      leftovers of a crash: ignored by load, removed by the next save
 
-A checkpoint directory gets its final name only by a rename after every file in it
-(manifest last) and the directory itself were flushed to disk, so a crash at any
-instant leaves either the new complete checkpoint or none of it.
+A checkpoint is one atomic directory write of the storage (manifest last): a
+crash at any instant leaves either the new complete checkpoint or none of it.
 
 Concurrency: one process (rank 0) writes; any number of processes may read at the
 same time (a checkpoint appears and disappears by a rename). Two writers on the
@@ -31,8 +31,6 @@ import hashlib
 import logging
 import os
 import re
-import secrets
-import shutil
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -47,11 +45,11 @@ from adaptdl.core._validate import check_int
 # NaN/Infinity allowed for metrics); checkpoints use the same, with the same checks.
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
+from adaptdl.core.storage import LocalStorage, MemoryStorage, Storage
 
 __all__ = [
     "MANIFEST",
     "SCHEMA",
-    "AbstractCheckpointStore",
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
@@ -70,7 +68,6 @@ MANIFEST = "manifest.json"
 _LABEL = re.compile(r"ckpt-([0-9]{6,})\Z")
 _FILE = re.compile(r"entry-[0-9]{4,}\.bin\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-_TMP_PREFIX = ".tmp-"
 
 _log = logging.getLogger("adaptdl.core.checkpoint")
 
@@ -210,18 +207,21 @@ def _digest(body: Mapping[str, Any]) -> str:
     return hashlib.sha256(_json_encode(dict(body))).hexdigest()
 
 
-class AbstractCheckpointStore(abc.ABC):
-    """What every checkpoint store does; subclasses supply where the bytes live.
+class CheckpointStore:
+    """Checkpoints on a :class:`~adaptdl.core.storage.Storage`; see the module docstring.
 
-    ``keep`` newest checkpoints are kept. ``job_id``, when given, is written into
-    every checkpoint and a checkpoint of another job is refused on load.
-    ``expected`` metadata (for example ``{"dataset_len": 50000}``) is written into
-    every checkpoint and a checkpoint whose metadata differs is refused on load.
-    ``clock`` gives the wall time recorded in each manifest.
+    ``root`` is a directory (a :class:`~adaptdl.core.storage.LocalStorage` there,
+    created when needed) or any storage. ``keep`` newest checkpoints are kept.
+    ``job_id``, when given, is written into every checkpoint and a checkpoint of
+    another job is refused on load. ``expected`` metadata (for example
+    ``{"dataset_len": 50000}``) is written into every checkpoint and a checkpoint
+    whose metadata differs is refused on load. ``clock`` gives the wall time
+    recorded in each manifest.
     """
 
     def __init__(
         self,
+        root: str | os.PathLike[str] | Storage,
         *,
         keep: int = 2,
         job_id: str | None = None,
@@ -234,6 +234,27 @@ class AbstractCheckpointStore(abc.ABC):
         self._job_id = job_id
         self._expected = _freeze_metadata({} if expected is None else expected)
         self._clock = clock
+        if isinstance(root, (str, os.PathLike)):
+            self._storage: Storage = LocalStorage(root)
+        elif isinstance(root, Storage):
+            self._storage = root
+        else:
+            raise TypeError(f"root must be a path, got {root!r}")
+
+    def __repr__(self) -> str:
+        root = self.root
+        where = repr(self._storage) if root is None else repr(str(root))
+        return f"{type(self).__name__}({where}, keep={self._keep}, job_id={self._job_id!r})"
+
+    @property
+    def storage(self) -> Storage:
+        """Where the checkpoints' bytes live."""
+        return self._storage
+
+    @property
+    def root(self) -> Path | None:
+        """The checkpoint directory, or None when the storage is not a local directory."""
+        return self._storage.root if isinstance(self._storage, LocalStorage) else None
 
     @property
     def keep(self) -> int:
@@ -250,35 +271,31 @@ class AbstractCheckpointStore(abc.ABC):
         """Metadata every loaded checkpoint must have."""
         return self._expected
 
-    # ---- subclass hooks
-
-    @abc.abstractmethod
     def check_writable(self) -> None:
         """Raise CheckpointError now if checkpoints could not be saved."""
+        try:
+            self._storage.check_writable()
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint directory {self._storage.describe()} cannot be created or written "
+                f"({exc.strerror or exc}); choose a writable directory for checkpoints"
+            ) from exc
 
-    @abc.abstractmethod
     def _list(self) -> list[str]:
-        """Labels of the complete (fully written) checkpoints, in any order."""
+        try:
+            names = self._storage.list()
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint directory {self._storage.describe()} cannot be listed "
+                f"({exc.strerror or exc})"
+            ) from exc
+        return [name for name in names if _LABEL.match(name)]
 
-    @abc.abstractmethod
     def _read(self, label: str, file: str) -> bytes:
-        """The bytes of ``file`` in checkpoint ``label``; OSError if absent."""
+        return self._storage.read(f"{label}/{file}")
 
-    @abc.abstractmethod
-    def _write(self, label: str, files: Mapping[str, bytes], manifest: bytes) -> None:
-        """Store a new checkpoint atomically: all of it, or none of it."""
-
-    @abc.abstractmethod
-    def _remove(self, label: str) -> None:
-        """Delete checkpoint ``label`` (it stops being listed at once)."""
-
-    @abc.abstractmethod
-    def _cleanup(self) -> None:
-        """Delete leftovers of interrupted saves."""
-
-    @abc.abstractmethod
     def _where(self, label: str | None = None) -> str:
-        """Where checkpoint ``label`` (or the whole store) lives, for messages."""
+        return self._storage.describe(label)
 
     # ---- public interface
 
@@ -332,13 +349,20 @@ class AbstractCheckpointStore(abc.ABC):
             "created": float(self._clock()),
         }
         body["digest"] = _digest(body)
-        self._write(label, files, _json_encode(body))
+        files[MANIFEST] = _json_encode(body)  # last: a manifest means the entries are there
+        try:
+            self._storage.write_directory(label, files)
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not write checkpoint {label} into {self._where()} "
+                f"({exc.strerror or exc}); check that the directory is writable and has space"
+            ) from exc
 
         # The new checkpoint is durable: failing to delete old ones must not fail the save.
         try:
             for old in [*labels, label][: -self._keep]:
-                self._remove(old)
-            self._cleanup()
+                self._storage.remove(old)
+            self._storage.cleanup()
         except OSError as exc:
             _log.warning(
                 "checkpoint %s was saved, but older checkpoints or leftovers in %s could "
@@ -459,176 +483,41 @@ class AbstractCheckpointStore(abc.ABC):
                 )
 
 
-class CheckpointStore(AbstractCheckpointStore):
-    """Checkpoints in a directory ``root`` (created when needed); see the module docstring."""
+class MemoryCheckpointStore(CheckpointStore):
+    """Checkpoints in a :class:`~adaptdl.core.storage.MemoryStorage`, verified like any store's.
 
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        keep: int = 2,
-        job_id: str | None = None,
-        expected: Mapping[str, Any] | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__(keep=keep, job_id=job_id, expected=expected, clock=clock)
-        if not isinstance(root, (str, os.PathLike)):
-            raise TypeError(f"root must be a path, got {root!r}")
-        self._root = Path(root)
-
-    @property
-    def root(self) -> Path:
-        """The checkpoint directory."""
-        return self._root
-
-    def __repr__(self) -> str:
-        return f"CheckpointStore({str(self._root)!r}, keep={self._keep}, job_id={self._job_id!r})"
-
-    def check_writable(self) -> None:
-        """Create ``root``, write and delete a probe file in it; CheckpointError if that fails."""
-        probe = self._root / f"{_TMP_PREFIX}probe-{secrets.token_hex(4)}"
-        try:
-            os.makedirs(self._root, exist_ok=True)
-            self._write_file(probe, b"probe")
-            os.unlink(probe)
-        except OSError as exc:
-            raise CheckpointError(
-                f"checkpoint directory '{self._root}' cannot be created or written "
-                f"({exc.strerror or exc}); choose a writable directory for checkpoints"
-            ) from exc
-
-    def _where(self, label: str | None = None) -> str:
-        return f"'{self._root if label is None else self._root / label}'"
-
-    def _list(self) -> list[str]:
-        try:
-            names = os.listdir(self._root)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise CheckpointError(
-                f"checkpoint directory '{self._root}' cannot be listed ({exc.strerror or exc})"
-            ) from exc
-        return [n for n in names if _LABEL.match(n) and (self._root / n).is_dir()]
-
-    def _read(self, label: str, file: str) -> bytes:
-        return (self._root / label / file).read_bytes()
-
-    @staticmethod
-    def _write_file(path: Path, data: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        # A directory's entries (new files, a rename) are durable only once it is synced.
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _write(self, label: str, files: Mapping[str, bytes], manifest: bytes) -> None:
-        tmp = self._root / f"{_TMP_PREFIX}{label}-{secrets.token_hex(4)}"
-        try:
-            os.makedirs(self._root, exist_ok=True)
-            os.mkdir(tmp)
-            for file, data in files.items():
-                self._write_file(tmp / file, data)
-            self._write_file(tmp / MANIFEST, manifest)
-            self._fsync_dir(tmp)
-            os.rename(tmp, self._root / label)
-            self._fsync_dir(self._root)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not write checkpoint {label} into '{self._root}' "
-                f"({exc.strerror or exc}); check that the directory is writable and has space"
-            ) from exc
-
-    def _remove(self, label: str) -> None:
-        # Renamed out of the checkpoint namespace first, so an interrupted delete
-        # leaves a leftover for the next save, never a half-deleted checkpoint.
-        doomed = self._root / f"{_TMP_PREFIX}del-{label}-{secrets.token_hex(4)}"
-        os.rename(self._root / label, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-
-    def _cleanup(self) -> None:
-        for name in os.listdir(self._root):
-            if name.startswith(_TMP_PREFIX):
-                path = self._root / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-
-
-class MemoryCheckpointStore(AbstractCheckpointStore):
-    """Checkpoints held in memory, verified exactly like :class:`CheckpointStore`'s.
-
-    For the simulator and tests; :meth:`corrupt` damages a stored checkpoint on purpose.
+    For the simulator and tests; ``options`` are :class:`CheckpointStore`'s, and
+    ``storage`` lets two stores share one memory. :meth:`corrupt` damages a stored
+    checkpoint on purpose.
     """
 
-    def __init__(
-        self,
-        *,
-        keep: int = 2,
-        job_id: str | None = None,
-        expected: Mapping[str, Any] | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__(keep=keep, job_id=job_id, expected=expected, clock=clock)
-        self._checkpoints: dict[str, dict[str, bytes]] = {}
+    def __init__(self, *, storage: MemoryStorage | None = None, **options: Any) -> None:
+        super().__init__(MemoryStorage() if storage is None else storage, **options)
 
     def __repr__(self) -> str:
         return f"MemoryCheckpointStore(keep={self._keep}, job_id={self._job_id!r})"
 
-    def check_writable(self) -> None:
-        """Memory is always writable."""
+    @property
+    def storage(self) -> MemoryStorage:
+        """The memory the checkpoints live in."""
+        assert isinstance(self._storage, MemoryStorage)
+        return self._storage
 
     def corrupt(self, label: str, entry: str | None = None, data: bytes | None = None) -> None:
         """Replace the bytes of ``entry`` (the manifest if None) of checkpoint ``label``.
 
         With ``data`` None, the first byte is flipped (an empty file gains a byte).
         """
-        files = self._checkpoints.get(label)
-        if files is None:
+        if label not in self._list():
             raise KeyError(f"no checkpoint {label!r}; have {self.labels()}")
         if entry is None:
             file = MANIFEST
         else:
-            listing = _json_decode(files[MANIFEST])["entries"]
+            listing = _json_decode(self._read(label, MANIFEST))["entries"]
             if entry not in listing:
                 raise KeyError(f"checkpoint {label} has no entry {entry!r}; has {sorted(listing)}")
             file = listing[entry]["file"]
         if data is None:
-            old = files[file]
+            old = self._read(label, file)
             data = bytes([old[0] ^ 0xFF]) + old[1:] if old else b"\0"
-        files[file] = bytes(data)
-
-    def _where(self, label: str | None = None) -> str:
-        return "the memory store" if label is None else label
-
-    def _list(self) -> list[str]:
-        return list(self._checkpoints)
-
-    def _read(self, label: str, file: str) -> bytes:
-        try:
-            return self._checkpoints[label][file]
-        except KeyError:
-            raise FileNotFoundError(f"no file {file!r}") from None
-
-    def _write(self, label: str, files: Mapping[str, bytes], manifest: bytes) -> None:
-        self._checkpoints[label] = {**files, MANIFEST: manifest}
-
-    def _remove(self, label: str) -> None:
-        del self._checkpoints[label]
-
-    def _cleanup(self) -> None:
-        pass
+        self.storage.put(f"{label}/{file}", data)

@@ -26,7 +26,6 @@ sends :func:`encode`'d bytes.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import threading
@@ -47,15 +46,21 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "Deferred",
     "Future",
+    "GroupMember",
     "LocalCollective",
+    "Ready",
     "ThreadCollective",
     "add",
+    "check_root",
     "decode",
     "encode",
+    "fold",
     "logical_or",
     "maximum",
     "run_replicas",
+    "wire_copy",
 ]
 
 
@@ -134,8 +139,30 @@ def decode(data: bytes) -> Any:
         raise ValueError(f"collective data is not valid encoded JSON: {exc}") from exc
 
 
-def _copy(value: T) -> T:
+_SCALARS = (bool, int, float, type(None))
+
+
+def wire_copy(value: T) -> T:
+    """``value`` as it arrives after travelling: ``decode(encode(value))``.
+
+    Raises TypeError like :func:`encode` for a value that cannot travel. Scalars and
+    flat lists of them (the flags reduced at every step) skip the JSON round trip,
+    which would give back an equal value; tuples still arrive as lists.
+    """
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, (list, tuple)) and all(type(v) in _SCALARS for v in value):
+        flat: T = list(value)  # type: ignore[assignment]
+        return flat
     result: T = decode(encode(value))
+    return result
+
+
+def fold(values: list[T], op: Callable[[T, T], T]) -> T:
+    """``op(op(values[0], values[1]), values[2]) ...``: a reduction in rank order."""
+    result = values[0]
+    for value in values[1:]:
+        result = op(result, value)
     return result
 
 
@@ -240,7 +267,7 @@ class Collective(Protocol):
 
 
 @attrs.frozen
-class _Ready:
+class Ready:
     """A future whose value is already known."""
 
     value: Any
@@ -249,46 +276,72 @@ class _Ready:
         return self.value
 
 
-def _check_root(root: int, num_replicas: int) -> int:
+class Deferred:
+    """A future computed by ``compute`` when first asked, then the same object every time."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute: Callable[[], Any] | None = compute
+        self._value: Any = None
+
+    def result(self) -> Any:
+        if self._compute is not None:
+            self._value = self._compute()
+            self._compute = None
+        return self._value
+
+
+class GroupMember:
+    """One replica's place in a collective group; implementations of `Collective` extend it."""
+
+    def __init__(self, rank: int, num_replicas: int) -> None:
+        self._num_replicas = check_int("num_replicas", num_replicas, min=1)
+        self._rank = check_int("rank", rank, min=0, max=self._num_replicas - 1)
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank, in ``[0, num_replicas)``."""
+        return self._rank
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the group."""
+        return self._num_replicas
+
+
+def check_root(root: int, num_replicas: int) -> int:
+    """``root`` if it is a rank of a group of ``num_replicas``; else ValueError/TypeError."""
     return check_int("root", root, min=0, max=num_replicas - 1)
 
 
 # --------------------------------------------------------------------------- local
 
 
-class LocalCollective:
+class LocalCollective(GroupMember):
     """The collective of a job with one replica: every operation returns a copy of its input.
 
     Values still go through :func:`encode`/:func:`decode`, so callers cannot alias
     them and a value that could not travel fails here as it would on many replicas.
     """
 
-    @property
-    def rank(self) -> int:
-        """Always 0."""
-        return 0
-
-    @property
-    def num_replicas(self) -> int:
-        """Always 1."""
-        return 1
+    def __init__(self) -> None:
+        super().__init__(0, 1)
 
     def broadcast(self, value: T, root: int = 0) -> T:
         """A copy of ``value``; ``root`` must be 0."""
-        _check_root(root, 1)
-        return _copy(value)
+        check_root(root, 1)
+        return wire_copy(value)
 
     def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
         """A copy of ``value`` (a fold of one value never calls ``op``)."""
-        return _copy(value)
+        return wire_copy(value)
 
     def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
         """A resolved future holding a copy of ``value``."""
-        return _Ready(_copy(value))
+        return Ready(wire_copy(value))
 
     def allgather(self, value: T) -> list[T]:
         """``[copy of value]``."""
-        return [_copy(value)]
+        return [wire_copy(value)]
 
     def barrier(self) -> None:
         """Returns at once."""
@@ -374,31 +427,11 @@ class _Exchange:
             return list(rnd.payloads)
 
 
-class _Pending:
-    """The future of an allreduce already deposited; folds when first asked."""
-
-    def __init__(self, group: ThreadCollective, seq: int, op: Callable[[Any, Any], Any]) -> None:
-        self._group = group
-        self._seq = seq
-        self._op = op
-        self._done = False
-        self._value: Any = None
-
-    def result(self) -> Any:
-        if not self._done:
-            payloads = self._group._exchange.collect(self._seq, self._group.rank)
-            self._value = functools.reduce(
-                self._op, [decode(p) for p in payloads if p is not None]
-            )
-            self._done = True
-        return self._value
-
-
 def _op_name(op: Callable[..., Any]) -> str:
     return str(getattr(op, "__qualname__", type(op).__name__))
 
 
-class ThreadCollective:
+class ThreadCollective(GroupMember):
     """One replica of an in-process group whose replicas are threads.
 
     Create a group with :meth:`group`; use each member from its own thread only.
@@ -411,8 +444,8 @@ class ThreadCollective:
 
     def __init__(self, exchange: _Exchange, rank: int) -> None:
         """Internal: use :meth:`group`."""
+        super().__init__(rank, exchange.num_replicas)
         self._exchange = exchange
-        self._rank = rank
         self._seq = 0
 
     @classmethod
@@ -422,16 +455,6 @@ class ThreadCollective:
         timeout = check_float("timeout", timeout, min=0.0, min_exclusive=True)
         exchange = _Exchange(num_replicas, timeout)
         return [cls(exchange, rank) for rank in range(num_replicas)]
-
-    @property
-    def rank(self) -> int:
-        """This replica's rank."""
-        return self._rank
-
-    @property
-    def num_replicas(self) -> int:
-        """The size of the group."""
-        return self._exchange.num_replicas
 
     def abort(self, reason: str) -> None:
         """Make every pending and future operation of the whole group raise CollectiveAborted."""
@@ -445,7 +468,7 @@ class ThreadCollective:
 
     def broadcast(self, value: T, root: int = 0) -> T:
         """Replica ``root``'s ``value`` on every replica."""
-        root = _check_root(root, self.num_replicas)
+        root = check_root(root, self.num_replicas)
         payload = encode(value) if self._rank == root else None
         seq = self._next(f"broadcast(root={root})", payload)
         data = self._exchange.collect(seq, self._rank)[root]
@@ -462,7 +485,13 @@ class ThreadCollective:
         """Deposit ``value`` without waiting; ``.result()`` waits for the peers and folds."""
         payload = encode(value)
         seq = self._next(f"allreduce({_op_name(op)})", payload)
-        return _Pending(self, seq, op)
+
+        def reduce() -> T:
+            payloads = self._exchange.collect(seq, self._rank)
+            values: list[T] = [decode(p) for p in payloads if p is not None]
+            return fold(values, op)
+
+        return Deferred(reduce)
 
     def allgather(self, value: T) -> list[T]:
         """Every replica's ``value``, in rank order."""

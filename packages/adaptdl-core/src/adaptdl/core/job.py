@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -21,6 +20,7 @@ from adaptdl.core.checkpoint import (
     State,
 )
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
+from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.journal import Journal, Mark
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger("adaptdl.core.job")
 
-CHECKPOINT_INTERVAL_VAR = "ADAPTDL_CHECKPOINT_INTERVAL"
-CHECKPOINT_STEPS_VAR = "ADAPTDL_CHECKPOINT_STEPS"
 EXIT_CODE_PREEMPTED = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
 
 
@@ -70,39 +68,17 @@ class CheckpointPolicy:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointPolicy:
-        """Read ``ADAPTDL_CHECKPOINT_INTERVAL`` (seconds) and ``ADAPTDL_CHECKPOINT_STEPS``.
+        """The policy that ``JobConfig.from_env(env)`` reads (see `adaptdl.core.config`).
 
-        Unset keeps the default; ``0`` turns that trigger off. A value that is not
+        ``ADAPTDL_CHECKPOINT_INTERVAL`` (seconds) and ``ADAPTDL_CHECKPOINT_STEPS``:
+        unset keeps the default; ``0`` turns that trigger off. A value that is not
         a number raises ValueError naming the variable.
         """
-        env = os.environ if env is None else env
-        seconds: float | None = 600.0
-        steps: int | None = None
-        raw = env.get(CHECKPOINT_INTERVAL_VAR, "").strip()
-        if raw:
-            try:
-                seconds = float(raw)
-            except ValueError:
-                seconds = -1.0
-            if not math.isfinite(seconds) or seconds < 0:
-                raise ValueError(
-                    f"environment variable {CHECKPOINT_INTERVAL_VAR}={raw!r} must be a number "
-                    "of seconds >= 0 (0 turns periodic checkpoints by time off)"
-                )
-            seconds = seconds or None
-        raw = env.get(CHECKPOINT_STEPS_VAR, "").strip()
-        if raw:
-            try:
-                steps = int(raw, 10)
-            except ValueError:
-                steps = -1
-            if steps < 0:
-                raise ValueError(
-                    f"environment variable {CHECKPOINT_STEPS_VAR}={raw!r} must be an integer "
-                    ">= 0 (0 turns periodic checkpoints by steps off)"
-                )
-            steps = steps or None
-        return cls(every_seconds=seconds, every_steps=steps)
+        config = JobConfig.from_env(env)
+        return cls(
+            every_seconds=config.checkpoint_every_seconds,
+            every_steps=config.checkpoint_every_steps,
+        )
 
     def due(self, steps: int, seconds: float) -> bool:
         """Whether ``steps`` optimiser steps or ``seconds`` since the last checkpoint are due."""

@@ -9,7 +9,8 @@ replays travel in the record too because a run that resumed, counted a replay
 and died again before its next checkpoint would otherwise lose that count. The
 write goes to the page cache without fsync, so it costs a system call and
 survives the death of the process (not of the machine, where the count is then
-a lower bound).
+a lower bound). The record is a file of a :class:`~adaptdl.core.storage.Storage`
+(the checkpoints' own, beside them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 from typing import Any
 
 import attrs
+
+from adaptdl.core.storage import LocalStorage, Storage
 
 _RECORD_SIZE = 64  # bytes; a record is JSON padded with spaces to this size
 
@@ -31,18 +34,28 @@ class Mark:
     replayed: int = 0
 
 
-class Journal:
-    """One fixed-size record in a file, overwritten in place."""
+JOURNAL = "progress.journal"
+"""The journal's file name in its storage (beside the checkpoints)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self._fd: int | None = None
+
+class Journal:
+    """One fixed-size record, overwritten in place.
+
+    ``where`` is a storage (the record is its file ``name``) or the path of the
+    record's file on the local file system.
+    """
+
+    def __init__(self, where: Storage | str | os.PathLike[str], name: str = JOURNAL) -> None:
+        if isinstance(where, (str, os.PathLike)):
+            path = os.fspath(where)
+            where, name = LocalStorage(os.path.dirname(path) or "."), os.path.basename(path)
+        self.storage = where
+        self.name = name
 
     def read(self) -> Mark | None:
         """The last mark written, or None when there is none or it is unreadable."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(_RECORD_SIZE)
+            raw = self.storage.read(self.name, limit=_RECORD_SIZE)
             data: Any = json.loads(raw.decode("utf-8"))
             return Mark(samples=int(data["samples"]), replayed=int(data.get("replayed", 0)))
         except (OSError, ValueError, KeyError, TypeError):
@@ -51,11 +64,7 @@ class Journal:
     def write(self, mark: Mark) -> None:
         """Overwrite the record with ``mark`` (no fsync: see the module docstring)."""
         record = json.dumps(attrs.asdict(mark), sort_keys=True).encode("utf-8")
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-        os.pwrite(self._fd, record.ljust(_RECORD_SIZE), 0)
+        self.storage.overwrite(self.name, record.ljust(_RECORD_SIZE))
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self.storage.close()

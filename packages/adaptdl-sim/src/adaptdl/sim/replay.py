@@ -29,7 +29,7 @@ import numpy as np
 
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.checkpoint import MemoryCheckpointStore
-from adaptdl.core.collective import add
+from adaptdl.core.collective import GroupMember, Ready, add, check_root, fold, wire_copy
 from adaptdl.core.job import CheckpointPolicy, Job, Preempted
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
@@ -51,55 +51,32 @@ class SimClock:
         return self.now
 
 
-class _Ready:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def result(self) -> Any:
-        return self.value
-
-
-class SimCollective:
+class SimCollective(GroupMember):
     """The collective of rank 0 in a job of ``num_replicas`` identical replicas.
 
     Every replica of a simulated job holds the same values, so a reduction folds
-    rank 0's value ``num_replicas`` times and a gather repeats it.
+    rank 0's value ``num_replicas`` times and a gather repeats it. Values travel as
+    they would between real replicas (core's wire format, with its checks).
     """
 
     def __init__(self, num_replicas: int) -> None:
-        self._n = check_int("num_replicas", num_replicas, min=1)
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    @property
-    def num_replicas(self) -> int:
-        return self._n
+        super().__init__(0, num_replicas)
 
     def broadcast(self, value: T, root: int = 0) -> T:
-        check_int("root", root, min=0, max=self._n - 1)
-        return _copy(value)
+        check_root(root, self.num_replicas)
+        return wire_copy(value)
 
     def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
-        out = _copy(value)
-        for _ in range(self._n - 1):
-            out = op(out, _copy(value))
-        return out
+        return fold(self.allgather(value), op)
 
-    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> _Ready:
-        return _Ready(self.allreduce(value, op))
+    def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Ready:
+        return Ready(self.allreduce(value, op))
 
     def allgather(self, value: T) -> list[T]:
-        return [_copy(value) for _ in range(self._n)]
+        return [wire_copy(value) for _ in range(self.num_replicas)]
 
     def barrier(self) -> None:
         """Every simulated replica is always at the barrier."""
-
-
-def _copy(value: T) -> T:
-    result: T = json.loads(json.dumps(value))
-    return result
 
 
 @attrs.frozen

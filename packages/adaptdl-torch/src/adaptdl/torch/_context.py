@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from adaptdl.core.checkpoint import CheckpointStore
+from adaptdl.core.config import JobConfig
 from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal
-from adaptdl.core.topology import Topology
-from adaptdl.torch.collective import TorchCollective, collective_timeout
+from adaptdl.core.storage import LocalStorage, Storage
+from adaptdl.torch.collective import TorchCollective
 
 __all__ = ["current_job", "init_process_group", "is_initialized"]
 
@@ -43,6 +44,7 @@ def init_process_group(
     *,
     timeout: timedelta | None = None,
     init_method: str | None = None,
+    storage: Storage | None = None,
 ) -> None:
     """Join the job: set up ``torch.distributed``, the default job and its checkpoints.
 
@@ -53,8 +55,10 @@ def init_process_group(
     group (the default group when it is gloo). ``timeout`` (default
     ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, 300) bounds every collective.
 
-    The checkpoint directory comes from ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints
-    when unset); the newest checkpoint there is loaded now. SIGTERM makes every
+    Checkpoints go to ``storage``, by default a directory named by
+    ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints when unset); the newest checkpoint
+    there is loaded now. Every environment variable is read here, once, by
+    `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
     replica checkpoint at the next optimiser step and exit with status 143.
 
     Raises RuntimeError when called twice, and ValueError for an unknown backend or
@@ -63,8 +67,10 @@ def init_process_group(
     global _job, _gloo_group, _owns_process_group
     if _job is not None:
         raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
-    timeout = collective_timeout() if timeout is None else timeout
-    topology = Topology.from_env()
+    config = JobConfig.from_env(os.environ)  # the one read of the environment
+    topology = config.topology
+    if timeout is None:
+        timeout = timedelta(seconds=config.collective_timeout)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
@@ -72,7 +78,7 @@ def init_process_group(
             f"backend must be 'gloo' or 'nccl' (or None for automatic), got {backend!r}"
         )
     if not dist.is_initialized():
-        _init_default_group(backend, topology, timeout, init_method)
+        _init_default_group(backend, config, timeout, init_method)
         _owns_process_group = True
     if dist.get_world_size() != topology.num_replicas or dist.get_rank() != topology.rank:
         raise ValueError(
@@ -87,12 +93,16 @@ def init_process_group(
     collective = TorchCollective(_gloo_group)
     store = None
     journal = None
-    policy = CheckpointPolicy.from_env()
-    if topology.checkpoint_path is not None:
-        store = CheckpointStore(topology.checkpoint_path, job_id=topology.job_id)
+    policy = CheckpointPolicy(
+        every_seconds=config.checkpoint_every_seconds, every_steps=config.checkpoint_every_steps
+    )
+    if storage is None and config.checkpoint_path is not None:
+        storage = LocalStorage(config.checkpoint_path)
+    if storage is not None:
+        store = CheckpointStore(storage, job_id=config.job_id)
         store.check_writable()
         # Beside the checkpoints (not inside one): counts what a crash replays.
-        journal = Journal(os.path.join(topology.checkpoint_path, "progress.journal"))
+        journal = Journal(storage)
     _job = Job(
         topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
     )
@@ -108,20 +118,20 @@ def init_process_group(
 
 
 def _init_default_group(
-    backend: str, topology: Topology, timeout: timedelta, init_method: str | None
+    backend: str, config: JobConfig, timeout: timedelta, init_method: str | None
 ) -> None:
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    if init_method is None and "MASTER_ADDR" in os.environ and restart:
+    topology = config.topology
+    restart = config.elastic_restart
+    if init_method is None and config.master_addr is not None and restart is not None:
         # torchrun keeps one rendezvous store for all restarts of a launch; keys of the
         # attempt that died (gloo's peer addresses) would be read by the next one, whose
         # replicas then connect to dead ports. Each attempt gets its own key prefix.
+        assert config.master_port is not None  # read with master_addr
         tcp = dist.TCPStore(  # type: ignore[attr-defined]
-            os.environ["MASTER_ADDR"],
-            _master_port(),
+            config.master_addr,
+            config.master_port,
             topology.num_replicas,
-            is_master=(
-                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and topology.rank == 0
-            ),
+            is_master=not config.use_agent_store and topology.rank == 0,
             timeout=timeout,
             multi_tenant=True,
         )
@@ -133,7 +143,7 @@ def _init_default_group(
             timeout=timeout,
         )
         return
-    if init_method is not None or "MASTER_ADDR" in os.environ:
+    if init_method is not None or config.master_addr is not None:
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -150,20 +160,6 @@ def _init_default_group(
     # One replica without a launcher: a process group of one over an in-process store.
     store = dist.HashStore()  # type: ignore[attr-defined]
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-
-
-def _master_port() -> int:
-    raw = os.environ.get("MASTER_PORT", "")
-    try:
-        port = int(raw.strip(), 10)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise ValueError(
-            f"environment variable MASTER_PORT={raw!r} must be a port number in [1, 65535] "
-            "(torchrun sets it)"
-        )
-    return port
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -187,7 +183,7 @@ def current_job() -> Job:
     `init_process_group` was not called.
     """
     if _job is None:
-        topology = Topology.from_env()
+        topology = JobConfig.from_env(os.environ).topology
         if topology.num_replicas > 1 and not dist.is_initialized():
             raise RuntimeError(
                 "call adaptdl.torch.init_process_group() before creating adaptdl.torch "

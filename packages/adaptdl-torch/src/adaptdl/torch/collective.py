@@ -14,8 +14,7 @@ waiting forever.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -24,40 +23,36 @@ import torch.distributed as dist
 from adaptdl.core.collective import (
     CollectiveError,
     CollectiveTimeout,
+    Deferred,
     Future,
+    GroupMember,
+    LocalCollective,
     add,
+    check_root,
     decode,
     encode,
+    fold,
 )
+from adaptdl.core.config import COLLECTIVE_TIMEOUT_VAR, DEFAULT_COLLECTIVE_TIMEOUT, JobConfig
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_VAR", "TorchCollective", "collective_timeout"]
 
 LOG = logging.getLogger("adaptdl.torch.collective")
 T = TypeVar("T")
 
-TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0
+TIMEOUT_VAR = COLLECTIVE_TIMEOUT_VAR
+DEFAULT_TIMEOUT = DEFAULT_COLLECTIVE_TIMEOUT
 _HEADER = 8
 _SLOT = 256  # bytes per replica in the first round; holds every flag and metric sum
 
 
-def collective_timeout(env: dict[str, str] | None = None) -> timedelta:
-    """The collective timeout: ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, default 300.
+def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta:
+    """The collective timeout that ``JobConfig.from_env(env)`` reads (`adaptdl.core.config`).
 
-    Raises ValueError when the variable is set but is not a positive number.
+    ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, default 300. Raises ValueError when the
+    variable is set but is not a positive number.
     """
-    raw = (os.environ if env is None else env).get(TIMEOUT_VAR, "").strip()
-    if not raw:
-        return timedelta(seconds=DEFAULT_TIMEOUT)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(
-            f"environment variable {TIMEOUT_VAR}={raw!r} must be a positive number of seconds"
-        )
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=JobConfig.from_env(env).collective_timeout)
 
 
 def _pack(payload: bytes) -> torch.Tensor:
@@ -127,52 +122,7 @@ class _Gathered:
         ]
 
 
-_SCALARS = (bool, int, float, type(None))
-
-
-def _local_copy(value: Any) -> Any:
-    """What one replica's reduction returns: ``decode(encode(value))``, cheaply for flags.
-
-    The loader reduces a pair of flags at every step; a flat list of scalars needs
-    no JSON round trip to come back as the same value (tuples as lists).
-    """
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, (list, tuple)) and all(type(v) in _SCALARS for v in value):
-        return list(value)
-    return decode(encode(value))
-
-
-class _Ready:
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def result(self) -> Any:
-        return self._value
-
-
-class _PendingReduce:
-    def __init__(self, gathered: _Gathered, op: Callable[[Any, Any], Any]) -> None:
-        self._gathered = gathered
-        self._op = op
-        self._done = False
-        self._value: Any = None
-
-    def result(self) -> Any:
-        if not self._done:
-            self._value = _fold(self._gathered.values(), self._op)
-            self._done = True
-        return self._value
-
-
-def _fold(values: list[Any], op: Callable[[Any, Any], Any]) -> Any:
-    result = values[0]
-    for value in values[1:]:
-        result = op(result, value)
-    return result
-
-
-class TorchCollective:
+class TorchCollective(GroupMember):
     """A core `Collective` over a ``torch.distributed`` process group (gloo, CPU tensors).
 
     Every replica must call the operations in the same order (core's ordering
@@ -185,31 +135,16 @@ class TorchCollective:
                 "TorchCollective needs an initialised torch.distributed process group: "
                 "call adaptdl.torch.init_process_group() first"
             )
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
-        self._rank = dist.get_rank(group)
-        self._num_replicas = dist.get_world_size(group)
-
-    @property
-    def rank(self) -> int:
-        """This replica's rank in the group."""
-        return self._rank
-
-    @property
-    def num_replicas(self) -> int:
-        """The size of the group."""
-        return self._num_replicas
+        # One replica has nothing to exchange: core's one-replica collective, same wire format.
+        self._local = LocalCollective() if self._num_replicas == 1 else None
 
     def broadcast(self, value: T, root: int = 0) -> T:
         """Replica ``root``'s ``value`` on every replica."""
-        if (
-            isinstance(root, bool)
-            or not isinstance(root, int)
-            or not 0 <= root < self._num_replicas
-        ):
-            raise ValueError(f"root must be an int in [0, {self._num_replicas}), got {root!r}")
-        if self._num_replicas == 1:
-            result_one: T = decode(encode(value))
-            return result_one
+        check_root(root, self._num_replicas)
+        if self._local is not None:
+            return self._local.broadcast(value, root)
         payload = encode(value) if self._rank == root else b""
         # dist.broadcast takes a global rank.
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
@@ -234,20 +169,20 @@ class TorchCollective:
 
     def allgather(self, value: T) -> list[T]:
         """Every replica's ``value``, in rank order."""
-        if self._num_replicas == 1:  # nothing to exchange; same wire format all the same
-            return [decode(encode(value))]
+        if self._local is not None:
+            return self._local.allgather(value)
         return _Gathered(self, encode(value), async_op=False).values()
 
     def allreduce(self, value: T, op: Callable[[T, T], T] = add) -> T:
         """The rank-order fold of every replica's ``value`` with ``op``."""
-        result: T = _fold(self.allgather(value), op)
-        return result
+        return fold(self.allgather(value), op)
 
     def allreduce_async(self, value: T, op: Callable[[T, T], T] = add) -> Future[T]:
         """Start an allreduce; ``.result()`` waits for the peers and folds."""
-        if self._num_replicas == 1:
-            return _Ready(_local_copy(value))
-        return _PendingReduce(_Gathered(self, encode(value), async_op=True), op)
+        if self._local is not None:
+            return self._local.allreduce_async(value, op)
+        gathered = _Gathered(self, encode(value), async_op=True)
+        return Deferred(lambda: fold(gathered.values(), op))
 
     def barrier(self) -> None:
         """Return once every replica has called barrier."""

@@ -8,7 +8,6 @@ wires them into a real ``torch.utils.data.DataLoader``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import signal
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
+from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
@@ -33,14 +33,6 @@ __all__ = [
 ]
 
 LOG = logging.getLogger("adaptdl.torch.data")
-
-SHUFFLE_SEED = 0  # the same permutation of every epoch on every replica and restart
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers, the same on every platform (no ``hash()``)."""
-    text = ":".join(str(int(p)) for p in parts).encode("ascii")
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 def current_dataloader() -> LoaderHelper | None:

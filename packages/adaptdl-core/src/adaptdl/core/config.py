@@ -1,0 +1,269 @@
+"""The job's configuration, read from the environment in one place.
+
+Every environment variable the library reads is read here, by
+:meth:`JobConfig.from_env`, into one validated immutable value; nothing else in
+the library looks at ``os.environ``. A value that is not what the variable
+allows raises ValueError naming the variable, its value and the rule.
+
+Two sources describe the job. torchrun's variables describe the processes it
+launched; AdaptDL's own ``ADAPTDL_*`` variables, set by a scheduler, describe the
+replicas AdaptDL should assume. **When both name the same thing, the
+``ADAPTDL_*`` variable wins**, so that a scheduler can override what the launcher
+reports (for example the number of nodes when torchrun runs one agent per node):
+
+===================  ========================  =================================
+what                 AdaptDL (wins)            torchrun
+===================  ========================  =================================
+rank                 ``ADAPTDL_REPLICA_RANK``  ``RANK``
+replicas             ``ADAPTDL_NUM_REPLICAS``  ``WORLD_SIZE``
+nodes                ``ADAPTDL_NUM_NODES``     ``GROUP_WORLD_SIZE``
+restarts             ``ADAPTDL_NUM_RESTARTS``  ``TORCHELASTIC_RESTART_COUNT``
+===================  ========================  =================================
+
+``LOCAL_WORLD_SIZE`` (replicas per node) has no AdaptDL counterpart; without a
+nodes variable, nodes are ``ceil(replicas / LOCAL_WORLD_SIZE)``. The rest are
+AdaptDL's alone: ``ADAPTDL_CHECKPOINT_PATH``, ``ADAPTDL_SHARE_PATH``,
+``ADAPTDL_JOB_ID``, ``ADAPTDL_CHECKPOINT_INTERVAL``, ``ADAPTDL_CHECKPOINT_STEPS``,
+``ADAPTDL_COLLECTIVE_TIMEOUT``; and torchrun's rendezvous: ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``. An empty variable counts as
+unset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import attrs
+
+from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.topology import Topology
+
+__all__ = ["DEFAULT_CHECKPOINT_INTERVAL", "DEFAULT_COLLECTIVE_TIMEOUT", "ENV_VARS", "JobConfig"]
+
+T = TypeVar("T")
+
+# Variables read, in order of precedence (first one set wins).
+RANK_VARS = ("ADAPTDL_REPLICA_RANK", "RANK")
+REPLICAS_VARS = ("ADAPTDL_NUM_REPLICAS", "WORLD_SIZE")
+NODES_VARS = ("ADAPTDL_NUM_NODES", "GROUP_WORLD_SIZE")
+RESTARTS_VARS = ("ADAPTDL_NUM_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
+LOCAL_WORLD_SIZE_VAR = "LOCAL_WORLD_SIZE"
+CHECKPOINT_PATH_VAR = "ADAPTDL_CHECKPOINT_PATH"
+SHARE_PATH_VAR = "ADAPTDL_SHARE_PATH"
+JOB_ID_VAR = "ADAPTDL_JOB_ID"
+CHECKPOINT_INTERVAL_VAR = "ADAPTDL_CHECKPOINT_INTERVAL"
+CHECKPOINT_STEPS_VAR = "ADAPTDL_CHECKPOINT_STEPS"
+COLLECTIVE_TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
+MASTER_ADDR_VAR = "MASTER_ADDR"
+MASTER_PORT_VAR = "MASTER_PORT"
+ELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+
+ENV_VARS: tuple[str, ...] = (
+    *RANK_VARS,
+    *REPLICAS_VARS,
+    *NODES_VARS,
+    *RESTARTS_VARS,
+    LOCAL_WORLD_SIZE_VAR,
+    CHECKPOINT_PATH_VAR,
+    SHARE_PATH_VAR,
+    JOB_ID_VAR,
+    CHECKPOINT_INTERVAL_VAR,
+    CHECKPOINT_STEPS_VAR,
+    COLLECTIVE_TIMEOUT_VAR,
+    MASTER_ADDR_VAR,
+    MASTER_PORT_VAR,
+    AGENT_STORE_VAR,
+)
+"""Every environment variable :meth:`JobConfig.from_env` reads."""
+
+DEFAULT_CHECKPOINT_INTERVAL = 600.0
+"""Seconds between periodic checkpoints when ``ADAPTDL_CHECKPOINT_INTERVAL`` is unset."""
+
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+"""Seconds a collective waits for a peer when ``ADAPTDL_COLLECTIVE_TIMEOUT`` is unset."""
+
+
+@attrs.frozen
+class JobConfig:
+    """What the environment says about this process's job; see the module docstring.
+
+    ``checkpoint_every_seconds``/``checkpoint_every_steps`` None turn that periodic
+    checkpoint trigger off. ``master_port`` is set whenever ``master_addr`` is;
+    ``elastic_restart`` is torchrun's own restart count (None outside torchrun),
+    which names the rendezvous keys of one attempt even when a scheduler
+    overrides the topology's ``num_restarts``.
+    """
+
+    topology: Topology = attrs.field(factory=Topology)
+    checkpoint_path: str | None = None
+    share_path: str | None = None
+    job_id: str | None = None
+    checkpoint_every_seconds: float | None = attrs.field(default=DEFAULT_CHECKPOINT_INTERVAL)
+    checkpoint_every_steps: int | None = attrs.field(default=None)
+    collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT)
+    master_addr: str | None = None
+    master_port: int | None = attrs.field(default=None)
+    elastic_restart: int | None = attrs.field(default=None)
+    use_agent_store: bool = False
+
+    @checkpoint_every_seconds.validator
+    def _check_seconds(self, attribute: attrs.Attribute[float | None], value: Any) -> None:
+        if value is not None:
+            check_float("checkpoint_every_seconds", value, min=0.0, min_exclusive=True)
+
+    @checkpoint_every_steps.validator
+    def _check_steps(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            check_int("checkpoint_every_steps", value, min=1)
+
+    @collective_timeout.validator
+    def _check_timeout(self, attribute: attrs.Attribute[float], value: float) -> None:
+        check_float("collective_timeout", value, min=0.0, min_exclusive=True)
+
+    @master_port.validator
+    def _check_port(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            check_int("master_port", value, min=1, max=65535)
+
+    @elastic_restart.validator
+    def _check_restart(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+        if value is not None:
+            check_int("elastic_restart", value, min=0)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> JobConfig:
+        """Read the configuration from ``env`` (``os.environ`` when None).
+
+        Raises ValueError naming the variable when a value is malformed or out of
+        range (rank >= replicas, zero replicas, negative restarts, a checkpoint
+        interval that is not a number, a timeout that is not positive, ...).
+        """
+        env = os.environ if env is None else env
+        master_addr = _text(env, MASTER_ADDR_VAR)
+        return cls(
+            topology=_read_topology(env),
+            checkpoint_path=_text(env, CHECKPOINT_PATH_VAR),
+            share_path=_text(env, SHARE_PATH_VAR),
+            job_id=_text(env, JOB_ID_VAR),
+            checkpoint_every_seconds=_read_interval(env),
+            checkpoint_every_steps=_read_steps(env),
+            collective_timeout=_read_timeout(env),
+            master_addr=master_addr,
+            # Only a configured rendezvous uses the port (torchrun sets both).
+            master_port=_read_port(env) if master_addr is not None else None,
+            elastic_restart=_read_elastic_restart(env),
+            use_agent_store=env.get(AGENT_STORE_VAR) == "True",
+        )
+
+
+def _text(env: Mapping[str, str], name: str) -> str | None:
+    return env.get(name) or None
+
+
+def _read_topology(env: Mapping[str, str]) -> Topology:
+    rank, rank_var = _read_int(env, RANK_VARS, 0, min=0)
+    replicas, replicas_var = _read_int(env, REPLICAS_VARS, 1, min=1)
+    local, _ = _read_int(env, (LOCAL_WORLD_SIZE_VAR,), replicas, min=1)
+    nodes, nodes_var = _read_int(env, NODES_VARS, -(-replicas // local), min=1)
+    restarts, _ = _read_int(env, RESTARTS_VARS, 0, min=0)
+    if rank >= replicas:
+        raise ValueError(
+            f"{rank_var}={rank} must be less than {replicas_var}={replicas} (ranks count from 0)"
+        )
+    if nodes > replicas:
+        raise ValueError(
+            f"{nodes_var}={nodes} must not exceed {replicas_var}={replicas} "
+            "(every node runs at least one replica)"
+        )
+    return Topology(
+        rank=rank,
+        num_replicas=replicas,
+        num_nodes=nodes,
+        num_restarts=restarts,
+        local_world_size=min(local, replicas),
+    )
+
+
+def _read(
+    env: Mapping[str, str],
+    name: str,
+    parse: Callable[[str], T],
+    ok: Callable[[T], bool],
+    rule: str,
+) -> T | None:
+    """``parse`` of variable ``name``, None when unset; ValueError stating ``rule`` unless ok."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = parse(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"environment variable {name}={raw!r} must be {rule}")
+    return value
+
+
+def _read_int(
+    env: Mapping[str, str], names: tuple[str, ...], default: int, *, min: int
+) -> tuple[int, str]:
+    """The first of ``names`` that is set (an integer >= ``min``) and its name."""
+    for name in names:
+        value = _read(env, name, _integer, lambda v: v >= min, f"an integer >= {min}")
+        if value is not None:
+            return value, name
+    return default, names[0]
+
+
+def _integer(raw: str) -> int:
+    return int(raw, 10)
+
+
+def _read_elastic_restart(env: Mapping[str, str]) -> int | None:
+    return _read(env, ELASTIC_RESTART_VAR, _integer, lambda v: v >= 0, "an integer >= 0")
+
+
+def _read_interval(env: Mapping[str, str]) -> float | None:
+    seconds = _read(
+        env,
+        CHECKPOINT_INTERVAL_VAR,
+        float,
+        lambda v: math.isfinite(v) and v >= 0,
+        "a number of seconds >= 0 (0 turns periodic checkpoints by time off)",
+    )
+    return DEFAULT_CHECKPOINT_INTERVAL if seconds is None else seconds or None
+
+
+def _read_steps(env: Mapping[str, str]) -> int | None:
+    steps = _read(
+        env,
+        CHECKPOINT_STEPS_VAR,
+        _integer,
+        lambda v: v >= 0,
+        "an integer >= 0 (0 turns periodic checkpoints by steps off)",
+    )
+    return steps or None
+
+
+def _read_timeout(env: Mapping[str, str]) -> float:
+    seconds = _read(
+        env,
+        COLLECTIVE_TIMEOUT_VAR,
+        float,
+        lambda v: 0 < v < math.inf,
+        "a positive number of seconds",
+    )
+    return DEFAULT_COLLECTIVE_TIMEOUT if seconds is None else seconds
+
+
+def _read_port(env: Mapping[str, str]) -> int:
+    rule = "a port number in [1, 65535] (torchrun sets it)"
+    port = _read(env, MASTER_PORT_VAR, _integer, lambda v: 0 < v < 65536, rule)
+    if port is None:  # required with MASTER_ADDR
+        raw = env.get(MASTER_PORT_VAR, "")
+        raise ValueError(f"environment variable {MASTER_PORT_VAR}={raw!r} must be {rule}")
+    return port
