@@ -250,11 +250,11 @@ def worker_speed(args: argparse.Namespace) -> None:
 
 
 def _torchrun(nproc: int, *worker_args: str, env: dict[str, str], timeout: float) -> Any:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "--max-restarts=0", "--monitor-interval=0.5",
-        str(Path(__file__).resolve()), *worker_args,
-    ]  # fmt: skip
+    from adaptdl.torch.launch import torchrun_command
+
+    command = torchrun_command(
+        Path(__file__).resolve(), nproc, args=worker_args, monitor_interval=0.5
+    )
     return subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
