@@ -119,7 +119,9 @@ def _job_panels(plt: Any, result: SimResult, top: int, column: int, label: str) 
         if t:
             t.append(stop)
             v.append(v[-1])
+            # Dots mark each change, so that a run of minutes in hours still shows.
             ax.step(t, v, where="post", color="tab:blue", linewidth=1.2)
+            ax.plot(t, v, ".", color="tab:blue", markersize=4)
         # Shaded: from submission to finish (or the end), waiting time included.
         ax.axvspan(job.submit / 3600.0, stop, color="tab:gray", alpha=0.08, linewidth=0)
         if column == 2:
