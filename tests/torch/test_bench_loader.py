@@ -1,15 +1,22 @@
 """The loader benchmark keeps working: its smoke run completes and reports every case.
 
-Only what the benchmark prints is checked, never a figure of time.
+Only what the benchmark prints and how its CPU clock counts are checked, never a speed.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
+import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_torch_loader.py"
 CASES = (
@@ -49,3 +56,44 @@ def test_quick_benchmark_reports_every_case() -> None:
         plain_starts = float(line.rsplit("/", 1)[0].split()[-1])
         workers = 2 if "workers=2" in name and "persistent" not in name else 0
         assert plain_starts == workers, line
+
+
+def _load_benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_torch_loader", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _burn(cpu_seconds: float, done: Connection, release: Connection) -> None:
+    # Spend CPU (not wall) time, report, then stay alive until released.
+    end = time.process_time() + cpu_seconds
+    while time.process_time() < end:
+        pass
+    done.send(True)
+    release.recv()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_clock_counts_a_live_child_once_and_a_reaped_one_once() -> None:
+    """What persistent workers need: CPU of a live child counted, and not twice later."""
+    bench = _load_benchmark()
+    ctx = multiprocessing.get_context("fork")
+    done_r, done_w = ctx.Pipe(duplex=False)
+    release_r, release_w = ctx.Pipe(duplex=False)
+    burn = 0.3
+    start = bench.cpu_clock()
+    child = ctx.Process(target=_burn, args=(burn, done_w, release_r))
+    child.start()
+    try:
+        assert done_r.poll(120), "the child did not finish burning CPU"
+        live = bench.cpu_clock() - start  # the child is alive: only /proc sees its CPU
+    finally:
+        release_w.send(True)
+        child.join(60)
+    reaped = bench.cpu_clock() - start  # now getrusage(RUSAGE_CHILDREN) has it
+    assert live >= burn
+    # Counted twice, the reaped figure would exceed the live one by `burn` or more.
+    assert reaped - live < burn / 2
