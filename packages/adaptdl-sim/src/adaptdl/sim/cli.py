@@ -147,7 +147,7 @@ def _check_plot(folder: Path) -> None:
     try:
         check_plot_folder(folder)
     except ValueError as exc:
-        raise ValueError(f"--plot {folder}: {exc}") from None
+        raise ValueError(f"--plot: {exc}") from None
 
 
 # -- replay ---------------------------------------------------------------------

@@ -31,6 +31,8 @@ def check_plot_folder(folder: Path | str) -> Path:
     except ImportError:
         raise ValueError(f"matplotlib is not installed; {PLOTS_EXTRA}") from None
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} exists and is not a directory")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         # Creating and removing a file is the one check that works for every cause
