@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,4 +111,95 @@ def test_version_prints_the_installed_distribution_version(
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == (
         f"adaptdl-sim {importlib.metadata.version('adaptdl-sim')}"
+    )
+
+
+def _no_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any simulation fail the test: --plot must be checked before one starts."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("simulated although --plot cannot work")
+
+    monkeypatch.setattr("adaptdl.sim.cli.simulate", forbidden)
+    monkeypatch.setattr("adaptdl.sim.cli.run_replay", forbidden)
+
+
+@pytest.mark.parametrize("command", [["replay"], ["cluster", "--jobs", "3"], ["compare"]])
+def test_plot_without_matplotlib_fails_before_simulating(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _no_simulation(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    folder = tmp_path / "plots"
+    assert main([*command, "--plot", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adaptdl-sim: error: --plot: matplotlib is not installed")
+    assert "pip install 'adaptdl-sim[plots]'" in err
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("file", "{folder!r} exists and is not a directory"),
+        ("file/sub", "cannot write into directory {folder!r}: Not a directory"),
+    ],
+)
+def test_plot_into_an_unusable_directory_fails_before_simulating(
+    where: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _no_simulation(monkeypatch)
+    (tmp_path / "file").write_text("in the way")
+    folder = str(tmp_path / where)
+    assert main(["cluster", "--plot", folder]) == 2
+    err = capsys.readouterr().err
+    assert err == f"adaptdl-sim: error: --plot: {message.format(folder=folder)}\n"
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write anywhere"
+)
+def test_plot_into_a_read_only_directory_fails_before_simulating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _no_simulation(monkeypatch)
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        assert main(["replay", "--plot", str(folder)]) == 2
+    finally:
+        folder.chmod(0o700)
+    assert "Permission denied" in capsys.readouterr().err
+
+
+def test_plot_check_creates_the_folder_and_leaves_nothing_in_it(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from adaptdl.sim.plots import check_plot_folder
+
+    folder = tmp_path / "a" / "b"
+    assert check_plot_folder(folder) == folder
+    assert folder.is_dir() and not list(folder.iterdir())
+
+
+def test_plot_into_a_folder_that_refuses_files_fails_before_simulating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a read-only folder does, also where the tests run as root."""
+    _no_simulation(monkeypatch)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("adaptdl.sim.plots.tempfile.NamedTemporaryFile", refuse)
+    folder = str(tmp_path)
+    assert main(["compare", "--plot", folder]) == 2
+    assert capsys.readouterr().err == (
+        f"adaptdl-sim: error: --plot: cannot write into directory {folder!r}: Permission denied\n"
     )

@@ -130,12 +130,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``adaptdl-sim`` console script."""
     args = _parser().parse_args(argv)
     try:
+        if args.plot is not None:
+            _check_plot(args.plot)
         if args.command == "replay":
             return _replay(args)
         return _cluster(args)
     except (TraceError, ValueError) as exc:
         print(f"adaptdl-sim: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_plot(folder: Path) -> None:
+    """Fail before a long simulation, not after it, when ``--plot`` cannot work."""
+    from adaptdl.sim.plots import check_plot_folder
+
+    try:
+        check_plot_folder(folder)
+    except ValueError as exc:
+        raise ValueError(f"--plot: {exc}") from None
 
 
 # -- replay ---------------------------------------------------------------------
