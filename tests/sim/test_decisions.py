@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,14 +157,3 @@ def test_fixed_config_is_cores_even_split_within_the_memory_bound(
     assert (atomic, accum) == even_split(query)
     assert 1 <= atomic <= hi
     assert atomic * (accum + 1) * sum(placement) >= batch
-
-
-def test_batch_size_query_names_bad_arguments() -> None:
-    assert batch_size_query(1, 2, 32).current is None
-    assert batch_size_query(1, 2, 32, local_bsz=8, accum_steps=1).current == (8, 1)
-    with pytest.raises(ValueError, match="num_nodes"):
-        batch_size_query(3, 2, 32)
-    with pytest.raises(ValueError, match="local_bsz"):
-        batch_size_query(1, 2, 32, local_bsz=-1)
-    with pytest.raises(ValueError, match="batch_size"):
-        batch_size_query(1, 2, 0)
