@@ -2,8 +2,9 @@
 
 An application model answers three questions for the simulator:
 
-* the time of one optimiser step (and the part spent synchronising gradients) for a
-  placement (GPUs used on each node) and a local batch size;
+* the time of one optimiser step, and what synchronising gradients adds to it over a
+  compute-only (accumulation) micro-batch, for a placement (GPUs used on each node)
+  and a local batch size;
 * the gradient statistics (``sqr``, ``var``) at a total batch size and epoch, from
   which the AdaScale gain of one step and the statistical efficiency follow;
 * how much scale-invariant progress each epoch needs (``epoch_progress``, cumulative).
@@ -55,7 +56,10 @@ class ApplicationModel:
     dataset_size: int
 
     def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
-        """Return (step time, sync time) in seconds for one optimiser step, no accumulation."""
+        """Return (step time, sync time) in seconds for one optimiser step, no accumulation.
+
+        An accumulation micro-batch costs the step time less the sync time.
+        """
         raise NotImplementedError
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
