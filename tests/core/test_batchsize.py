@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, even_split
+from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, batch_size_query, even_split
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
@@ -115,3 +115,30 @@ def test_goodput_decision_without_model_splits_evenly(max_batch_size):
     q = BatchSizeQuery(num_nodes=1, num_replicas=4, batch_size=32, max_batch_size=max_batch_size)
     assert GoodputDecision(lambda: None)(q) == (8, 0)
     assert GoodputDecision(goodput_fn)(q)[0] >= 8
+
+
+@given(
+    replicas=st.integers(1, 64),
+    batch_size=st.integers(1, 4096),
+    local=st.integers(0, 512),
+    accum=st.integers(0, 8),
+)
+def test_batch_size_query_is_the_loaders_query(replicas, batch_size, local, accum):
+    # A loader that has decided nothing yet (local batch 0) has no current choice.
+    q = batch_size_query(
+        1, replicas, batch_size, max_batch_size=2 * batch_size, local_bsz=local, accum_steps=accum
+    )
+    assert q == BatchSizeQuery(
+        1, replicas, batch_size, 2 * batch_size, None, False, (local, accum) if local else None
+    )
+
+
+def test_batch_size_query_names_bad_arguments():
+    with pytest.raises(ValueError, match="num_nodes"):
+        batch_size_query(3, 2, 32)
+    with pytest.raises(ValueError, match="local_bsz"):
+        batch_size_query(1, 2, 32, local_bsz=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        batch_size_query(1, 2, 0)
+    with pytest.raises(ValueError, match="accum_steps"):
+        batch_size_query(1, 2, 32, local_bsz=4, accum_steps=-1)

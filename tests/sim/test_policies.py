@@ -99,13 +99,34 @@ def test_tiresias_rejects_unordered_thresholds() -> None:
         TiresiasPolicy(thresholds=(100.0, 50.0))
 
 
+def _profiled(job: SimJob, replicas: int) -> None:
+    """Give the job a profile covering ``replicas`` GPUs (its hints then say so)."""
+    job.goodput.record(1, replicas, 32, 0.1, 0.2, 0.1)
+
+
+def _fake_speedups(policy: PolluxPolicy, curves: dict[str, object], base: float = 1.0) -> None:
+    """Make the policy see ``curves[name](k)`` as job ``name``'s speedup for 0..k GPUs."""
+
+    def speedup(job: SimJob, max_gpus: int, gpus_per_node: int) -> tuple[np.ndarray, float]:
+        return curves[job.name](max_gpus), base  # type: ignore[operator]
+
+    policy.speedup = speedup  # type: ignore[method-assign]
+
+
 def test_pollux_gives_more_gpus_to_the_job_with_larger_marginal_goodput() -> None:
     scales = _job("scales", 0.0, 1, adaptive=True)
     flat = _job("flat", 1.0, 1, adaptive=True)
-    scales.max_gpus_seen = flat.max_gpus_seen = 8
-    scales.goodput.speedup = lambda k, g: np.concatenate([[0.0], np.arange(1, k + 1) * 0.9])  # type: ignore[method-assign]
-    flat.goodput.speedup = lambda k, g: np.concatenate([[0.0], 1.0 + 0.05 * np.arange(k)])  # type: ignore[method-assign]
-    alloc = PolluxPolicy(fairness=1.0).allocate(_state([scales, flat]))
+    _profiled(scales, 8)
+    _profiled(flat, 8)
+    policy = PolluxPolicy(fairness=1.0)
+    _fake_speedups(
+        policy,
+        {
+            "scales": lambda k: np.concatenate([[0.0], np.arange(1, k + 1) * 0.9]),
+            "flat": lambda k: np.concatenate([[0.0], 1.0 + 0.05 * np.arange(k)]),
+        },
+    )
+    alloc = policy.allocate(_state([scales, flat]))
     assert len(alloc["scales"]) > len(alloc.get("flat", []))
     assert sum(len(v) for v in alloc.values()) <= 8
 
@@ -113,21 +134,39 @@ def test_pollux_gives_more_gpus_to_the_job_with_larger_marginal_goodput() -> Non
 def test_pollux_fairness_gives_every_job_a_gpu_first() -> None:
     jobs = [_job(f"j{i}", float(i), 1, adaptive=True) for i in range(5)]
     for j in jobs:
-        j.max_gpus_seen = 8
-        j.goodput.speedup = lambda k, g: np.concatenate([[0.0], np.arange(1, k + 1) * 0.99])  # type: ignore[method-assign]
-    alloc = PolluxPolicy().allocate(_state(jobs))
+        _profiled(j, 8)
+    policy = PolluxPolicy()
+    curve = lambda k: np.concatenate([[0.0], np.arange(1, k + 1) * 0.99])  # noqa: E731
+    _fake_speedups(policy, {j.name: curve for j in jobs})
+    alloc = policy.allocate(_state(jobs))
     assert set(alloc) == {j.name for j in jobs}
 
 
 def test_pollux_keeps_an_allocation_when_the_gain_does_not_pay_the_restart() -> None:
     job = _job("a", 0.0, 1, adaptive=True)
     job.set_allocation(0.0, [0, 0], 30.0)
-    job.max_gpus_seen = 4
+    _profiled(job, 4)
     # 3 GPUs would be 1% faster than 2: not worth a 30 s restart over a long job.
-    job.goodput.speedup = lambda k, g: np.array([0.0, 1.0, 1.9, 1.92, 1.93][: k + 1])  # type: ignore[method-assign]
-    job.goodput.base_goodput = 1.0
-    alloc = PolluxPolicy(restart_horizon=600.0).allocate(_state([job], nodes=1))
+    policy = PolluxPolicy(restart_horizon=600.0)
+    _fake_speedups(policy, {"a": lambda k: np.array([0.0, 1.0, 1.9, 1.92, 1.93][: k + 1])})
+    alloc = policy.allocate(_state([job], nodes=1))
     assert sorted(alloc["a"]) == [0, 0]
+
+
+def test_pollux_reads_each_job_through_its_hints() -> None:
+    # The policy's view of a job is core's hints document, checked by core, and the
+    # goodput model it rebuilds from them is the job's own.
+    from adaptdl.core.profiler import goodput_fn_from_hints, validate_hints
+
+    job = _job("a", 0.0, 1, adaptive=True)
+    job.set_allocation(0.0, [0, 0], 30.0)
+    hints = job.hints
+    assert validate_hints(hints) == hints
+    assert hints["max_profiled_replicas"] == 2
+    assert goodput_fn_from_hints(hints) == job.goodput.goodput_fn()
+    speedup, base = PolluxPolicy().speedup(job, 4, 4)
+    assert speedup[1] == 1.0 and base > 0
+    assert PolluxPolicy().gpu_cap(job, _state([job], nodes=4)) == 8  # 4 x the 2 profiled
 
 
 def test_pollux_avoids_sharing_a_node_between_two_distributed_jobs() -> None:

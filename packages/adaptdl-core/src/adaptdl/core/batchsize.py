@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from adaptdl.core._validate import check_float
+from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.goodput import GoodputFunction
 
 
@@ -30,6 +30,35 @@ class BatchSizeQuery:
     local_bsz_bounds: tuple[int | None, int | None] | None = None
     gradient_accumulation: bool = False
     current: tuple[int, int] | None = None
+
+
+def batch_size_query(
+    num_nodes: int,
+    num_replicas: int,
+    batch_size: int,
+    *,
+    max_batch_size: int | None = None,
+    local_bsz_bounds: tuple[int | None, int | None] | None = None,
+    gradient_accumulation: bool = False,
+    local_bsz: int = 0,
+    accum_steps: int = 0,
+) -> BatchSizeQuery:
+    """The query an adaptive loader asks for the replicas it has now.
+
+    ``batch_size`` is the loader's target (initial) batch size; ``local_bsz`` and
+    ``accum_steps`` are its last decision, 0 before it made any (then ``current`` is
+    None, and a `GoodputDecision` has nothing to keep). Every caller that decides a
+    loader's batch size (the loader itself, the cluster simulator's jobs) builds its
+    query here, so that one state always asks the same question.
+    """
+    replicas = check_int("num_replicas", num_replicas, min=1)
+    nodes = check_int("num_nodes", num_nodes, min=1, max=replicas)
+    target = check_int("batch_size", batch_size, min=1)
+    local = check_int("local_bsz", local_bsz, min=0)
+    current = (local, check_int("accum_steps", accum_steps, min=0)) if local else None
+    return BatchSizeQuery(
+        nodes, replicas, target, max_batch_size, local_bsz_bounds, gradient_accumulation, current
+    )
 
 
 class BatchSizeDecision(Protocol):

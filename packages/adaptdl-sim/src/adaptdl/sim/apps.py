@@ -2,8 +2,9 @@
 
 An application model answers three questions for the simulator:
 
-* the time of one optimiser step (and the part spent synchronising gradients) for a
-  placement (GPUs used on each node) and a local batch size;
+* the time of one optimiser step, and what synchronising gradients adds to it over a
+  compute-only (accumulation) micro-batch, for a placement (GPUs used on each node)
+  and a local batch size;
 * the gradient statistics (``sqr``, ``var``) at a total batch size and epoch, from
   which the AdaScale gain of one step and the statistical efficiency follow;
 * how much scale-invariant progress each epoch needs (``epoch_progress``, cumulative).
@@ -15,13 +16,14 @@ total batch size ``M`` adds its gain ``(var + sqr) / (var / s + sqr)``, ``s = M 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.scaling import adascale_gain
 
 FloatArray = npt.NDArray[np.float64]
@@ -54,12 +56,20 @@ class ApplicationModel:
     dataset_size: int
 
     def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
-        """Return (step time, sync time) in seconds for one optimiser step, no accumulation."""
+        """Return (step time, sync time) in seconds for one optimiser step, no accumulation.
+
+        An accumulation micro-batch costs the step time less the sync time.
+        """
         raise NotImplementedError
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         """Return (grad_sqr, grad_var) at a total batch size during ``epoch``."""
         raise NotImplementedError
+
+    def grad_params(self, batch_size: float, epoch: int) -> GradParams:
+        """The gradient statistics of :meth:`grad_stats` as core's model takes them."""
+        sqr, var = self.grad_stats(batch_size, epoch)
+        return GradParams(max(sqr, 0.0), max(var, 0.0))
 
     # -- derived helpers ---------------------------------------------------
 
@@ -102,15 +112,30 @@ def _positive_int(name: str) -> Callable[[object, object, int], None]:
     return check
 
 
-@attrs.frozen(eq=False)
+#: Throughput model of a parametric application unless it names its own.
+DEFAULT_PERF_PARAMS = PerfParams(
+    alpha_c=0.02, beta_c=0.001, alpha_n=0.05, beta_n=0.01, alpha_r=0.01, beta_r=0.002, gamma=1.5
+)
+
+
+def _perf_params(base: PerfParams, overrides: Mapping[str, float]) -> PerfParams:
+    unknown = sorted(set(overrides) - set(PerfParams.FIELDS))
+    if unknown:
+        raise ArgumentTypeError(
+            f"unexpected argument(s) {unknown}; the throughput model's are {PerfParams.FIELDS}"
+        )
+    return attrs.evolve(base, **overrides) if overrides else base
+
+
+@attrs.frozen(eq=False, init=False)
 class ParametricApplication(ApplicationModel):
     """An application defined by a few numbers, needing no measured data.
 
-    Step time follows the core's throughput model: compute ``alpha_c + beta_c * b``,
-    synchronisation ``alpha_r + beta_r * (R - 2)^+`` within a node and
-    ``alpha_n + beta_n * (R - 2)^+`` across nodes, overlapped with exponent ``gamma``.
-    The gradient noise scale grows geometrically from ``noise_start`` to ``noise_end``
-    (in samples) over training, as it does in real training.
+    Step times are core's throughput model (:mod:`adaptdl.core.goodput`) with
+    ``perf_params``; single fields of it may be given as keywords instead
+    (``alpha_c=0.05``), over :data:`DEFAULT_PERF_PARAMS`. The gradient noise scale
+    grows geometrically from ``noise_start`` to ``noise_end`` (in samples) over
+    training, as it does in real training.
     """
 
     name: str
@@ -119,16 +144,39 @@ class ParametricApplication(ApplicationModel):
     local_bsz_bounds: tuple[int, int]
     dataset_size: int = attrs.field(validator=_positive_int("dataset_size"))
     epochs: int = attrs.field(validator=_positive_int("epochs"))
-    alpha_c: float = 0.02
-    beta_c: float = 0.001
-    alpha_r: float = 0.01
-    beta_r: float = 0.002
-    alpha_n: float = 0.05
-    beta_n: float = 0.01
-    gamma: float = 1.5
-    noise_start: float = 100.0
-    noise_end: float = 4000.0
+    perf_params: PerfParams
+    noise_start: float
+    noise_end: float
     epoch_progress: FloatArray = attrs.field(init=False)
+    _model: GoodputFunction = attrs.field(init=False)
+
+    def __init__(
+        self,
+        name: str,
+        init_batch_size: int,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int, int],
+        dataset_size: int,
+        epochs: int,
+        *,
+        perf_params: PerfParams = DEFAULT_PERF_PARAMS,
+        noise_start: float = 100.0,
+        noise_end: float = 4000.0,
+        **perf: float,
+    ) -> None:
+        if not isinstance(perf_params, PerfParams):
+            raise ArgumentTypeError(f"perf_params must be a PerfParams, got {perf_params!r}")
+        self.__attrs_init__(
+            name,
+            init_batch_size,
+            max_batch_size,
+            local_bsz_bounds,
+            dataset_size,
+            epochs,
+            _perf_params(perf_params, perf),
+            noise_start,
+            noise_end,
+        )
 
     def __attrs_post_init__(self) -> None:
         lo, hi = self.local_bsz_bounds
@@ -139,29 +187,30 @@ class ParametricApplication(ApplicationModel):
                 f"max_batch_size must be >= init_batch_size ({self.init_batch_size}), "
                 f"got {self.max_batch_size}"
             )
-        for name in ("alpha_c", "beta_c", "alpha_r", "beta_r", "alpha_n", "beta_n"):
-            check_float(name, getattr(self, name), min=0.0)
-        check_float("gamma", self.gamma, min=1.0, max=10.0)
         check_float("noise_start", self.noise_start, min=0.0, min_exclusive=True)
         check_float("noise_end", self.noise_end, min=0.0, min_exclusive=True)
         per_epoch = self.dataset_size / self.init_batch_size
         progress = per_epoch * np.arange(1, self.epochs + 1, dtype=np.float64)
         object.__setattr__(self, "epoch_progress", progress)
+        # Only the throughput of this function is used: it needs no gradient statistics.
+        model = GoodputFunction(self.perf_params, GradParams(0.0, 0.0), self.init_batch_size)
+        object.__setattr__(self, "_model", model)
 
     def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
+        """Core's optimiser micro-batch time, and its excess over a compute-only one.
+
+        One replica never synchronises, so its optimiser micro-batch is the
+        compute-only one; the excess is what synchronisation adds to a step, so
+        that :meth:`iteration_time` is core's ``k * T_c + T_o``.
+        """
         counts = normalize_placement(placement)
         nodes, replicas = len(counts), sum(counts)
-        compute = self.alpha_c + self.beta_c * float(local_bsz)
+        b = float(local_bsz)
+        compute = b / float(self._model.throughput(1, 1, b, 0))
         if replicas == 1:
             return compute, 0.0
-        extra = max(replicas - 2, 0)
-        if nodes > 1:
-            sync = self.alpha_n + self.beta_n * extra
-        else:
-            sync = self.alpha_r + self.beta_r * extra
-        g = self.gamma
-        total = (compute**g + sync**g) ** (1.0 / g)
-        return total, sync
+        step = replicas * b / float(self._model.throughput(nodes, replicas, b, 0))
+        return step, max(step - compute, 0.0)
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         frac = min(max(epoch, 0), self.epochs - 1) / max(self.epochs - 1, 1)
@@ -170,77 +219,40 @@ class ParametricApplication(ApplicationModel):
         return 1.0, noise / self.init_batch_size
 
 
-def builtin_applications() -> dict[str, ParametricApplication]:
-    """Return the built-in parametric applications, keyed by name.
+# The built-in applications, loosely shaped after the six measured ones (image
+# classification, language model fine-tuning, recommendation, speech), sized so that
+# a synthetic workload of a few dozen jobs finishes in a few simulated hours. Columns:
+# name, init and max batch size, local batch bounds, dataset size, epochs, gradient
+# noise scale at the start and at the end (samples).
+_BUILTIN_SHAPES = (
+    ("resnet-small", 128, 4096, (16, 512), 50_000, 30, 60.0, 3000.0),
+    ("transformer", 32, 512, (4, 16), 40_000, 3, 40.0, 800.0),
+    ("recommender", 256, 32768, (64, 32768), 2_000_000, 5, 5000.0, 50000.0),
+    ("speech", 20, 640, (4, 64), 30_000, 20, 30.0, 600.0),
+)
+# Their throughput models, positional in PerfParams order: alpha_c, beta_c, alpha_n,
+# beta_n, alpha_r, beta_r, gamma.
+_BUILTIN_PERF = {
+    "resnet-small": PerfParams(0.015, 0.0004, 0.04, 0.006, 0.004, 0.001, 1.5),
+    "transformer": PerfParams(0.05, 0.02, 0.3, 0.02, 0.02, 0.004, 1.5),
+    "recommender": PerfParams(0.004, 0.0000015, 0.015, 0.003, 0.001, 0.0005, 1.5),
+    "speech": PerfParams(0.1, 0.02, 0.2, 0.02, 0.01, 0.005, 1.5),
+}
 
-    Loosely shaped after the six measured applications (image classification, language
-    model fine-tuning, recommendation, speech, detection), sized so that a synthetic
-    workload of a few dozen jobs finishes in a few simulated hours.
-    """
-    apps = [
-        ParametricApplication(
-            name="resnet-small",
-            init_batch_size=128,
-            max_batch_size=4096,
-            local_bsz_bounds=(16, 512),
-            dataset_size=50_000,
-            epochs=30,
-            alpha_c=0.015,
-            beta_c=0.0004,
-            alpha_r=0.004,
-            beta_r=0.001,
-            alpha_n=0.04,
-            beta_n=0.006,
-            noise_start=60.0,
-            noise_end=3000.0,
-        ),
-        ParametricApplication(
-            name="transformer",
-            init_batch_size=32,
-            max_batch_size=512,
-            local_bsz_bounds=(4, 16),
-            dataset_size=40_000,
-            epochs=3,
-            alpha_c=0.05,
-            beta_c=0.02,
-            alpha_r=0.02,
-            beta_r=0.004,
-            alpha_n=0.3,
-            beta_n=0.02,
-            noise_start=40.0,
-            noise_end=800.0,
-        ),
-        ParametricApplication(
-            name="recommender",
-            init_batch_size=256,
-            max_batch_size=32768,
-            local_bsz_bounds=(64, 32768),
-            dataset_size=2_000_000,
-            epochs=5,
-            alpha_c=0.004,
-            beta_c=0.0000015,
-            alpha_r=0.001,
-            beta_r=0.0005,
-            alpha_n=0.015,
-            beta_n=0.003,
-            noise_start=5000.0,
-            noise_end=50000.0,
-        ),
-        ParametricApplication(
-            name="speech",
-            init_batch_size=20,
-            max_batch_size=640,
-            local_bsz_bounds=(4, 64),
-            dataset_size=30_000,
-            epochs=20,
-            alpha_c=0.1,
-            beta_c=0.02,
-            alpha_r=0.01,
-            beta_r=0.005,
-            alpha_n=0.2,
-            beta_n=0.02,
-            noise_start=30.0,
-            noise_end=600.0,
-        ),
-    ]
-    return {app.name: app for app in apps}
+
+def builtin_applications() -> dict[str, ParametricApplication]:
+    """Return the built-in parametric applications, keyed by name."""
+    apps = {}
+    for name, init, top, bounds, size, epochs, noise_start, noise_end in _BUILTIN_SHAPES:
+        apps[name] = ParametricApplication(
+            name,
+            init,
+            top,
+            bounds,
+            size,
+            epochs,
+            perf_params=_BUILTIN_PERF[name],
+            noise_start=noise_start,
+            noise_end=noise_end,
+        )
+    return apps

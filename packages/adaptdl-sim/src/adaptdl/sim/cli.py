@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
 from adaptdl.sim.apps import ApplicationModel, builtin_applications
@@ -73,7 +74,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def cluster_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--traces", type=Path, help="folder of measured traces (Pollux layout)")
-        p.add_argument("--nodes", type=int, default=16, help="nodes (default 16)")
+        p.add_argument(
+            "--nodes", dest="num_nodes", type=int, default=16, help="nodes (default 16)"
+        )
         p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node (default 4)")
         p.add_argument(
             "--interval", type=float, default=60.0, help="scheduling interval, s (default 60)"
@@ -244,15 +247,9 @@ def _workloads(
 
 
 def _config(args: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(
-        num_nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        interval=args.interval,
-        restart_penalty=args.restart_penalty,
-        node_mtbf=args.node_mtbf,
-        seed=args.seed,
-        max_time=args.max_time,
-    )
+    # Every cluster option's destination is named after its ClusterConfig field.
+    names = [f.name for f in attrs.fields(ClusterConfig) if hasattr(args, f.name)]
+    return ClusterConfig(**{name: getattr(args, name) for name in names})
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -22,32 +23,39 @@ from adaptdl.sim.policies.base import ClusterState, Policy
 from adaptdl.sim.workload import JobSpec
 
 
+def _checked(check: Callable[..., Any], **limits: Any) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: ``check(field name, value, **limits)`` (check_int, check_float)."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check(attribute.name, value, **limits)
+
+    return validate
+
+
+def _optional_positive(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None:
+        check_float(attribute.name, value, min=0.0, min_exclusive=True)
+
+
 @attrs.frozen
 class ClusterConfig:
-    """The simulated cluster and its rules (times in seconds)."""
+    """The simulated cluster and its rules (times in seconds).
 
-    num_nodes: int = 16
-    gpus_per_node: int = 4
-    interval: float = 60.0
-    restart_penalty: float = 30.0
-    #: Mean time between failures of one node (0: nodes never fail).
-    node_mtbf: float = 0.0
-    #: How long a failed node stays down.
-    repair_time: float = 600.0
-    seed: int = 0
-    #: Stop the simulation at this time even if jobs remain (None: run to completion).
-    max_time: float | None = None
+    ``node_mtbf``: mean time between failures of one node (0: nodes never fail);
+    ``repair_time``: how long a failed node stays down; ``max_time``: stop the
+    simulation then even if jobs remain (None: run to completion).
+    """
 
-    def __attrs_post_init__(self) -> None:
-        check_int("num_nodes", self.num_nodes, min=1)
-        check_int("gpus_per_node", self.gpus_per_node, min=1)
-        check_float("interval", self.interval, min=0.0, min_exclusive=True)
-        check_float("restart_penalty", self.restart_penalty, min=0.0)
-        check_float("node_mtbf", self.node_mtbf, min=0.0)
-        check_float("repair_time", self.repair_time, min=0.0)
-        check_int("seed", self.seed, min=0)
-        if self.max_time is not None:
-            check_float("max_time", self.max_time, min=0.0, min_exclusive=True)
+    num_nodes: int = attrs.field(default=16, validator=_checked(check_int, min=1))
+    gpus_per_node: int = attrs.field(default=4, validator=_checked(check_int, min=1))
+    interval: float = attrs.field(
+        default=60.0, validator=_checked(check_float, min=0.0, min_exclusive=True)
+    )
+    restart_penalty: float = attrs.field(default=30.0, validator=_checked(check_float, min=0.0))
+    node_mtbf: float = attrs.field(default=0.0, validator=_checked(check_float, min=0.0))
+    repair_time: float = attrs.field(default=600.0, validator=_checked(check_float, min=0.0))
+    seed: int = attrs.field(default=0, validator=_checked(check_int, min=0))
+    max_time: float | None = attrs.field(default=None, validator=_optional_positive)
 
     @property
     def total_gpus(self) -> int:
@@ -67,8 +75,6 @@ class ClusterSimulation:
         applications: Mapping[str, ApplicationModel],
         policy: Policy,
         config: ClusterConfig | None = None,
-        *,
-        on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = config or ClusterConfig()
         self.policy = policy
@@ -80,7 +86,7 @@ class ClusterSimulation:
                     f"known: {sorted(applications)}"
                 )
         self.applications = applications
-        self.on_progress = on_progress
+        self.on_progress: Callable[[int, int], None] | None = None
         self.rng = np.random.default_rng(self.config.seed)
         self.queue = EventQueue()
         self.jobs: dict[str, SimJob] = {}
@@ -94,9 +100,13 @@ class ClusterSimulation:
 
     # -- main loop ---------------------------------------------------------------
 
-    def run(self) -> SimResult:
-        """Simulate until every job completes (or ``max_time``); return the metrics."""
+    def run(self, on_progress: Callable[[int, int], None] | None = None) -> SimResult:
+        """Simulate until every job completes (or ``max_time``); return the metrics.
+
+        ``on_progress(finished, total)`` is called after every round and completion.
+        """
         cfg = self.config
+        self.on_progress = on_progress
         for i, spec in enumerate(self.specs):
             self.queue.push(spec.submit, EventKind.ARRIVAL, job=spec.name, version=i)
         if self.specs:
@@ -246,4 +256,4 @@ def simulate(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """Run ``jobs`` under ``policy`` on the cluster of ``config``; return the metrics."""
-    return ClusterSimulation(jobs, applications, policy, config, on_progress=on_progress).run()
+    return ClusterSimulation(jobs, applications, policy, config).run(on_progress)

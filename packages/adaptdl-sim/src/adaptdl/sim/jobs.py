@@ -2,22 +2,24 @@
 
 Between two events a job's configuration (GPUs, batch size, epoch) is constant, so
 its progress grows linearly: ``gain / iteration_time`` of scale-invariant progress per
-second. The job's *decisions* go through the real core: its :class:`JobGoodput`
-records the step times the job experiences in a core ``Profiler``, which fits the
-core performance model to them, and with the gradient statistics the job measures
-chooses the batch size with ``GoodputFunction.optimize``.
+second. The job's *decisions* are core's, reached as the real loader reaches them:
+its :class:`JobGoodput` records the step times the job experiences in a core
+``Profiler``, which fits the core performance model to them; with the gradient
+statistics the job measures, core's ``GoodputDecision`` answers the loader's query
+(``batch_size_query``), and the job publishes core's scheduling hints for the
+scheduler to read.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
-import numpy as np
-
+from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, batch_size_query, even_split
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.profiler import Profiler
-from adaptdl.sim.apps import ApplicationModel, FloatArray, Placement, normalize_placement
+from adaptdl.core.profiler import Profiler, hints
+from adaptdl.sim.apps import ApplicationModel, Placement, normalize_placement
 from adaptdl.sim.workload import JobSpec
 
 # The job's profiler records a configuration the first time its atomic batch size
@@ -29,7 +31,8 @@ _BSZ_BUCKET = 1.25
 
 class JobGoodput:
     """One job's goodput engine: a core ``Profiler`` of the step times it experienced,
-    the performance model the profiler fits, and the job's gradient statistics."""
+    the performance model the profiler fits, the job's gradient statistics, and the
+    core batch-size decision that uses them."""
 
     def __init__(
         self,
@@ -48,10 +51,9 @@ class JobGoodput:
         self._params: PerfParams | None = None
         self.grad = GradParams(0.0, 0.0)
         self._fn: GoodputFunction | None = None
-        self._speedup: FloatArray | None = None
-        self._speedup_key: tuple[int, int] = (0, 0)
-        #: Goodput on one GPU (samples/s at initial-batch efficiency) at the last speedup.
-        self.base_goodput = 0.0
+        self._hints: dict[str, Any] | None = None
+        #: The decision the real loader makes by default (core's).
+        self.decision = GoodputDecision(self.goodput_fn)
 
     @property
     def fits(self) -> int:
@@ -101,72 +103,65 @@ class JobGoodput:
         if params is not self._params:
             self._params = params
             self._fn = None
-            self._speedup = None
+            self._hints = None
         return params
 
-    def set_grad(self, sqr: float, var: float) -> None:
-        """Set the gradient statistics (measured at the initial batch size's scale)."""
-        grad = GradParams(max(sqr, 0.0), max(var, 0.0))
+    def set_grad(self, grad: GradParams) -> None:
+        """Set the gradient statistics (variance at the initial batch size)."""
         if grad != self.grad:
             self.grad = grad
             self._fn = None
-            self._speedup = None
+            self._hints = None
 
     def goodput_fn(self) -> GoodputFunction | None:
-        """The core goodput function of this job now, or None before any profile."""
+        """The core goodput function of this job now, or None before any profile.
+
+        The same model the real job's ``goodput_fn`` builds from its profiler; kept
+        while neither the fit nor the gradient statistics change, so that a caller can
+        tell by identity whether the model changed.
+        """
         params = self.perf_params
         if params is None:
             return None
         if self._fn is None:
-            self._fn = GoodputFunction(params, self.grad, self.init_batch_size)
+            self._fn = self.profiler.goodput_fn(self.grad, self.init_batch_size)
         return self._fn
 
-    def optimize(self, num_nodes: int, num_replicas: int) -> tuple[float, int, int]:
-        """Return (goodput, atomic_bsz, accum_steps) for a configuration (core optimiser)."""
-        fn = self.goodput_fn()
-        lo, hi = self.local_bsz_bounds
-        if fn is None:
-            atomic = min(max(math.ceil(self.init_batch_size / num_replicas), lo), hi)
-            return 0.0, atomic, 0
-        goodput, atomic, accum = fn.optimize(
+    def query(
+        self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None
+    ) -> BatchSizeQuery:
+        """The query the job's loader asks on ``num_replicas`` replicas (core's builder)."""
+        local, accum = current or (0, 0)
+        return batch_size_query(
             num_nodes,
             num_replicas,
+            self.init_batch_size,
             max_batch_size=self.max_batch_size,
-            atomic_bsz_range=(lo, hi),
-            accumulation=self.accumulation,
+            local_bsz_bounds=self.local_bsz_bounds,
+            gradient_accumulation=self.accumulation,
+            local_bsz=local,
+            accum_steps=accum,
         )
-        if atomic == 0:  # no admissible configuration: smallest local batch
-            return 0.0, lo, 0
-        return float(goodput), int(atomic), int(accum)
 
-    def speedup(self, max_gpus: int, gpus_per_node: int) -> FloatArray:
-        """Speedup over one GPU for 0..max_gpus GPUs packed onto the fewest nodes."""
-        key = (max_gpus, gpus_per_node)
-        fn = self.goodput_fn()
-        if self._speedup is not None and self._speedup_key == key and fn is self._fn:
-            return self._speedup
-        out = np.zeros(max_gpus + 1)
-        if max_gpus >= 1:
-            if fn is None:
-                out[1] = 1.0
-            else:
-                k = np.arange(1, max_gpus + 1)
-                nodes = -(-k // gpus_per_node)
-                lo, hi = self.local_bsz_bounds
-                goodput, _, _ = fn.optimize(
-                    nodes,
-                    k,
-                    max_batch_size=self.max_batch_size,
-                    atomic_bsz_range=(lo, hi),
-                    accumulation=self.accumulation,
-                )
-                base = float(goodput[0])
-                out[1:] = goodput / base if base > 0 else 0.0
-                out[1] = 1.0
-                self.base_goodput = base
-        self._speedup = out
-        self._speedup_key = key
-        return out
+    def decide(
+        self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None = None
+    ) -> tuple[int, int]:
+        """(atomic_bsz, accum_steps) by core's decision, from the last one ``current``."""
+        return self.decision(self.query(num_nodes, num_replicas, current))
+
+    def hints(self) -> dict[str, Any]:
+        """The job's scheduling hints, core's document (rebuilt when the model changes)."""
+        self.goodput_fn()  # refits if due, and drops stale hints
+        if self._hints is None:
+            self._hints = hints(
+                self.profiler,
+                self.grad,
+                self.init_batch_size,
+                self.max_batch_size,
+                self.local_bsz_bounds,
+                self.accumulation,
+            )
+        return self._hints
 
 
 class SimJob:
@@ -237,18 +232,30 @@ class SimJob:
         """Whether the job is making progress at ``time`` (allocated and not restarting)."""
         return bool(self.nodes) and time >= self.restart_until
 
-    def fixed_config(self, num_gpus: int) -> tuple[int, int]:
-        """(atomic_bsz, accum_steps) for the submitted batch size on ``num_gpus`` GPUs."""
-        hi = self.app.local_bsz_bounds[1]
-        local = max(math.ceil(self.spec.batch_size / num_gpus), 1)
-        accum = max(math.ceil(local / hi), 1) - 1
-        atomic = max(math.ceil(local / (accum + 1)), 1)
-        return atomic, accum
+    @property
+    def hints(self) -> dict[str, Any]:
+        """The job's scheduling hints (core's ``adaptdl.hints/1`` document)."""
+        return self.goodput.hints()
+
+    def fixed_config(self, placement: Placement) -> tuple[int, int]:
+        """(atomic_bsz, accum_steps) for the submitted batch size on ``placement``.
+
+        Core's even split: a job that keeps its batch size takes it as given, and only
+        the upper local bound (what fits on a GPU) applies, by accumulating.
+        """
+        query = batch_size_query(
+            len(placement),
+            sum(placement),
+            self.spec.batch_size,
+            local_bsz_bounds=(None, self.app.local_bsz_bounds[1]),
+            gradient_accumulation=True,
+        )
+        return even_split(query)
 
     def estimated_rate(self, placement: Placement) -> float:
         """True progress per second at the submitted batch size on ``placement`` (oracle)."""
         gpus = sum(placement)
-        atomic, accum = self.fixed_config(gpus)
+        atomic, accum = self.fixed_config(placement)
         step, _ = self.app.iteration_time(placement, atomic, accum)
         batch = gpus * atomic * (accum + 1)
         return self.app.gain(batch, self.epoch) / step
@@ -323,16 +330,19 @@ class SimJob:
         nnodes = len(self.placement)
         if self.adaptive:
             # The job profiles its first steps and decides again once its model learnt
-            # from them (as the real loader does within its first batches).
+            # from them (as the real loader does within its first batches), each time
+            # from its last decision, as the loader asks.
+            atomic, accum = self.atomic_bsz, self.accum_steps
             for _ in range(2):
                 before = self.goodput.goodput_fn()
-                _, atomic, accum = self.goodput.optimize(nnodes, gpus)
+                current = (atomic, accum) if atomic else None
+                atomic, accum = self.goodput.decide(nnodes, gpus, current)
                 self._measure(nnodes, gpus, atomic)
                 self._decided_with = self.goodput.goodput_fn()
                 if self._decided_with is before:
                     break
         else:
-            atomic, accum = self.fixed_config(gpus)
+            atomic, accum = self.fixed_config(self.placement)
             self._measure(nnodes, gpus, atomic)
         self.atomic_bsz, self.accum_steps = atomic, accum
         self.batch_size = gpus * atomic * (accum + 1)
@@ -389,5 +399,4 @@ class SimJob:
         return False
 
     def _update_grad(self) -> None:
-        sqr, var = self.app.grad_stats(self.batch_size, self.epoch)
-        self.goodput.set_grad(sqr, var)
+        self.goodput.set_grad(self.app.grad_params(self.batch_size, self.epoch))

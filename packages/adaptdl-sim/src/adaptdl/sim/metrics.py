@@ -130,15 +130,15 @@ def summarize(sim: ClusterSimulation) -> SimResult:
     """Collect the metrics of a finished simulation."""
     jobs = tuple(
         JobResult(
-            name=j.name,
-            application=j.spec.application,
-            submit=j.submit,
-            finish=j.finish,
-            restarts=j.restarts,
-            failures=j.failures,
-            gpu_seconds=j.attained_service,
-            restart_seconds=j.restart_time,
-            history=tuple(j.history),
+            j.name,
+            j.spec.application,
+            j.submit,
+            j.finish,
+            j.restarts,
+            j.failures,
+            j.attained_service,
+            j.restart_time,
+            tuple(j.history),
         )
         for j in sorted(sim.jobs.values(), key=lambda j: (j.submit, j.name))
     )

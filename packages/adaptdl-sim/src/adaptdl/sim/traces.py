@@ -13,8 +13,9 @@ import csv
 import math
 import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -31,6 +32,8 @@ TARGET_EPOCHS: dict[str, int] = {
 }
 #: Per-GPU local batch size limits that override the measured range.
 MAX_LOCAL_BSZ: dict[str, int] = {"yolov3": 8}
+
+_Number = TypeVar("_Number", int, float)
 
 _VALIDATION = re.compile(r"^validation-(\d+)\.csv$")
 
@@ -76,25 +79,30 @@ def read_table(path: Path, columns: Sequence[str]) -> list[tuple[int, dict[str, 
 
 def parse_float(path: Path, line: int, column: str, text: str, *, min: float = 0.0) -> float:
     """Parse a finite number >= ``min`` or raise naming file, line and column."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise TraceError(path, line, f"column {column!r}: bad number {text!r}") from None
-    if not math.isfinite(value) or value < min:
-        raise TraceError(
-            path, line, f"column {column!r}: expected a finite number >= {min}, got {text!r}"
-        )
-    return value
+    return _parse(float, "number", path, line, column, text, min)
 
 
 def parse_int(path: Path, line: int, column: str, text: str, *, min: int = 0) -> int:
     """Parse an integer >= ``min`` or raise naming file, line and column."""
+    return _parse(int, "integer", path, line, column, text, min)
+
+
+def _parse(
+    kind: Callable[[str], _Number],
+    what: str,
+    path: Path,
+    line: int,
+    column: str,
+    text: str,
+    min: float,
+) -> _Number:
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise TraceError(path, line, f"column {column!r}: bad integer {text!r}") from None
-    if value < min:
-        raise TraceError(path, line, f"column {column!r}: expected >= {min}, got {value}")
+        raise TraceError(path, line, f"column {column!r}: bad {what} {text!r}") from None
+    if not math.isfinite(value) or value < min:
+        expected = f"a finite number >= {min}" if kind is float else f">= {min}"
+        raise TraceError(path, line, f"column {column!r}: expected {expected}, got {text!r}")
     return value
 
 

@@ -1,8 +1,10 @@
 """Pollux (Qiao et al., OSDI 2021): co-adaptive, goodput-driven scheduling.
 
 Each job's speedup function (goodput with k GPUs over goodput with one, each at the
-batch size its own goodput engine would choose) comes from the job's core
-``GoodputFunction``, fitted to the step times that job has experienced. GPUs go to
+batch size its own goodput engine would choose) comes from the scheduling hints the
+job publishes, as a real scheduler reads them: core's ``goodput_fn_from_hints``
+rebuilds the goodput model the job fitted to the step times it experienced, and the
+hints bound the batch sizes the job may use. GPUs go to
 maximise the p-mean of the jobs' speedups (``fairness`` p; -1, the published
 default, favours the slowest jobs; 1 is the plain sum), greedily by best gain per
 GPU; a job with no GPUs counts as a very small speedup, so every job gets one GPU
@@ -12,21 +14,60 @@ estimate of its remaining time (remaining epochs' progress over its goodput; or
 ``restart_horizon`` if given): a change pays off only if the speedup ratio beats
 ``H / (H - restart_penalty)``, so a marginal gain, or any gain near the end of a
 job, does not pay for a restart. A job may grow to at most ``explore_factor`` (4) times the most
-GPUs it has run on (its model is untested beyond), multi-node jobs do not share
+GPUs its profile covers (its model is untested beyond), multi-node jobs do not share
 their partial nodes with other multi-node jobs where avoidable, and the batch size
 is chosen by each job at its new allocation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.profiler import goodput_fn_from_hints
 from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.policies.base import Allocation, ClusterState, greedy_allocate, pack
 
 # Speedup a job with no GPUs counts as (finite, so that the p-mean stays finite).
 _NO_GPU_SPEEDUP = 1e-3
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def hints_speedup(
+    hints: Mapping[str, Any], max_gpus: int, gpus_per_node: int
+) -> tuple[FloatArray, float]:
+    """A job's speedup over one GPU for 0..max_gpus GPUs packed onto the fewest nodes,
+    and its goodput on one GPU, from its scheduling hints.
+
+    Each count of GPUs is valued at the batch size the job would choose there (core's
+    optimiser within the hints' bounds). Before the hints carry a model, one GPU is
+    the only speedup known (1) and the goodput is 0.
+    """
+    out = np.zeros(max_gpus + 1)
+    fn = goodput_fn_from_hints(hints)
+    if max_gpus < 1:
+        return out, 0.0
+    out[1] = 1.0
+    if fn is None:
+        return out, 0.0
+    k = np.arange(1, max_gpus + 1)
+    bounds = hints["local_bsz_bounds"]
+    goodput, _, _ = fn.optimize(
+        -(-k // gpus_per_node),
+        k,
+        max_batch_size=hints["max_batch_size"],
+        atomic_bsz_range=None if bounds is None else (bounds[0], bounds[1]),
+        accumulation=hints["gradient_accumulation"],
+    )
+    base = float(goodput[0])
+    out[1:] = goodput / base if base > 0 else 0.0
+    out[1] = 1.0
+    return out, base
 
 
 class PolluxPolicy:
@@ -62,27 +103,46 @@ class PolluxPolicy:
         self.restart_horizon = restart_horizon
         self.explore_factor = explore_factor
         self.max_gpus_per_job = max_gpus_per_job
+        # Per job: (max GPUs, GPUs per node), the hints, and the speedup they gave.
+        self._speedups: dict[
+            str, tuple[tuple[int, int], Mapping[str, Any], tuple[FloatArray, float]]
+        ] = {}
 
     def gpu_cap(self, job: SimJob, state: ClusterState) -> int:
-        """Most GPUs the job may receive this round."""
+        """Most GPUs the job may receive this round (from its hints)."""
+        hints = job.hints
         cap = state.total_gpus
         if self.max_gpus_per_job is not None:
             cap = min(cap, self.max_gpus_per_job)
-        cap = min(cap, max(1, self.explore_factor * job.max_gpus_seen))
+        profiled: int = hints["max_profiled_replicas"]
+        cap = min(cap, max(1, self.explore_factor * profiled))
         # Every replica needs at least the smallest local batch of the largest batch.
-        lo = job.app.local_bsz_bounds[0]
-        return max(1, min(cap, job.app.max_batch_size // lo))
+        bounds = hints["local_bsz_bounds"]
+        lo: int = bounds[0] if bounds is not None and bounds[0] is not None else 1
+        top: int = hints["max_batch_size"] or hints["init_batch_size"]
+        return max(1, min(cap, top // lo))
+
+    def speedup(self, job: SimJob, max_gpus: int, gpus_per_node: int) -> tuple[FloatArray, float]:
+        """:func:`hints_speedup` of the job's hints, kept while the hints stay the same."""
+        key = (max_gpus, gpus_per_node)
+        hints = job.hints
+        cached = self._speedups.get(job.name)
+        if cached is not None and cached[0] == key and cached[1] == hints:
+            return cached[2]
+        value = hints_speedup(hints, max_gpus, gpus_per_node)
+        self._speedups[job.name] = (key, hints, value)
+        return value
 
     def utility(self, job: SimJob, state: ClusterState) -> np.ndarray:
         """The job's value with 0..cap GPUs: its speedup, discounted where it restarts."""
-        speedup = job.goodput.speedup(self.gpu_cap(job, state), state.gpus_per_node)
+        speedup, base_goodput = self.speedup(job, self.gpu_cap(job, state), state.gpus_per_node)
         cur = job.num_gpus
         s = speedup.copy()
         if 0 < cur < len(s):
             horizon = self.restart_horizon
             if horizon is None:
                 # Progress per second = goodput / initial batch size.
-                rate = speedup[cur] * job.goodput.base_goodput / job.app.init_batch_size
+                rate = speedup[cur] * base_goodput / job.hints["init_batch_size"]
                 horizon = job.remaining_progress / rate if rate > 0 else np.inf
                 if self.max_horizon is not None:
                     # Churn hurts the other jobs too: however long this one has left,
