@@ -422,19 +422,19 @@ def test_optimize_is_exact_even_from_a_wrong_real_maximiser(
 ) -> None:
     # The local search after the real maximiser makes the integer result exact on
     # its own; feed it a maximiser far off to the left and to the right.
-    import adaptdl.core.goodput as goodput
+    import adaptdl.core.goodput.optimize as goodput_optimize
 
     f = GoodputFunction(PERF, GRAD, 128)
     sizes = np.arange(16, 257)
     best = f.evaluate(2, 8, sizes, 0).max()
     for wrong in (16.0, 256.0):
+        # One search serves floats (one configuration) and arrays alike.
+        monkeypatch.setattr(
+            goodput_optimize, "_argmax_continuous", lambda p, u, lo, hi, w=wrong: w + 0.0 * lo
+        )
         if scalar:
-            monkeypatch.setattr(goodput, "_argmax_scalar", lambda *a, w=wrong: w)
             g, b, _ = f.optimize(2, 8, 4096, (16, 256))
         else:
-            monkeypatch.setattr(
-                goodput, "_argmax_continuous", lambda p, u, lo, hi, w=wrong: np.full_like(u, w)
-            )
             g, b, _ = (x[0] for x in f.optimize([2], [8], 4096, (16, 256)))
         assert g == pytest.approx(best, rel=1e-12)
         assert b == sizes[np.argmax(f.evaluate(2, 8, sizes, 0))]
