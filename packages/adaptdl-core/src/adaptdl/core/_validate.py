@@ -36,6 +36,23 @@ def check_int(name: str, value: Any, *, min: int | None = None, max: int | None 
     return result
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a ``bool``, else raise naming ``name``; 0 and 1 are not."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_seed(value: Any) -> int:
+    """A shuffle seed: an int >= 0 (an attrs converter)."""
+    return check_int("seed", value, min=0)
+
+
+def check_epoch(value: Any) -> int:
+    """An epoch number: an int >= 0 (an attrs converter)."""
+    return check_int("epoch", value, min=0)
+
+
 def check_float(
     name: str,
     value: Any,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -30,6 +30,9 @@ from adaptdl.core.goodput.params import (
     to_perf_params,
 )
 
+#: A configuration argument: a number, or an array of them that broadcasts.
+Values = npt.ArrayLike
+
 
 @attrs.frozen
 class GoodputFunction:
@@ -44,39 +47,19 @@ class GoodputFunction:
     grad_params: GradParams = attrs.field(converter=to_grad_params)
     init_batch_size: int = attrs.field(converter=check_init_batch_size)
 
-    def __call__(
-        self,
-        num_nodes: npt.ArrayLike,
-        num_replicas: npt.ArrayLike,
-        atomic_bsz: npt.ArrayLike,
-        accum_steps: npt.ArrayLike,
-    ) -> Any:
-        """Same as :meth:`evaluate`."""
-        return self.evaluate(num_nodes, num_replicas, atomic_bsz, accum_steps)
-
     def evaluate(
-        self,
-        num_nodes: npt.ArrayLike,
-        num_replicas: npt.ArrayLike,
-        atomic_bsz: npt.ArrayLike,
-        accum_steps: npt.ArrayLike,
+        self, num_nodes: Values, num_replicas: Values, atomic_bsz: Values, accum_steps: Values
     ) -> Any:
         """Return goodput = throughput x efficiency of the total batch size."""
-        prob, bsz, micro = self._problem(num_nodes, num_replicas, atomic_bsz, accum_steps)
-        with prob.m.quiet():
-            return _output(prob.m, prob.goodput(bsz, micro))
+        return self._at(Problem.goodput, num_nodes, num_replicas, atomic_bsz, accum_steps)
+
+    __call__ = evaluate
 
     def throughput(
-        self,
-        num_nodes: npt.ArrayLike,
-        num_replicas: npt.ArrayLike,
-        atomic_bsz: npt.ArrayLike,
-        accum_steps: npt.ArrayLike,
+        self, num_nodes: Values, num_replicas: Values, atomic_bsz: Values, accum_steps: Values
     ) -> Any:
         """Return samples per second: total batch size over ``k * T_c + T_o``."""
-        prob, bsz, micro = self._problem(num_nodes, num_replicas, atomic_bsz, accum_steps)
-        with prob.m.quiet():
-            return _output(prob.m, prob.throughput(bsz, micro))
+        return self._at(Problem.throughput, num_nodes, num_replicas, atomic_bsz, accum_steps)
 
     def efficiency(self, batch_size: npt.ArrayLike) -> Any:
         """Return the statistical efficiency of a total batch size, in (0, 1].
@@ -137,18 +120,16 @@ class GoodputFunction:
             accum.astype(np.int64).reshape(shape),
         )
 
-    def _problem(
-        self, num_nodes: Any, num_replicas: Any, atomic_bsz: Any, accum_steps: Any
-    ) -> tuple[Problem, Any, Any]:
-        """The checked configuration's problem, atomic batch size and micro-batches."""
-        nodes, replicas, bsz, micro = check_config(
-            num_nodes, num_replicas, atomic_bsz, accum_steps
-        )
+    def _at(self, quantity: Callable[[Problem, Any, Any], Any], *config: Values) -> Any:
+        """``quantity`` of the model at a checked configuration (nodes, replicas,
+        atomic_bsz, accum_steps): a float for plain numbers, else an array."""
+        nodes, replicas, bsz, micro = check_config(*config)
         m = backend(nodes, replicas, bsz, micro)
         prob = make_problem(
             self.perf_params, self.grad_params, self.init_batch_size, nodes, replicas, m
         )
-        return prob, bsz, micro
+        with m.quiet():
+            return _output(m, quantity(prob, bsz, micro))
 
 
 def _output(m: Math, value: Any) -> Any:

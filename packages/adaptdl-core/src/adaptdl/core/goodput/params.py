@@ -104,36 +104,39 @@ class GradParams:
         return cls(**_from_mapping("GradParams", cls.FIELDS, data))
 
 
+def _to_params(cls: Any, name: str, value: Any) -> Any:
+    """``value`` as ``cls``: itself, a mapping as from ``to_dict``, or its values in
+    field order; raise naming ``name``."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls.from_dict(value)
+    fields = cls.FIELDS
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(
+            f"{name} must be a {cls.__name__}, a mapping or a sequence of its "
+            f"{len(fields)} values, got {value!r}"
+        )
+    if len(value) != len(fields):
+        raise ValueError(
+            f"{name} must have {len(fields)} values ({', '.join(fields)}), "
+            f"got {len(value)}: {value!r}"
+        )
+    return cls(*value)
+
+
 def to_perf_params(value: PerfParams | Sequence[float] | Mapping[str, Any]) -> PerfParams:
     """Return ``value`` as :class:`PerfParams`: itself, a mapping as from ``to_dict``, or
     a sequence of the seven values in field order."""
-    if isinstance(value, PerfParams):
-        return value
-    if isinstance(value, Mapping):
-        return PerfParams.from_dict(value)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ArgumentTypeError(
-            f"perf_params must be a PerfParams or a sequence of 7 numbers, got {value!r}"
-        )
-    if len(value) != len(PerfParams.FIELDS):
-        raise ValueError(f"perf_params must have 7 values, got {len(value)}: {value!r}")
-    return PerfParams(*value)
+    params: PerfParams = _to_params(PerfParams, "perf_params", value)
+    return params
 
 
 def to_grad_params(value: GradParams | Sequence[float] | Mapping[str, Any]) -> GradParams:
     """Return ``value`` as :class:`GradParams`: itself, a mapping as from ``to_dict``, or
     a pair ``(sqr, var)``."""
-    if isinstance(value, GradParams):
-        return value
-    if isinstance(value, Mapping):
-        return GradParams.from_dict(value)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ArgumentTypeError(
-            f"grad_params must be a GradParams or a sequence (sqr, var), got {value!r}"
-        )
-    if len(value) != 2:
-        raise ValueError(f"grad_params must have 2 values (sqr, var), got {value!r}")
-    return GradParams(*value)
+    params: GradParams = _to_params(GradParams, "grad_params", value)
+    return params
 
 
 def check_init_batch_size(value: Any) -> int:
