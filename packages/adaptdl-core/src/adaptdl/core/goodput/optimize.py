@@ -33,6 +33,9 @@ from adaptdl.core.goodput.model import Problem, log_optim_time
 # of accumulation steps: the scan stops once no larger number can beat the best
 # found by more, and a tie within it goes to fewer steps.
 _ACCUM_TOLERANCE = 1e-12
+# Newton stops after a step (in log b) below this: the root is then known to about
+# its square, far below what moves goodput by _ACCUM_TOLERANCE (flat at its peak).
+_NEWTON_STEP = 1e-5
 # Numbers of accumulation steps examined at most before the exhaustive fallback.
 _ACCUM_ROUNDS = 16
 
@@ -82,8 +85,9 @@ def _argmax_continuous(prob: Problem, u: Any, lo: Any, hi: Any) -> Any:
         over, under = x > c, x < a
         mid = 0.5 * (a + c)
         x = where(over, where(c_known, mid, c), where(under, where(a_known, mid, a), x))
-        # Go on unless a step inside the bracket was tiny or the bracket is.
-        active = active & ((abs(step) >= 1e-10) | over | under) & (c - a >= 1e-10)
+        # Go on unless a step inside the bracket was small (Newton converges
+        # quadratically: x is then within ~step**2 of the root) or the bracket is.
+        active = active & ((abs(step) >= _NEWTON_STEP) | over | under) & (c - a >= 1e-10)
         if not any_(active):
             break
     # Stopped at an end: that end, exactly.
