@@ -66,8 +66,8 @@ def _argmax_continuous(prob: Problem, u: Any, lo: Any, hi: Any) -> Any:
     # increases, so psi < 0 at the right end (> 0 at the left) puts the maximiser at
     # that end. A step that leaves the bracket tries its end once (psi is then
     # evaluated there, so the end becomes known), else bisects. A configuration
-    # that is done stays where it is under further steps (at an end, the step
-    # points outwards and lands on the end again), so only the loop asks for it.
+    # that is done needs no freezing while others go on: at an end the step points
+    # outwards and lands on the end again; at its root it moves by rounding only.
     a, c = xl, xr
     a_known = c_known = x != x  # all False, in x's shape
     active = x == x
