@@ -17,6 +17,8 @@ from adaptdl.core.goodput import (
     GradParams,
     PerfParams,
     fit_perf_params,
+    network_time,
+    optim_step_time,
 )
 
 PERF = PerfParams(0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 2.0)
@@ -237,6 +239,17 @@ def test_scalars_in_give_python_scalars_out() -> None:
     assert (type(g), type(b), type(k)) == (float, int, int)
 
 
+def test_zero_dimensional_arguments_give_python_scalars() -> None:
+    # numpy scalars and 0-d arrays take the one-configuration path, like plain numbers.
+    f = GoodputFunction(PERF, GRAD, 128)
+    for nodes, replicas in ((np.int64(1), np.float64(4)), (np.array(1), np.array(4.0))):
+        value = f.evaluate(nodes, replicas, np.array(64), np.int32(0))
+        assert type(value) is float and value == f.evaluate(1, 4, 64, 0)
+        g, b, k = f.optimize(nodes, replicas, max_batch_size=1024, accumulation=True)
+        assert (type(g), type(b), type(k)) == (float, int, int)
+        assert (g, b, k) == f.optimize(1, 4, max_batch_size=1024, accumulation=True)
+
+
 def test_arrays_broadcast() -> None:
     f = GoodputFunction(PERF, GRAD, 128)
     nodes = np.array([[1], [2]])
@@ -295,6 +308,40 @@ def test_scalar_and_array_evaluation_agree(
         one = method(nodes, replicas, bsz, accum)
         many = method(np.array([nodes]), [replicas], bsz, np.array(accum))
         assert one == pytest.approx(many[0], rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=perf_params, topology=topologies(max_replicas=64), bsz=st.integers(1, 10_000))
+def test_network_and_optimiser_step_times_are_the_model(
+    p: PerfParams, topology: tuple[int, int], bsz: int
+) -> None:
+    nodes, replicas = topology
+    extra = max(replicas - 2, 0)
+    if replicas == 1:
+        network = 0.0
+    elif nodes > 1:
+        network = p.alpha_n + p.beta_n * extra
+    else:
+        network = p.alpha_r + p.beta_r * extra
+    compute = p.alpha_c + p.beta_c * bsz
+    optim = (compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma)
+    assert network_time(p, nodes, replicas) == pytest.approx(network, rel=1e-12)
+    assert optim_step_time(p, nodes, replicas, bsz) == pytest.approx(optim, rel=1e-9)
+    # The goodput function's throughput runs on the same times.
+    f = GoodputFunction(p, GRAD, 1)
+    throughput = f.throughput(nodes, replicas, bsz, 0)
+    assert throughput == pytest.approx(replicas * bsz / optim_step_time(p, nodes, replicas, bsz))
+    many = optim_step_time(p, np.array([nodes, 1]), np.array([replicas, 1]), bsz)
+    assert many.shape == (2,)
+    assert many[0] == pytest.approx(optim_step_time(p, nodes, replicas, bsz), rel=1e-12)
+    assert many[1] == pytest.approx(compute, rel=1e-12)  # one replica: nothing to wait for
+
+
+def test_step_times_reject_bad_configurations() -> None:
+    with pytest.raises(ValueError, match="num_nodes must be <= num_replicas"):
+        network_time(PERF, 2, 1)
+    with pytest.raises(ValueError, match=r"atomic_bsz must be > 0\.0"):
+        optim_step_time(PERF, 1, 1, [32, 0])
 
 
 # -- efficiency --------------------------------------------------------------------
@@ -422,19 +469,19 @@ def test_optimize_is_exact_even_from_a_wrong_real_maximiser(
 ) -> None:
     # The local search after the real maximiser makes the integer result exact on
     # its own; feed it a maximiser far off to the left and to the right.
-    import adaptdl.core.goodput as goodput
+    import adaptdl.core.goodput.optimize as goodput_optimize
 
     f = GoodputFunction(PERF, GRAD, 128)
     sizes = np.arange(16, 257)
     best = f.evaluate(2, 8, sizes, 0).max()
     for wrong in (16.0, 256.0):
+        # One search serves floats (one configuration) and arrays alike.
+        monkeypatch.setattr(
+            goodput_optimize, "_argmax_continuous", lambda p, u, lo, hi, w=wrong: w + 0.0 * lo
+        )
         if scalar:
-            monkeypatch.setattr(goodput, "_argmax_scalar", lambda *a, w=wrong: w)
             g, b, _ = f.optimize(2, 8, 4096, (16, 256))
         else:
-            monkeypatch.setattr(
-                goodput, "_argmax_continuous", lambda p, u, lo, hi, w=wrong: np.full_like(u, w)
-            )
             g, b, _ = (x[0] for x in f.optimize([2], [8], 4096, (16, 256)))
         assert g == pytest.approx(best, rel=1e-12)
         assert b == sizes[np.argmax(f.evaluate(2, 8, sizes, 0))]

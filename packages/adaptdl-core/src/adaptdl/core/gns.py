@@ -52,11 +52,20 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+from adaptdl.core._validate import (
+    ArgumentTypeError,
+    as_real_array,
+    check_float,
+    check_int,
+    check_state,
+)
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.scaling import adascale_gain
 
 FloatArray = npt.NDArray[np.float64]
+
+# What the squared norms must be, in error messages.
+_REALS = "an array of real numbers"
 
 #: Schema tag of :meth:`GradientNoiseScale.to_json`.
 GNS_SCHEMA = "adaptdl.gns/1"
@@ -81,9 +90,9 @@ def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> f
     The reference definition of the squared norms :class:`GradientNoiseScale`
     takes; ``precond`` broadcasts against ``grad`` and must be positive.
     """
-    g = _real_array("grad", grad)
+    g = as_real_array("grad", grad, expected=_REALS)
     if precond is not None:
-        p = _real_array("precond", precond)
+        p = as_real_array("precond", precond, expected=_REALS)
         bad = ~(np.isfinite(p) & (p > 0))
         if bad.any():
             raise ValueError(
@@ -96,25 +105,11 @@ def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> f
     return value
 
 
-def _real_array(name: str, value: Any) -> FloatArray:
-    try:
-        array = np.asarray(value)
-    except Exception as exc:  # ragged nested sequences and the like
-        raise ArgumentTypeError(f"{name} must be an array of real numbers: {exc}") from None
-    if array.dtype == np.bool_ or not (
-        np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
-    ):
-        raise ArgumentTypeError(
-            f"{name} must be an array of real numbers, got dtype {array.dtype}"
-        )
-    return array.astype(np.float64, copy=False)
-
-
 def _group_values(name: str, value: Any, num_groups: int) -> FloatArray:
     """Return one finite, non-negative float per group, or raise naming ``name``."""
     if isinstance(value, (str, bytes)):
         raise ArgumentTypeError(f"{name} must be a number or a sequence of numbers, got {value!r}")
-    array = _real_array(name, value)
+    array = as_real_array(name, value, expected=_REALS)
     if array.ndim == 0:
         if num_groups != 1:
             raise ValueError(
@@ -393,17 +388,7 @@ class GradientNoiseScale:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GradientNoiseScale:
         """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
-        if not isinstance(data, Mapping):
-            raise ArgumentTypeError(f"data must be a mapping, got {type(data).__name__}")
-        if data.get("schema") != cls.SCHEMA:
-            raise ValueError(f"schema must be {cls.SCHEMA!r}, got {data.get('schema')!r}")
-        missing = [k for k in _JSON_KEYS if k not in data]
-        extra = sorted(str(k) for k in data if k not in _JSON_KEYS)
-        if missing or extra:
-            raise ValueError(
-                f"GradientNoiseScale state needs exactly the keys {list(_JSON_KEYS)}; "
-                f"missing {missing}, unexpected {extra}"
-            )
+        data = check_state("GradientNoiseScale state", data, cls.SCHEMA, _JSON_KEYS)
         return cls(**{k: data[k] for k in _JSON_KEYS if k != "schema"})
 
     # -- internals ---------------------------------------------------------

@@ -21,9 +21,15 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_int
+from adaptdl.core._validate import (
+    ArgumentTypeError,
+    check_bool,
+    check_epoch,
+    check_int,
+    check_seed,
+)
 
-__all__ = ["MAX_N", "Identity", "Permutation", "make_permutation", "round_keys"]
+__all__ = ["MAX_N", "Identity", "Permutation", "check_n", "make_permutation", "round_keys"]
 
 #: Largest supported length: positions and values must fit int64 with room to spare.
 MAX_N = 2**62
@@ -58,20 +64,23 @@ _U64_M2 = np.uint64(_M2)
 _U64_32 = np.uint64(32)
 
 
-def _check_n(value: Any) -> int:
+def check_n(value: Any) -> int:
+    """A permutation's length: an int in [1, :data:`MAX_N`] (an attrs converter)."""
     return check_int("n", value, min=1, max=MAX_N)
-
-
-def _check_seed(value: Any) -> int:
-    return check_int("seed", value, min=0)
-
-
-def _check_epoch(value: Any) -> int:
-    return check_int("epoch", value, min=0)
 
 
 def _check_pass(value: Any) -> int:
     return check_int("pass_", value, min=0)
+
+
+def _check_position(position: Any, n: int) -> int:
+    """``position`` as an index into ``[0, n)`` (negative counts from the end), or raise."""
+    i = check_int("position", position)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"position must be in [{-n}, {n}), got {position}")
+    return i
 
 
 def round_keys(n: int, seed: int, epoch: int, pass_: int) -> tuple[int, ...]:
@@ -118,9 +127,9 @@ class Permutation:
     materialised.
     """
 
-    n: int = attrs.field(converter=_check_n)
-    seed: int = attrs.field(default=0, converter=_check_seed)
-    epoch: int = attrs.field(default=0, converter=_check_epoch)
+    n: int = attrs.field(converter=check_n)
+    seed: int = attrs.field(default=0, converter=check_seed)
+    epoch: int = attrs.field(default=0, converter=check_epoch)
     pass_: int = attrs.field(default=0, converter=_check_pass)
     _keys: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
     _left_size: int = attrs.field(init=False, repr=False, eq=False)
@@ -146,11 +155,7 @@ class Permutation:
         return self.n
 
     def __getitem__(self, position: int) -> int:
-        i = check_int("position", position)
-        if i < 0:
-            i += self.n
-        if not 0 <= i < self.n:
-            raise IndexError(f"position must be in [{-self.n}, {self.n}), got {position}")
+        i = _check_position(position, self.n)
         return 0 if self.n == 1 else self._permute_scalar(i)
 
     def take(self, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -288,18 +293,13 @@ class _Workspace:
 class Identity:
     """The identity on ``[0, n)`` with the interface of :class:`Permutation` (no shuffle)."""
 
-    n: int = attrs.field(converter=_check_n)
+    n: int = attrs.field(converter=check_n)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, position: int) -> int:
-        i = check_int("position", position)
-        if i < 0:
-            i += self.n
-        if not 0 <= i < self.n:
-            raise IndexError(f"position must be in [{-self.n}, {self.n}), got {position}")
-        return i
+        return _check_position(position, self.n)
 
     def take(self, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """``positions`` themselves (integers in ``[0, n)``), as int64 of the same shape."""
@@ -313,15 +313,11 @@ def make_permutation(
     n: int, *, seed: int = 0, epoch: int = 0, pass_: int = 0, shuffle: bool = True
 ) -> Permutation | Identity:
     """The order of pass ``pass_`` of ``epoch``: shuffled by ``seed``, or the identity."""
-    if not isinstance(shuffle, bool):
-        raise ArgumentTypeError(
-            f"shuffle must be a bool, got {shuffle!r} ({type(shuffle).__name__})"
-        )
-    if shuffle:
+    if check_bool("shuffle", shuffle):
         return Permutation(n, seed=seed, epoch=epoch, pass_=pass_)
     # Validate the unused arguments too, so that a bad seed fails whether or not
     # this run happens to shuffle.
-    _check_seed(seed)
-    _check_epoch(epoch)
+    check_seed(seed)
+    check_epoch(epoch)
     _check_pass(pass_)
     return Identity(n)

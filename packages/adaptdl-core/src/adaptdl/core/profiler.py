@@ -12,24 +12,27 @@ per configuration), refitting lazily on a cadence, and builds the job's
 :class:`~adaptdl.core.goodput.GoodputFunction`.
 
 Scheduling hints are the versioned JSON document a scheduler reads to decide the
-job's resources (see :func:`hints`), written atomically by :func:`write_hints`.
+job's resources (see :func:`hints`), as plain data: core reads and writes no files
+(``adaptdl.torch.hints`` stores them).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+from adaptdl.core._validate import (
+    ArgumentTypeError,
+    check_float,
+    check_int,
+    check_keys,
+    check_state,
+)
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
 
 #: Schema tag of :meth:`Profiler.to_json`.
@@ -49,19 +52,6 @@ def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ArgumentTypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return bool(value)
-
-
-def _check_mapping(name: str, value: Any, keys: Iterable[str]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ArgumentTypeError(f"{name} must be a mapping, got {type(value).__name__}")
-    wanted = list(keys)
-    missing = [k for k in wanted if k not in value]
-    extra = sorted(str(k) for k in value if k not in wanted)
-    if missing or extra:
-        raise ValueError(
-            f"{name} needs exactly the keys {wanted}; missing {missing}, unexpected {extra}"
-        )
-    return value
 
 
 @attrs.frozen
@@ -124,7 +114,7 @@ class Timing:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Timing:
         """Rebuild from :meth:`to_json`'s output."""
-        data = _check_mapping("Timing", data, cls.FIELDS)
+        data = check_keys("Timing", data, cls.FIELDS)
         return cls(**{name: data[name] for name in cls.FIELDS})
 
 
@@ -362,10 +352,6 @@ class Profiler:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Profiler:
         """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
-        if not isinstance(data, Mapping):
-            raise ArgumentTypeError(f"data must be a mapping, got {type(data).__name__}")
-        if data.get("schema") != cls.SCHEMA:
-            raise ValueError(f"schema must be {cls.SCHEMA!r}, got {data.get('schema')!r}")
         keys = (
             "schema",
             "refit_every",
@@ -375,13 +361,13 @@ class Profiler:
             "new_config_since_fit",
             "num_fits",
         )
-        data = _check_mapping("Profiler state", data, keys)
+        data = check_state("Profiler state", data, cls.SCHEMA, keys)
         entries = data["timings"]
         if not isinstance(entries, list):
             raise ArgumentTypeError(f"timings must be a list, got {type(entries).__name__}")
         timings: dict[Key, ConfigTiming] = {}
         for entry in entries:
-            entry = _check_mapping(
+            entry = check_keys(
                 "timings entry",
                 entry,
                 ("num_nodes", "num_replicas", "atomic_bsz", "accum", "optim"),
@@ -479,7 +465,7 @@ def validate_hints(data: Any) -> dict[str, Any]:
         raise ArgumentTypeError(f"hints must be a mapping, got {type(data).__name__}")
     if data.get("schema") != HINTS_SCHEMA:
         raise ValueError(f"hints schema must be {HINTS_SCHEMA!r}, got {data.get('schema')!r}")
-    data = _check_mapping("hints", data, HINTS_KEYS)
+    data = check_keys("hints", data, HINTS_KEYS)
     perf = data["perf_params"]
     grad = data["grad_params"]
     init = check_int("init_batch_size", data["init_batch_size"], min=1)
@@ -526,47 +512,3 @@ def goodput_fn_from_hints(data: Mapping[str, Any]) -> GoodputFunction | None:
         GradParams.from_dict(grad) if grad is not None else GradParams(0.0, 0.0),
         checked["init_batch_size"],
     )
-
-
-def write_hints(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
-    """Validate ``data`` and write it to ``path`` atomically.
-
-    The document goes to a temporary file in the same directory, is flushed to
-    disk, then renamed over ``path``: a reader sees the old document or the new
-    one, never a part.
-    """
-    text = json.dumps(validate_hints(data), indent=2, allow_nan=False) + "\n"
-    target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".hints-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # Persist the rename itself; not every platform can open a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def read_hints(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a hints document written by :func:`write_hints`.
-
-    Raises ValueError when the file is not JSON or not schema ``adaptdl.hints/1``.
-    """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"hints file {os.fspath(path)!r} is not valid JSON: {exc}") from None
-    return validate_hints(data)

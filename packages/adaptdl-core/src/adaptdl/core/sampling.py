@@ -25,8 +25,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_int
-from adaptdl.core.permutation import MAX_N, Identity, Permutation, make_permutation
+from adaptdl.core._validate import check_bool, check_epoch, check_int, check_seed
+from adaptdl.core.permutation import Identity, Permutation, check_n, make_permutation
 
 __all__ = ["Shard"]
 
@@ -36,34 +36,8 @@ _FIRST_CHUNK = 1
 _MAX_CHUNK = 1 << 16
 
 
-def _check_n(value: Any) -> int:
-    return check_int("n", value, min=1, max=MAX_N)
-
-
-def _check_index(value: Any) -> int:
-    return check_int("index", value, min=0)
-
-
-def _check_num_replicas(value: Any) -> int:
-    return check_int("num_replicas", value, min=1)
-
-
-def _check_rank(value: Any) -> int:
-    return check_int("rank", value, min=0)
-
-
-def _check_seed(value: Any) -> int:
-    return check_int("seed", value, min=0)
-
-
-def _check_epoch(value: Any) -> int:
-    return check_int("epoch", value, min=0)
-
-
 def _check_shuffle(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ArgumentTypeError(f"shuffle must be a bool, got {value!r} ({type(value).__name__})")
-    return value
+    return check_bool("shuffle", value)
 
 
 @attrs.frozen
@@ -75,16 +49,18 @@ class Shard:
     its dataset index is that position of the pass's permutation.
     """
 
-    n: int = attrs.field(converter=_check_n)
-    index: int = attrs.field(converter=_check_index)
-    num_replicas: int = attrs.field(converter=_check_num_replicas)
-    rank: int = attrs.field(converter=_check_rank)
-    seed: int = attrs.field(default=0, converter=_check_seed)
-    epoch: int = attrs.field(default=0, converter=_check_epoch)
+    n: int = attrs.field(converter=check_n)
+    index: int
+    num_replicas: int
+    rank: int
+    seed: int = attrs.field(default=0, converter=check_seed)
+    epoch: int = attrs.field(default=0, converter=check_epoch)
     shuffle: bool = attrs.field(default=True, converter=_check_shuffle)
     _permutation: Permutation | Identity = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        for name, least in (("index", 0), ("num_replicas", 1), ("rank", 0)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), min=least))
         if self.rank >= self.num_replicas:
             raise ValueError(
                 f"rank must be in [0, {self.num_replicas - 1}] for num_replicas="
