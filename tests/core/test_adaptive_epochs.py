@@ -83,8 +83,9 @@ def run_segment(store, n, epochs, batch_size, replicas, stop_after, decision, fr
         try:
             for epoch in job.epoch.remaining_epochs_until(epochs):
                 for batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
-                    consumed.append((epoch, loader.current_index, batch))
-                    if loader.is_optim_step():
+                    optim = loader.is_optim_step()
+                    consumed.append((epoch, loader.current_index, batch, optim))
+                    if optim:
                         scale = loader.current_batch_size / batch_size
                         job.gns.progress += 1.0 + fraction * (scale - 1.0)
                         steps += 1
@@ -101,15 +102,19 @@ def passes_per_epoch(n, epochs, batch_size, timeline, decision, fraction, tick):
     """Run the job through ``timeline`` of (replicas, steps before a stop) to its end."""
     store = MemoryCheckpointStore()
     per_pass: dict[int, dict[int, Counter]] = {e: {} for e in range(epochs)}
+    last_optim: dict[int, bool] = {}
     for replicas, stop_after in [*timeline, (2, 0)]:
         outcome = run_segment(
             store, n, epochs, batch_size, replicas, stop_after or -1, decision, fraction, tick
         )
         for consumed, _ in outcome:
-            for epoch, index, batch in consumed:
+            for epoch, index, batch, optim in consumed:
                 counter = per_pass[epoch].setdefault(index // n, Counter())
                 counter.update(sample for sample, is_pad in batch if not is_pad)
+                last_optim[epoch] = optim
         if not any(stopped for _, stopped in outcome):
+            # Each loop ended on an optimiser step: no accumulated gradient is dropped.
+            assert all(last_optim.values()), last_optim
             return per_pass
     raise AssertionError("the job never finished")
 
@@ -140,7 +145,8 @@ def test_every_adaptive_epoch_walks_whole_passes_exactly_once(
 ):
     """For any dataset size, replica counts, restart points and batch-size decisions
     (above the dataset size too), and any gain the adapter credits, every epoch walks
-    at least one whole pass, every pass in order with each sample once."""
+    at least one whole pass, every pass in order with each sample once, and ends on an
+    optimiser step."""
     per_pass = passes_per_epoch(n, 3, batch_size, timeline, Cycling(choices), fraction, tick)
     assert_whole_passes(per_pass, n)
 
@@ -166,7 +172,7 @@ def test_a_restart_that_decides_a_batch_above_the_dataset_loses_no_epoch():
     assert all(stopped for _, stopped in first)
     assert not any(stopped for _, stopped in second)
     for consumed, _ in first + second:
-        for epoch, _, batch in consumed:
+        for epoch, _, batch, _ in consumed:
             seen[epoch].update(sample for sample, is_pad in batch if not is_pad)
     for epoch in range(3):
         assert seen[epoch] == Counter(range(512)), f"epoch {epoch}"

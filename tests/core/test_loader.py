@@ -291,9 +291,8 @@ def test_adaptive_loops_walk_whole_passes_in_order(n, timeline, scale):
         raise AssertionError("the job never finished")
     for epoch in range(2):
         passes = sorted(p for e, p in per_pass if e == epoch)
-        if epoch > 0 and not passes:
-            continue  # the previous epoch overshot this one's progress target (tiny n)
-        assert passes == list(range(len(passes)))
+        # Never empty: progress carried over from the previous epoch ends none early.
+        assert passes == list(range(max(len(passes), 1)))
         for p in passes[:-1]:
             assert per_pass[(epoch, p)] == Counter(range(n))
         assert all(c == 1 for c in per_pass[(epoch, passes[-1])].values())

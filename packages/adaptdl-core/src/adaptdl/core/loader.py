@@ -355,10 +355,21 @@ class LoaderHelper:
         self._state.dataset_len = n
 
     def _finished(self, n: int, epoch: int) -> bool:
-        """One pass without adaptive batch size; with it, one pass's worth of progress."""
+        """One pass without adaptive batch size; with it, one pass's worth of progress,
+        after one whole pass at least, at an optimiser-step boundary."""
+        walked = self._state.current_index >= n
         if self._max_batch_size is None:
-            return self._state.current_index >= n
-        return self.job.progress >= n * (epoch + 1) / self.batch_size
+            return walked
+        # The target is cumulative, so progress credited beyond one epoch's target
+        # (a step's gain is up to its scale, and a step cut short by the end of a
+        # pass is credited at the decided batch size) counts toward the next one:
+        # without `walked`, that epoch could end early, or yield no batch at all.
+        # Once a pass ends inside an accumulated step, the step ends in the next pass.
+        return (
+            walked
+            and self._accum_count == 0
+            and self.job.progress >= n * (epoch + 1) / self.batch_size
+        )
 
     def _require_epoch(self) -> int:
         epoch = self.job.epoch.current_epoch
