@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -176,3 +177,64 @@ def test_a_restart_that_decides_a_batch_above_the_dataset_loses_no_epoch():
             seen[epoch].update(sample for sample, is_pad in batch if not is_pad)
     for epoch in range(3):
         assert seen[epoch] == Counter(range(512)), f"epoch {epoch}"
+
+
+def largest(query: BatchSizeQuery) -> tuple[int, int]:
+    """A decision that always takes the largest total the query allows, split evenly."""
+    assert query.max_batch_size is not None
+    return even_split(attrs.evolve(query, batch_size=query.max_batch_size))
+
+
+@settings(max_examples=30)
+@given(
+    n=st.integers(1, 3000),
+    batch_size=st.integers(1, 64),
+    factor=st.integers(1, 64),
+    replicas=st.integers(1, 4),
+)
+def test_decisions_are_asked_for_no_more_than_a_pass(n, batch_size, factor, replicas):
+    """The query caps the total batch size at the dataset size (or the target, if larger)."""
+    queries = []
+
+    def replica(collective):
+        def decide(query):
+            queries.append(query)
+            return even_split(query)
+
+        job = Job(
+            Topology(rank=collective.rank, num_replicas=replicas),
+            collective=collective,
+            batch_size_decision=decide,
+        )
+        loader = LoaderHelper(job, batch_size=batch_size)
+        loader.autoscale_batch_size(batch_size * factor, gradient_accumulation=True)
+        for _ in job.epoch.remaining_epochs_until(1):
+            for _batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
+                if loader.is_optim_step():
+                    job.gns.progress += 1.0
+        return loader.current_batch_size
+
+    totals = run_replicas(replicas, replica)
+    cap = min(batch_size * factor, max(n, batch_size))
+    assert queries and all(q.max_batch_size == cap for q in queries)
+    if cap >= replicas:  # even_split keeps one sample per replica at least
+        assert all(total <= cap for total in totals)
+
+
+def test_no_step_holds_a_sample_twice_when_the_decision_takes_the_largest_total():
+    """1 replica, 512 samples, up to 1024 in total with local at most 512 and
+    accumulation: the largest total a pass allows is one step of 512, never two
+    micro-batches that each walk the whole pass."""
+    job = Job(Topology(), batch_size_decision=largest)
+    loader = LoaderHelper(job, batch_size=32)
+    loader.autoscale_batch_size(1024, local_bsz_bounds=(16, 512), gradient_accumulation=True)
+    steps, step = [], Counter()
+    for epoch in job.epoch.remaining_epochs_until(3):
+        for batch in loader.iterate(512, shard_batches(512, 0, 1)):
+            step.update(sample for sample, _ in batch)
+            if loader.is_optim_step():
+                steps.append((epoch, step))
+                job.gns.progress += loader.current_batch_size / 32
+                step = Counter()
+    assert {epoch for epoch, _ in steps} == {0, 1, 2}
+    assert all(max(counts.values()) == 1 for _, counts in steps)

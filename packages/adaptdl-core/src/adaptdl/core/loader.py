@@ -221,14 +221,24 @@ class LoaderHelper:
         return False
 
     def sync_local_bsz(self) -> int:
-        """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all."""
+        """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all.
+
+        An adaptive loop's total is capped at its dataset's size too (or at the
+        target batch size, if that is larger).
+        """
         topo = self.job.topology
         previous = self._state.current_local_bsz
+        max_batch_size = self._max_batch_size
+        if max_batch_size is not None and self._state.dataset_len:
+            # A pass holds n samples: a larger step is cut short at the pass's end
+            # (yet profiled and credited at its full size) or, accumulated, spans
+            # two passes and holds samples twice.
+            max_batch_size = min(max_batch_size, max(self._state.dataset_len, self.batch_size))
         query = BatchSizeQuery(
             num_nodes=topo.num_nodes,
             num_replicas=topo.num_replicas,
             batch_size=self.batch_size,
-            max_batch_size=self._max_batch_size,
+            max_batch_size=max_batch_size,
             local_bsz_bounds=self._local_bsz_bounds,
             gradient_accumulation=self._gradient_accumulation,
             current=(previous, self._state.accumulation_steps) if previous else None,
