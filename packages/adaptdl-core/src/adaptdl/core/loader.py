@@ -221,14 +221,24 @@ class LoaderHelper:
         return False
 
     def sync_local_bsz(self) -> int:
-        """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all."""
+        """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all.
+
+        An adaptive loop's total is capped at its dataset's size too (or at the
+        target batch size, if that is larger).
+        """
         topo = self.job.topology
         previous = self._state.current_local_bsz
+        max_batch_size = self._max_batch_size
+        if max_batch_size is not None and self._state.dataset_len:
+            # A pass holds n samples: a larger step is cut short at the pass's end
+            # (yet profiled and credited at its full size) or, accumulated, spans
+            # two passes and holds samples twice.
+            max_batch_size = min(max_batch_size, max(self._state.dataset_len, self.batch_size))
         query = BatchSizeQuery(
             num_nodes=topo.num_nodes,
             num_replicas=topo.num_replicas,
             batch_size=self.batch_size,
-            max_batch_size=self._max_batch_size,
+            max_batch_size=max_batch_size,
             local_bsz_bounds=self._local_bsz_bounds,
             gradient_accumulation=self._gradient_accumulation,
             current=(previous, self._state.accumulation_steps) if previous else None,
@@ -355,10 +365,21 @@ class LoaderHelper:
         self._state.dataset_len = n
 
     def _finished(self, n: int, epoch: int) -> bool:
-        """One pass without adaptive batch size; with it, one pass's worth of progress."""
+        """One pass without adaptive batch size; with it, one pass's worth of progress,
+        after one whole pass at least, at an optimiser-step boundary."""
+        walked = self._state.current_index >= n
         if self._max_batch_size is None:
-            return self._state.current_index >= n
-        return self.job.progress >= n * (epoch + 1) / self.batch_size
+            return walked
+        # The target is cumulative, so progress credited beyond one epoch's target
+        # (a step's gain is up to its scale, and a step cut short by the end of a
+        # pass is credited at the decided batch size) counts toward the next one:
+        # without `walked`, that epoch could end early, or yield no batch at all.
+        # Once a pass ends inside an accumulated step, the step ends in the next pass.
+        return (
+            walked
+            and self._accum_count == 0
+            and self.job.progress >= n * (epoch + 1) / self.batch_size
+        )
 
     def _require_epoch(self) -> int:
         epoch = self.job.epoch.current_epoch
