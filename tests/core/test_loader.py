@@ -262,7 +262,7 @@ def adaptive_segment(
             topo,
             collective=collective,
             store=store,
-            clock=time.perf_counter if tick is None else TickingClock(tick),
+            clock=time.perf_counter if tick is None else ManualClock(tick),
             batch_size_decision=decision,
         )
         loader = LoaderHelper(job, batch_size=batch_size)
