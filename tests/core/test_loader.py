@@ -256,7 +256,7 @@ def adaptive_segment(store, n, epochs, replicas, batch_size, stop_after, scale_p
                     consumed.append((epoch, loader.current_index, batch))
                     if loader.is_optim_step():
                         # What AdaptiveDataParallel does after each optimiser step.
-                        job.gns.add_progress(scale_progress)
+                        job.metrics.add_progress(job.gns.gain(scale_progress))
                     steps += 1
                     if steps == stop_after and collective.rank == 0:
                         job.request_stop()
@@ -358,7 +358,7 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
             for batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
                 seen.append((loader.current_index, [i for i, pad in batch if not pad]))
                 if loader.is_optim_step():
-                    job.gns.add_progress(1.0)
+                    job.metrics.add_progress(1.0)
         if collective.rank == 0:
             decisions.append(decide.calls)
         return seen
