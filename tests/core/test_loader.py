@@ -256,7 +256,7 @@ def adaptive_segment(store, n, epochs, replicas, batch_size, stop_after, scale_p
                     consumed.append((epoch, loader.current_index, batch))
                     if loader.is_optim_step():
                         # What AdaptiveDataParallel does after each optimiser step.
-                        job.metrics.add_progress(job.gns.gain(scale_progress))
+                        job.metrics.add_progress(job.metrics.gns.gain(scale_progress))
                     steps += 1
                     if steps == stop_after and collective.rank == 0:
                         job.request_stop()

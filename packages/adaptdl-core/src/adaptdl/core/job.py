@@ -28,9 +28,7 @@ from adaptdl.core.metrics import MetricsState
 from adaptdl.core.topology import Topology
 
 if TYPE_CHECKING:
-    from adaptdl.core.gns import GradientNoiseScale
     from adaptdl.core.loader import LoaderHelper
-    from adaptdl.core.profiler import Profiler
 
 LOG = logging.getLogger("adaptdl.core.job")
 
@@ -379,15 +377,6 @@ class Job:
         self.metrics.ensure_gns(loader.batch_size, gns.num_groups if gns is not None else 1)
 
     # -- metrics ------------------------------------------------------------------------
-    @property
-    def gns(self) -> GradientNoiseScale | None:
-        """The gradient-noise estimator; None until a training loader exists."""
-        return self.metrics.gns
-
-    @property
-    def profiler(self) -> Profiler:
-        return self.metrics.profiler
-
     @property
     def progress(self) -> float:
         """Scale-invariant progress: optimiser steps weighted by their gain."""

@@ -147,6 +147,7 @@ class LoaderHelper:
 
     @property
     def training(self) -> bool:
+        """Whether this is the job's training loader."""
         return self.job.training_loader is self
 
     def is_accum_step(self) -> bool:
@@ -257,7 +258,7 @@ class LoaderHelper:
         yield
         if commit:
             topo = self.job.topology
-            self.job.profiler.record(
+            self.job.metrics.profiler.record(
                 topo.num_nodes,
                 topo.num_replicas,
                 self.current_local_bsz,

@@ -45,6 +45,17 @@ T = TypeVar("T")
 
 EVENT_KINDS = ("resize", "preempt", "crash")
 
+#: The columns of `ReplayReport.timeline`, as `ReplayReport.to_json` names them.
+TIMELINE_COLUMNS = (
+    "time",
+    "replicas",
+    "local_bsz",
+    "accum_steps",
+    "batch_size",
+    "goodput",
+    "progress",
+)
+
 
 class SimClock:
     """Simulated seconds, advanced by the replay; callable like ``time.perf_counter``."""
@@ -200,21 +211,28 @@ def load_scenario(path: Path | str) -> Scenario:
         raise ValueError(f"{path}: bad scenario: {exc}") from exc
 
 
+#: The sizes of the built-in replay application, which its scenarios share.
+_REPLAY_SIZES: dict[str, Any] = {
+    "epochs": 6,
+    "dataset_size": 6000,
+    "init_batch_size": 32,
+    "max_batch_size": 1024,
+    "local_bsz_bounds": (8, 256),
+}
+
+
 def replay_application(name: str = "replay-small") -> ParametricApplication:
-    """A small parametric application for built-in replay scenarios."""
+    """A small parametric application for built-in replay scenarios.
+
+    Its step-time and noise numbers not given here are `ParametricApplication`'s
+    defaults.
+    """
     return ParametricApplication(
         name=name,
-        init_batch_size=32,
-        max_batch_size=1024,
-        local_bsz_bounds=(8, 256),
-        dataset_size=6000,
-        epochs=6,
-        alpha_c=0.02,
+        **_REPLAY_SIZES,
         beta_c=0.0015,
         alpha_r=0.005,
-        beta_r=0.002,
         alpha_n=0.04,
-        beta_n=0.01,
         noise_start=60.0,
         noise_end=2000.0,
     )
@@ -224,11 +242,7 @@ def builtin_scenarios() -> dict[str, Scenario]:
     """Named scenarios that need no external data."""
     base = {
         "application": "replay-small",
-        "epochs": 6,
-        "dataset_size": 6000,
-        "init_batch_size": 32,
-        "max_batch_size": 1024,
-        "local_bsz_bounds": (8, 256),
+        **_REPLAY_SIZES,
         "gradient_accumulation": True,
         "checkpoint_interval": 15.0,
     }
@@ -244,11 +258,11 @@ def builtin_scenarios() -> dict[str, Scenario]:
                 E(230.0, "crash"),
                 E(250.0, "resize", replicas=6, nodes=2),
             ),
-            **base,  # type: ignore[arg-type]
+            **base,
         ),
         "fixed": Scenario(
             name="fixed",
-            **{**base, "max_batch_size": None, "local_bsz_bounds": None},  # type: ignore[arg-type]
+            **{**base, "max_batch_size": None, "local_bsz_bounds": None},
             replicas=2,
             timeline=(E(10.0, "resize", replicas=4, nodes=1), E(33.0, "crash")),
         ),
@@ -256,7 +270,7 @@ def builtin_scenarios() -> dict[str, Scenario]:
             name="crashy",
             replicas=4,
             timeline=tuple(E(11.0 * (i + 1), "crash") for i in range(8)),
-            **base,  # type: ignore[arg-type]
+            **base,
         ),
     }
 
@@ -294,34 +308,13 @@ class ReplayReport:
         return all(e.exactly_once for e in self.epochs)
 
     def to_json(self) -> dict[str, Any]:
+        summary = ("end_time", "restarts", "crashes", "restart_seconds", "lost_seconds")
         return {
             "scenario": self.scenario,
             "exactly_once": self.exactly_once,
-            "end_time": self.end_time,
-            "restarts": self.restarts,
-            "crashes": self.crashes,
-            "restart_seconds": self.restart_seconds,
-            "lost_seconds": self.lost_seconds,
-            "checkpoints": self.checkpoints,
+            **{key: getattr(self, key) for key in (*summary, "checkpoints")},
             "epochs": [attrs.asdict(e) | {"exactly_once": e.exactly_once} for e in self.epochs],
-            "timeline": [
-                dict(
-                    zip(
-                        (
-                            "time",
-                            "replicas",
-                            "local_bsz",
-                            "accum_steps",
-                            "batch_size",
-                            "goodput",
-                            "progress",
-                        ),
-                        row,
-                        strict=True,
-                    )
-                )
-                for row in self.timeline
-            ],
+            "timeline": [dict(zip(TIMELINE_COLUMNS, row, strict=True)) for row in self.timeline],
         }
 
 
