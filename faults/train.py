@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.checkpoint import MANIFEST, CheckpointStore
+from adaptdl.core.job import Boundary
 from adaptdl.core.sampling import Shard
 from adaptdl.torch._context import current_job
 from adaptdl.torch.data import SHUFFLE_SEED
@@ -135,11 +136,11 @@ def main() -> None:
         finally:
             timing["checkpoint"] = time.perf_counter() - start
 
-    def timed_boundary(*, training: bool = True) -> None:
+    def timed_boundary(*, training: bool = True) -> Boundary:
         written = job.checkpoints_written
         start = time.perf_counter()
         try:
-            job_boundary(training=training)
+            return job_boundary(training=training)
         finally:
             elapsed = time.perf_counter() - start
             if job.checkpoints_written != written and topo.rank == 0:

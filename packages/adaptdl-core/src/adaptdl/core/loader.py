@@ -302,10 +302,12 @@ class LoaderHelper:
                     if self._accum_count == 0:
                         steps += 1
                         # Without a designated training loader, every loop trains.
-                        self.job.step_boundary(training=self.job.training_loader in (None, self))
+                        boundary = self.job.step_boundary(
+                            training=self.job.training_loader in (None, self)
+                        )
                         if self._max_batch_size is not None and self._finished(n, epoch):
                             break
-                        if self._redecided():
+                        if boundary.redecide and self._redecided():
                             # Go on from the current index with the new batch size.
                             decided, local_bsz = True, self.current_local_bsz
                             break
@@ -325,10 +327,9 @@ class LoaderHelper:
                     self._state.current_index = math.ceil(self._state.current_index / n) * n
 
     def _redecided(self) -> bool:
-        """Ask the decision again mid-pass when the job says so; True if it changed."""
-        if not (self.job.redecide_due and self.training and self._max_batch_size is not None):
+        """Ask the decision again mid-pass (the job said so); True if it changed."""
+        if not (self.training and self._max_batch_size is not None):
             return False
-        self.job.redecide_due = False
         before = (self._state.current_local_bsz, self._state.accumulation_steps)
         self.sync_local_bsz()
         return (self._state.current_local_bsz, self._state.accumulation_steps) != before
