@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
-from adaptdl.core.job import Job, Preempted
-from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.loader import LoaderHelper, LoaderJob
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
 
@@ -393,3 +393,53 @@ def test_validation_batches_count_no_steps_toward_periodic_checkpoints():
             pass
     # Training boundaries 4 and 8 only; the 40 validation batches add none.
     assert job.checkpoints_written == 2
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {name for name in vars(protocol) if not name.startswith("_")}
+    return names
+
+
+class OnlyLoaderJob:
+    """A job seen through `LoaderJob` alone: any other member is an AttributeError."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self._allowed = _protocol_members(LoaderJob)
+
+    def __getattr__(self, name: str):
+        if name not in self._allowed:
+            raise AttributeError(f"the loader read {name!r}, which LoaderJob does not declare")
+        return getattr(self._job, name)
+
+
+def test_loader_needs_only_the_members_of_its_protocol():
+    """Adaptive loops with mid-pass decisions, a checkpoint and a stop, on the narrow job."""
+    store = MemoryCheckpointStore()
+    job = Job(
+        Topology(),
+        store=store,
+        clock=TickingClock(1.0),
+        batch_size_decision=Alternating([(2, 0), (3, 1)]),
+        checkpoint_policy=CheckpointPolicy(every_steps=3),
+    )
+    narrow = OnlyLoaderJob(job)
+    assert {"topology", "step_boundary", "metrics"} <= narrow._allowed
+    assert "progress" not in narrow._allowed and "checkpoint" not in narrow._allowed
+    loader = LoaderHelper(narrow, batch_size=2)  # type: ignore[arg-type]
+    loader.autoscale_batch_size(8, gradient_accumulation=True)
+    n, steps = 30, 0
+    with pytest.raises(Preempted):
+        for _ in job.epoch.remaining_epochs_until(3):
+            for _batch in loader.iterate(n, shard_batches(n, 0, 1)):
+                if loader.is_optim_step():
+                    job.metrics.add_progress(1.0)
+                    steps += 1
+                    if steps == 40:
+                        job.request_stop()
+    assert job.checkpoints_written > 1
+    # The same job restored resumes where it stopped, through the narrow view too.
+    again = Job(Topology(), store=store)
+    resumed = LoaderHelper(OnlyLoaderJob(again), batch_size=2)  # type: ignore[arg-type]
+    assert resumed.current_local_bsz == loader.current_local_bsz

@@ -589,6 +589,11 @@ class MemoryCheckpointStore(AbstractCheckpointStore):
     def __repr__(self) -> str:
         return f"MemoryCheckpointStore(keep={self._keep}, job_id={self._job_id!r})"
 
+    @property
+    def root(self) -> Path | None:
+        """None: checkpoints in memory have no directory."""
+        return None
+
     def check_writable(self) -> None:
         """Memory is always writable."""
 

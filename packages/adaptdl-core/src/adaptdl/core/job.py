@@ -7,6 +7,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -110,7 +111,12 @@ class CheckpointPolicy:
 
 
 class Store(Protocol):
-    """What the job needs of a checkpoint store (directory or memory)."""
+    """What the job and its loaders need of a checkpoint store (directory or memory)."""
+
+    @property
+    def root(self) -> Path | None:
+        """The checkpoint directory, for messages; None for a store without one."""
+        ...
 
     def save(
         self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
@@ -236,7 +242,7 @@ class Job:
                 # Bytes that passed the store's checks but do not decode (a crafted or
                 # foreign entry): say which checkpoint, not just a decoder's traceback.
                 del self._states[state.name]
-                root = getattr(self.store, "root", None)
+                root = self.store.root if self.store is not None else None
                 where = (
                     f"'{os.path.join(root, self._loaded.label)}'"
                     if root is not None

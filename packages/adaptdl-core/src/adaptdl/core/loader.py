@@ -16,20 +16,81 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, BatchSizeQuery
-from adaptdl.core.checkpoint import CheckpointError, JsonState
+from adaptdl.core.checkpoint import CheckpointError, JsonState, State
 
 if TYPE_CHECKING:
-    from adaptdl.core.job import Job
+    from adaptdl.core.collective import Collective
+    from adaptdl.core.epoch import EpochState
+    from adaptdl.core.job import Boundary, Store
+    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.topology import Topology
 
 LOG = logging.getLogger("adaptdl.core.loader")
 T = TypeVar("T")
 
 # (epoch, index, local_bsz) -> the batches of one pass, starting at that index.
 BatchesFn = Callable[[int, int, int], Iterable[T]]
+
+
+class LoaderJob(Protocol):
+    """What a loader needs of its job: `adaptdl.core.job.Job` has it all.
+
+    Read-only: the topology, collective, clock, batch-size decision, epoch
+    counter, metrics (progress and profiler), checkpoint store and the loops
+    that run; the loader changes the job only through the methods below.
+    """
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def collective(self) -> Collective: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def batch_size_decision(self) -> BatchSizeDecision: ...
+
+    @property
+    def epoch(self) -> EpochState: ...
+
+    @property
+    def metrics(self) -> MetricsState: ...
+
+    @property
+    def store(self) -> Store | None: ...
+
+    @property
+    def restored_from(self) -> str | None: ...
+
+    @property
+    def current_loader(self) -> LoaderHelper | None: ...
+
+    @property
+    def training_loader(self) -> LoaderHelper | None: ...
+
+    def register(self, state: State) -> None: ...
+
+    def unique_name(self, prefix: str) -> str: ...
+
+    def set_training_loader(self, loader: LoaderHelper) -> None: ...
+
+    def enter_loader(self, loader: LoaderHelper) -> None: ...
+
+    def exit_loader(self, loader: LoaderHelper) -> None: ...
+
+    def take_sync_time(self) -> float: ...
+
+    def taking_samples(self, samples: int) -> None: ...
+
+    def count_samples(self, samples: int) -> None: ...
+
+    def step_boundary(self, *, training: bool = True) -> Boundary: ...
 
 
 class LoaderState(JsonState):
@@ -74,7 +135,7 @@ class LoaderHelper:
 
     def __init__(
         self,
-        job: Job,
+        job: LoaderJob,
         batch_size: int = 1,
         *,
         name: str | None = None,
@@ -288,7 +349,7 @@ class LoaderHelper:
             while not self._finished(n, epoch):
                 if not decided:  # a pass starts
                     local_bsz = self.sync_local_bsz()
-                    progress, steps = self.job.progress, 0
+                    progress, steps = self.job.metrics.progress, 0
                 decided = False
                 for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
                     index = self._state.current_index
@@ -316,7 +377,7 @@ class LoaderHelper:
                     if (
                         self._max_batch_size is not None
                         and steps > 0
-                        and self.job.progress == progress
+                        and self.job.metrics.progress == progress
                         and not self._finished(n, epoch)
                     ):
                         raise RuntimeError(
@@ -338,7 +399,8 @@ class LoaderHelper:
         """Refuse to resume a loop over a dataset whose length changed; record ``n``."""
         recorded = self._state.dataset_len
         if recorded and recorded != n:
-            root = getattr(self.job.store, "root", None)
+            store = self.job.store
+            root = store.root if store is not None else None
             where = f"'{root}'" if root is not None else "the checkpoint store"
             if self._state.current_index > 0:
                 raise CheckpointError(
@@ -360,7 +422,7 @@ class LoaderHelper:
         """One pass without adaptive batch size; with it, one pass's worth of progress."""
         if self._max_batch_size is None:
             return self._state.current_index >= n
-        return self.job.progress >= n * (epoch + 1) / self.batch_size
+        return self.job.metrics.progress >= n * (epoch + 1) / self.batch_size
 
     def _require_epoch(self) -> int:
         epoch = self.job.epoch.current_epoch
