@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import launch
+from experiments.outcome._common import accumulated_step, launch
 from experiments.outcome.classifier import PROBLEM
 
 #: (scale, local batch size, accumulation steps) on 2 replicas, initial batch 16.
@@ -57,7 +57,7 @@ def simulate_core(
     from adaptdl.core import scaling
     from adaptdl.core.collective import LocalCollective
     from adaptdl.core.metrics import MetricsState
-    from adaptdl.core.step import StepMeasurement, StepStatistics
+    from adaptdl.core.step import StepStatistics
 
     cfg = {**ga.DEFAULT, "seed": seed}
     p = ga.problem(cfg)
@@ -75,15 +75,8 @@ def simulate_core(
         x = gen.standard_normal((batch, lam.size)) * np.sqrt(lam)
         y = x @ w_star + cfg["sigma"] * gen.standard_normal(batch)
         grads = (x * (x @ w - y)[:, None]).reshape(count, local, -1).mean(axis=1)
-        mean = grads.mean(axis=0)
         # The micro-batches of one replica, as with accumulation.
-        measured = StepMeasurement(
-            local_sqr=(float(np.sum(grads**2)),),
-            total_sqr=(float(mean @ mean),),
-            micro_batches=count,
-            num_replicas=1,
-            batch_size=local,
-        )
+        measured, mean = accumulated_step(grads, local)
         decision = steps.step(
             measured, init_batch_size=init_batch_size, batch_size=batch, rule=core_rule
         )

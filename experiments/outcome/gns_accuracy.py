@@ -58,7 +58,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import launch, rel_error, worker_config, write_result
+from experiments.outcome._common import (
+    accumulated_step,
+    launch,
+    rel_error,
+    worker_config,
+    write_result,
+)
 
 #: The default experiment; tests shrink it.
 DEFAULT = {
@@ -166,7 +172,7 @@ def simulate_core(
     from adaptdl.core.gns import GradientNoiseScale
     from adaptdl.core.metrics import MetricsState
     from adaptdl.core.scaling import AdaScale
-    from adaptdl.core.step import StepMeasurement, StepStatistics
+    from adaptdl.core.step import StepStatistics
 
     p = problem(cfg)
     lam, w_star = p["lam"], p["w_star"]
@@ -186,14 +192,7 @@ def simulate_core(
         y = x @ w_star + cfg["sigma"] * gen.standard_normal(batch)
         per_sample = x * (x @ w - y)[:, None]
         grads = per_sample.reshape(micro_batches, local, -1).mean(axis=1)
-        mean = grads.mean(axis=0)
-        measured = StepMeasurement(
-            local_sqr=(float(np.sum(grads**2)),),
-            total_sqr=(float(mean @ mean),),
-            micro_batches=micro_batches,
-            num_replicas=1,
-            batch_size=local,
-        )
+        measured, mean = accumulated_step(grads, local)
         steps.measure(measured, batch)
         delta = w - w_star
         rows.append(

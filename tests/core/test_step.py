@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core import scaling
-from adaptdl.core.collective import LocalCollective, add
+from adaptdl.core.collective import Collective, LocalCollective, run_replicas
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.metrics import MetricsState
 from adaptdl.core.step import (
@@ -25,31 +25,6 @@ from adaptdl.core.step import (
 )
 
 NAN = float("nan")
-
-
-class _Ready:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def result(self) -> Any:
-        return self.value
-
-
-class Replicas:
-    """The collective of ``n`` replicas that all hold the same values; counts async calls."""
-
-    def __init__(self, n: int) -> None:
-        self.num_replicas, self.rank, self.started = n, 0, 0
-
-    def allreduce(self, value: Any, op: Callable[[Any, Any], Any] = add) -> Any:
-        out = value
-        for _ in range(self.num_replicas - 1):
-            out = op(out, value)
-        return out
-
-    def allreduce_async(self, value: Any, op: Callable[[Any, Any], Any] = add) -> _Ready:
-        self.started += 1
-        return _Ready(self.allreduce(value, op))
 
 
 def measured(
@@ -70,10 +45,19 @@ def measured(
     )
 
 
-def stats(replicas: int = 1) -> tuple[StepStatistics, MetricsState]:
+def stats(collective: Collective | None = None) -> tuple[StepStatistics, MetricsState]:
     metrics = MetricsState()
-    collective = Replicas(replicas) if replicas > 1 else LocalCollective()
-    return StepStatistics(metrics, collective), metrics  # type: ignore[arg-type]
+    return StepStatistics(metrics, collective or LocalCollective()), metrics
+
+
+def on_two_replicas(fn: Callable[[StepStatistics, MetricsState, int], Any]) -> list[Any]:
+    """Run ``fn(steps, metrics, rank)`` on two replicas joined by a real collective."""
+
+    def replica(collective: Collective) -> Any:
+        steps, metrics = stats(collective)
+        return fn(steps, metrics, collective.rank)
+
+    return run_replicas(2, replica)
 
 
 def test_one_replica_folds_at_once_like_the_estimator() -> None:
@@ -85,13 +69,16 @@ def test_one_replica_folds_at_once_like_the_estimator() -> None:
 
 
 def test_several_replicas_fold_the_summed_norms_one_step_late() -> None:
-    steps, metrics = stats(replicas=2)
-    assert steps.measure(measured(local=4.0, micro=2, replicas=2), 8) is Fold.PENDING
-    assert metrics.gns is not None and metrics.gns.num_updates == 0
-    assert steps.measure(measured(local=6.0, micro=2, replicas=2), 8) is Fold.PENDING
+    def replica(steps: StepStatistics, metrics: MetricsState, rank: int) -> Any:
+        first = steps.measure(measured(local=3.0 + 2 * rank, micro=2, replicas=2), 8)
+        updates = metrics.gns.num_updates if metrics.gns is not None else None
+        second = steps.measure(measured(local=6.0, micro=2, replicas=2), 8)
+        return first, updates, second, metrics.gns
+
+    outcome = on_two_replicas(replica)
     reference = GradientNoiseScale(8)
-    reference.update([8.0], [1.5], 4, 4)  # the first step's: 2 replicas x 4.0
-    assert metrics.gns == reference
+    reference.update([8.0], [1.5], 4, 4)  # the first step's: 3.0 + 5.0 over 4 micro-batches
+    assert outcome == [(Fold.PENDING, 0, Fold.PENDING, reference)] * 2
 
 
 def test_non_finite_steps_leave_the_estimator_alone() -> None:
@@ -109,10 +96,13 @@ def test_non_finite_steps_leave_the_estimator_alone() -> None:
 
 
 def test_non_finite_lagged_sum_is_skipped_at_the_next_step() -> None:
-    steps, metrics = stats(replicas=2)
-    steps.measure(measured(local=NAN, replicas=2), 8)
-    steps.measure(measured(replicas=2), 8)
-    assert metrics.gns is not None and metrics.gns.num_updates == 0
+    def replica(steps: StepStatistics, metrics: MetricsState, rank: int) -> Any:
+        # One replica's overflow makes the sum non-finite on both.
+        steps.measure(measured(local=math.inf if rank else 1.0, replicas=2), 8)
+        steps.measure(measured(replicas=2), 8)
+        return metrics.gns.num_updates if metrics.gns is not None else None
+
+    assert on_two_replicas(replica) == [0, 0]
 
 
 def test_single_micro_batch_pairs_with_the_previous_one() -> None:
