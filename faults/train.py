@@ -37,6 +37,7 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.checkpoint import MANIFEST
 from adaptdl.core.config import JobConfig
+from adaptdl.core.job import Boundary
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.core.storage import LocalStorage
@@ -142,11 +143,11 @@ def main() -> None:
         finally:
             timing["checkpoint"] = time.perf_counter() - start
 
-    def timed_boundary(*, training: bool = True) -> None:
+    def timed_boundary(*, training: bool = True) -> Boundary:
         written = job.checkpoints_written
         start = time.perf_counter()
         try:
-            job_boundary(training=training)
+            return job_boundary(training=training)
         finally:
             elapsed = time.perf_counter() - start
             if job.checkpoints_written != written and topo.rank == 0:

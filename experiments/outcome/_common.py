@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from adaptdl.core.batchsize import BatchSizeQuery
+from adaptdl.core.step import StepMeasurement
 from adaptdl.torch.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,3 +129,15 @@ def rel_error(
     e = np.asarray(estimate, dtype=np.float64)
     t = np.asarray(truth, dtype=np.float64)
     return np.abs(e - t) / t
+
+
+def accumulated_step(grads: np.ndarray, batch_size: int) -> tuple[StepMeasurement, np.ndarray]:
+    """One replica's step over micro-batch gradients ``grads`` (micro-batches x dim).
+
+    Returns what the torch adapter would measure, for one parameter group and
+    micro-batches of ``batch_size`` samples accumulated on one replica, and the
+    mean gradient the optimiser steps with.
+    """
+    mean = grads.mean(axis=0)
+    local, total = float(np.sum(grads**2)), float(mean @ mean)
+    return StepMeasurement((local,), (total,), len(grads), 1, batch_size), mean

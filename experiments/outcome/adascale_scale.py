@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import launch
+from experiments.outcome._common import accumulated_step, launch
 from experiments.outcome.classifier import PROBLEM
 
 #: (scale, local batch size, accumulation steps) on 2 replicas, initial batch 16.
@@ -46,16 +46,18 @@ def simulate_core(
     """AdaScale (or linear scaling) on the regression of `gns_accuracy`, in numpy, through core.
 
     Each step at ``scale`` averages ``max(scale, 2)`` micro-batches of
-    ``init_batch_size * scale / max(scale, 2)`` fresh samples, feeds core's
-    `GradientNoiseScale`, takes an SGD step with the rule's learning-rate factor
-    from core's `adaptdl.core.scaling` and adds the gain to the progress, until the
-    progress reaches ``progress``. Returns the gains, the steps taken and the final
+    ``init_batch_size * scale / max(scale, 2)`` fresh samples, hands their squared
+    norms to core's step contract (`adaptdl.core.step`, as the torch adapter does)
+    and takes an SGD step with the learning-rate factor of core's decision, until
+    the job's progress reaches ``progress``. Returns the gains, the steps taken and the final
     excess loss ``E loss - sigma^2 / 2 = delta' Lambda delta / 2`` (closed form).
     """
     from experiments.outcome import gns_accuracy as ga
 
     from adaptdl.core import scaling
-    from adaptdl.core.gns import GradientNoiseScale
+    from adaptdl.core.collective import LocalCollective
+    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.step import StepStatistics
 
     cfg = {**ga.DEFAULT, "seed": seed}
     p = ga.problem(cfg)
@@ -63,21 +65,23 @@ def simulate_core(
     count = max(scale, 2)
     batch = init_batch_size * scale
     local = batch // count
-    gns = GradientNoiseScale(init_batch_size=init_batch_size)
+    metrics = MetricsState()
+    steps = StepStatistics(metrics, LocalCollective())
     core_rule = scaling.AdaScale() if rule == "adascale" else scaling.LinearScale()
     gen = np.random.default_rng(seed + 3)
     w = p["w0"].copy()
     gains = []
-    while gns.progress < progress:
+    while metrics.progress < progress:
         x = gen.standard_normal((batch, lam.size)) * np.sqrt(lam)
         y = x @ w_star + cfg["sigma"] * gen.standard_normal(batch)
         grads = (x * (x @ w - y)[:, None]).reshape(count, local, -1).mean(axis=1)
-        mean = grads.mean(axis=0)
-        gns.update(float(np.sum(grads**2)), float(mean @ mean), count, local)
-        gain = gns.gain(scale)
-        w = w - lr * core_rule.lr_factor(gain, scale, gns.progress) * mean
-        gns.add_progress(scale)
-        gains.append(gain)
+        # The micro-batches of one replica, as with accumulation.
+        measured, mean = accumulated_step(grads, local)
+        decision = steps.step(
+            measured, init_batch_size=init_batch_size, batch_size=batch, rule=core_rule
+        )
+        w = w - lr * decision.lr_factors[0] * mean
+        gains.append(decision.gain)
         if not np.all(np.isfinite(w)):
             break
     delta = w - w_star

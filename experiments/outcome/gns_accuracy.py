@@ -58,7 +58,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import launch, rel_error, worker_config, write_result
+from experiments.outcome._common import (
+    accumulated_step,
+    launch,
+    rel_error,
+    worker_config,
+    write_result,
+)
 
 #: The default experiment; tests shrink it.
 DEFAULT = {
@@ -158,18 +164,26 @@ def simulate_core(
 
     Each step draws ``micro_batches`` fresh micro-batches of ``batch_size /
     micro_batches`` samples (an infinite population, so the closed form is the
-    exact truth), folds their squared norms into the estimator as the adapter would,
-    and takes an SGD step on their mean. Returns what `worker` returns.
+    exact truth), hands their squared norms to core's step contract as the adapter
+    does, and takes an SGD step on their mean with the decision's learning-rate
+    factor (1: the batch is the initial one). Returns what `worker` returns.
     """
+    from adaptdl.core.collective import LocalCollective
     from adaptdl.core.gns import GradientNoiseScale
+    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.scaling import AdaScale
+    from adaptdl.core.step import StepStatistics
 
     p = problem(cfg)
     lam, w_star = p["lam"], p["w_star"]
     batch = cfg["batch_size"]
     local = batch // micro_batches
+    metrics = MetricsState()
     gns = GradientNoiseScale(
         init_batch_size=batch, smoothing=smoothing or cfg["smoothing"] or 0.999
     )
+    metrics.gns = gns
+    steps = StepStatistics(metrics, LocalCollective())
     gen = np.random.default_rng(cfg["seed"] + 2)
     w = p["w0"].copy()
     rows = []
@@ -178,14 +192,16 @@ def simulate_core(
         y = x @ w_star + cfg["sigma"] * gen.standard_normal(batch)
         per_sample = x * (x @ w - y)[:, None]
         grads = per_sample.reshape(micro_batches, local, -1).mean(axis=1)
-        mean = grads.mean(axis=0)
-        gns.update(float(np.sum(grads**2)), float(mean @ mean), micro_batches, local)
+        measured, mean = accumulated_step(grads, local)
+        steps.measure(measured, batch)
         delta = w - w_star
         rows.append(
             [gns.sqr, gns.var, true_sqr(lam, delta), true_var(lam, delta, cfg["sigma"]), 1.0]
         )
-        w = w - cfg["lr"] * mean
-        gns.add_progress(1.0)
+        decision = steps.decide(batch, AdaScale())
+        assert decision is not None
+        w = w - cfg["lr"] * decision.lr_factors[0] * mean
+        steps.commit(decision)
     return {
         "rows": rows,
         "smoothing": gns.smoothing,

@@ -130,15 +130,12 @@ def test_differenced_update_after_unbiased_ones_keeps_the_average() -> None:
     assert 0.0 < gns.var < 5.0
 
 
-def test_reset_forgets_estimates_but_keeps_progress() -> None:
+def test_reset_forgets_estimates() -> None:
     gns = GradientNoiseScale(8)
     feed_expected(gns, 1.0, 100.0, 4, 8)
-    gns.add_progress(4.0)
-    progress = gns.progress
     gns.reset()
     assert not gns.has_estimate
     assert gns.grad_params() is None
-    assert gns.progress == progress
 
 
 # -- convergence on problems with known gradient statistics --
@@ -154,7 +151,7 @@ def run_microbatches(
     """Feed per-step gradients of micro-batches of ``b`` samples, shape (steps, count, dim).
 
     As the torch adapter would: ``update`` for several micro-batches a step, else
-    ``update_differenced`` with the previous step; ``add_progress`` every step.
+    ``update_differenced`` with the previous step.
     """
     count = grads.shape[1]
     prev = None
@@ -175,7 +172,6 @@ def run_microbatches(
                     b,
                 )
             prev = cur
-        gns.add_progress(count * b / gns.init_batch_size)
 
 
 def pre(precond: np.ndarray | None, s: slice) -> np.ndarray | None:
@@ -203,7 +199,7 @@ def test_estimates_converge_on_gaussian_per_sample_gradients(count: int, b: int)
     assert gns.sqr == pytest.approx(mean @ mean, rel=0.1)
     assert gns.var == pytest.approx(sd @ sd, rel=0.1)
     # A step worth more (less) than an initial-batch step when its batch is larger (smaller).
-    assert (gns.progress > steps) == (count * b > 32)
+    assert (gns.gain(count * b / 32) > 1.0) == (count * b > 32)
 
 
 def test_estimates_converge_on_linear_regression_gradients() -> None:
@@ -240,7 +236,7 @@ def test_preconditioned_estimates_converge_per_group(count: int) -> None:
     assert gns.var == pytest.approx(sum(true_var), rel=0.1)
 
 
-# -- gain, progress and the goodput statistics --
+# -- gain and the goodput statistics --
 
 
 def test_gain_and_grad_params_before_any_update() -> None:
@@ -250,8 +246,6 @@ def test_gain_and_grad_params_before_any_update() -> None:
     assert gns.group_gains(8.0) == (1.0,)
     assert gns.grad_params() is None
     assert gns.noise_scale is None
-    assert gns.add_progress(8.0) == 1.0
-    assert gns.progress == 1.0
 
 
 @SETTINGS
@@ -302,17 +296,6 @@ def test_group_gains_use_each_groups_statistics() -> None:
     assert 1.0 < gns.gain(8.0) < 8.0
 
 
-def test_add_progress_adds_the_gain_at_each_steps_scale() -> None:
-    gns = GradientNoiseScale(16)
-    feed_expected(gns, 1.0, 160.0, 4, 16)
-    total = 0.0
-    for scale in (1.0, 2.0, 4.0, 0.5):
-        expected = gns.gain(scale)
-        assert gns.add_progress(scale) == expected
-        total += expected
-    assert gns.progress == pytest.approx(total)
-
-
 # -- persistence --
 
 
@@ -332,7 +315,6 @@ ops = st.lists(
             st.floats(0.0, 1.0),
             st.integers(1, 64),
         ),
-        st.tuples(st.just("progress"), st.floats(0.01, 100.0)),
     ),
     max_size=12,
 )
@@ -343,11 +325,9 @@ def apply(gns: GradientNoiseScale, op: tuple[Any, ...]) -> None:
         _, local, frac, count, b = op
         # total between |mean|^2's bounds: at most local / count.
         gns.update(local, frac * local / count, count, b)
-    elif op[0] == "diff":
+    else:
         _, prev, cur, frac, b = op
         gns.update_differenced(prev, cur, frac * (prev + cur) / 2, b)
-    else:
-        gns.add_progress(op[1])
 
 
 @SETTINGS
@@ -370,7 +350,7 @@ def test_json_round_trip_is_exact_and_behaves_the_same(
 def test_json_is_documented_schema() -> None:
     gns = GradientNoiseScale(8, num_groups=2)
     data = gns.to_json()
-    assert data["schema"] == GNS_SCHEMA == "adaptdl.gns/1"
+    assert data["schema"] == GNS_SCHEMA == "adaptdl.gns/2"
     assert data["sqr_biased"] == [0.0, 0.0]
     assert json.loads(json.dumps(data)) == data
 
@@ -387,7 +367,7 @@ def test_json_is_documented_schema() -> None:
         ({"var_biased": "ab"}, "var_biased"),
         ({"var_biased": [float("nan")]}, r"var_biased\[0\]"),
         ({"differenced": "yes"}, "differenced"),
-        ({"progress": -1.0}, "progress"),
+        ({"progress": 1.0}, "unexpected"),  # progress is the job's (MetricsState)
         ({"num_updates": 1.5}, "num_updates"),
         ({"smoothing": 1.0}, "smoothing"),
     ],
@@ -402,8 +382,8 @@ def test_from_json_rejects_bad_state(change: dict[str, Any], match: str) -> None
 
 def test_from_json_rejects_missing_keys_and_non_mappings() -> None:
     data = GradientNoiseScale(8).to_json()
-    del data["progress"]
-    with pytest.raises(ValueError, match=r"missing \['progress'\]"):
+    del data["differenced"]
+    with pytest.raises(ValueError, match=r"missing \['differenced'\]"):
         GradientNoiseScale.from_json(data)
     with pytest.raises(TypeError, match="mapping"):
         GradientNoiseScale.from_json([1, 2])  # type: ignore[arg-type]
@@ -478,12 +458,11 @@ def test_update_differenced_rejects_bad_input(
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
-def test_gain_and_progress_reject_bad_scale(scale: float) -> None:
+def test_gains_reject_bad_scale(scale: float) -> None:
     gns = GradientNoiseScale(8)
-    for method in (gns.gain, gns.group_gains, gns.add_progress):
+    for method in (gns.gain, gns.group_gains):
         with pytest.raises(ValueError, match="scale must be"):
             method(scale)
-    assert gns.progress == 0.0
 
 
 def test_squared_norm_with_and_without_preconditioner() -> None:

@@ -10,7 +10,7 @@ from tests.fakes import ManualClock
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import LocalCollective, run_replicas
 from adaptdl.core.epoch import EpochState
-from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.job import Boundary, CheckpointPolicy, Job, Preempted
 from adaptdl.core.journal import Journal, Mark
 from adaptdl.core.topology import Topology
 
@@ -203,16 +203,15 @@ def test_boundaries_outside_training_count_no_steps_and_keep_decisions_pending()
         checkpoint_policy=CheckpointPolicy(every_seconds=None, every_steps=3),
     )
     clock.now = 100.0
-    job.step_boundary()  # training: a decision is found due
-    for _ in range(10):  # a validation loop
-        job.step_boundary(training=False)
+    assert job.step_boundary() == Boundary()  # training: a decision is found due
+    for _ in range(10):  # a validation loop: never handed the decision
+        assert job.step_boundary(training=False) == Boundary()
     assert job.checkpoints_written == 0
-    assert job.redecide_due  # still waiting for the training loader
-    job.redecide_due = False
-    job.step_boundary()
-    job.step_boundary()
+    # The next training boundary carries it, once.
+    assert job.step_boundary() == Boundary(redecide=True)
+    assert job.step_boundary() == Boundary(checkpoint=True)
     assert job.checkpoints_written == 1  # at the third training step
     clock.now = 1000.0  # a decision would be due now, but only training schedules one
     job.step_boundary(training=False)
     job.step_boundary(training=False)
-    assert not job.redecide_due
+    assert job.step_boundary() == Boundary()

@@ -16,8 +16,8 @@ from tests.fakes import ManualClock
 from adaptdl.core.batchsize import BatchSizeQuery, even_split
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
-from adaptdl.core.job import Job, Preempted
-from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.loader import LoaderHelper, LoaderJob
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
 
@@ -274,7 +274,7 @@ def adaptive_segment(
                     optim = loader.is_optim_step()
                     consumed.append((epoch, loader.current_index, batch, optim))
                     if optim:
-                        job.gns.progress += credit(loader)
+                        job.metrics.add_progress(credit(loader))
                     steps += 1
                     if steps == stop_after and collective.rank == 0:
                         job.request_stop()
@@ -298,7 +298,13 @@ def test_adaptive_loops_walk_whole_passes_in_order(n, timeline, scale):
     for replicas, steps in [*timeline, (2, 0)]:
         # The gain without a noise estimate: what add_progress(scale) adds.
         outcome = adaptive_segment(
-            store, n, 2, replicas, 4, steps or -1, lambda loader: loader.job.gns.gain(scale)
+            store,
+            n,
+            2,
+            replicas,
+            4,
+            steps or -1,
+            lambda loader: loader.job.metrics.gns.gain(scale),
         )
         for consumed, _ in outcome:
             for epoch, index, batch, _ in consumed:
@@ -367,7 +373,7 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
             for batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
                 seen.append((loader.current_index, [i for i, pad in batch if not pad]))
                 if loader.is_optim_step():
-                    job.gns.add_progress(1.0)
+                    job.metrics.add_progress(1.0)
         if collective.rank == 0:
             decisions.append(decide.calls)
         return seen
@@ -543,7 +549,7 @@ def test_decisions_are_asked_for_no_more_than_a_pass(n, batch_size, factor, repl
         for _ in job.epoch.remaining_epochs_until(1):
             for _batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
                 if loader.is_optim_step():
-                    job.gns.progress += 1.0
+                    job.metrics.add_progress(1.0)
         return loader.current_batch_size
 
     totals = run_replicas(replicas, replica)
@@ -566,7 +572,57 @@ def test_no_step_holds_a_sample_twice_when_the_decision_takes_the_largest_total(
             step.update(sample for sample, _ in batch)
             if loader.is_optim_step():
                 steps.append((epoch, step))
-                job.gns.progress += loader.current_batch_size / 32
+                job.metrics.add_progress(loader.current_batch_size / 32)
                 step = Counter()
     assert {epoch for epoch, _ in steps} == {0, 1, 2}
     assert all(max(counts.values()) == 1 for _, counts in steps)
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {name for name in vars(protocol) if not name.startswith("_")}
+    return names
+
+
+class OnlyLoaderJob:
+    """A job seen through `LoaderJob` alone: any other member is an AttributeError."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+        self._allowed = _protocol_members(LoaderJob)
+
+    def __getattr__(self, name: str):
+        if name not in self._allowed:
+            raise AttributeError(f"the loader read {name!r}, which LoaderJob does not declare")
+        return getattr(self._job, name)
+
+
+def test_loader_needs_only_the_members_of_its_protocol():
+    """Adaptive loops with mid-pass decisions, a checkpoint and a stop, on the narrow job."""
+    store = MemoryCheckpointStore()
+    job = Job(
+        Topology(),
+        store=store,
+        clock=ManualClock(1.0),
+        batch_size_decision=Alternating([(2, 0), (3, 1)]),
+        checkpoint_policy=CheckpointPolicy(every_steps=3),
+    )
+    narrow = OnlyLoaderJob(job)
+    assert {"topology", "step_boundary", "metrics"} <= narrow._allowed
+    assert "progress" not in narrow._allowed and "checkpoint" not in narrow._allowed
+    loader = LoaderHelper(narrow, batch_size=2)  # type: ignore[arg-type]
+    loader.autoscale_batch_size(8, gradient_accumulation=True)
+    n, steps = 30, 0
+    with pytest.raises(Preempted):
+        for _ in job.epoch.remaining_epochs_until(3):
+            for _batch in loader.iterate(n, shard_batches(n, 0, 1)):
+                if loader.is_optim_step():
+                    job.metrics.add_progress(1.0)
+                    steps += 1
+                    if steps == 40:
+                        job.request_stop()
+    assert job.checkpoints_written > 1
+    # The same job restored resumes where it stopped, through the narrow view too.
+    again = Job(Topology(), store=store)
+    resumed = LoaderHelper(OnlyLoaderJob(again), batch_size=2)  # type: ignore[arg-type]
+    assert resumed.current_local_bsz == loader.current_local_bsz

@@ -16,6 +16,7 @@ from experiments.outcome import adascale_scale, gns_accuracy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adaptdl.core import scaling, step
 from adaptdl.core.gns import GradientNoiseScale
 
 FAST = {**gns_accuracy.DEFAULT, "steps": 800}
@@ -113,9 +114,9 @@ def test_gain_is_in_range_and_grows_with_scale_on_real_estimates() -> None:
     assert all(1.0 <= g <= s for g, s in zip(gains[1:], scales[1:], strict=True))
     assert all(a < b for a, b in itertools.pairwise(gains))
     # Progress adds the gain of each step.
-    before = gns.progress
-    assert gns.add_progress(16.0) == pytest.approx(gains[5])
-    assert gns.progress == pytest.approx(before + gains[5])
+    decision = step.decide(gns, 3.0, 16 * gns.init_batch_size, scaling.AdaScale())
+    assert decision.gain == pytest.approx(gains[5])
+    assert decision.progress == pytest.approx(3.0 + gains[5])
 
 
 # -- through adaptdl.torch under torchrun -----------------------------------------------

@@ -107,7 +107,6 @@ def test_epoch_functions_follow_the_job() -> None:
 def _gns() -> GradientNoiseScale:
     gns = GradientNoiseScale(init_batch_size=8)
     gns.update([4.0], [1.0], count=4, batch_size=8)
-    gns.progress = 5.0
     return gns
 
 
@@ -116,13 +115,13 @@ def _gns() -> GradientNoiseScale:
 def test_rules_give_the_core_factor(scale: float) -> None:
     gns = _gns()
     gain = gns.gain(scale)
-    assert scaling_rules.AdaScale().lr_factor(gns, scale) == pytest.approx(gain)
-    assert scaling_rules.AdamScale().lr_factor(gns, scale) == pytest.approx(math.sqrt(gain))
-    assert scaling_rules.LinearScale().lr_factor(gns, scale) == pytest.approx(scale)
-    assert scaling_rules.SqrtScale().lr_factor(gns, scale) == pytest.approx(math.sqrt(scale))
+    assert scaling_rules.AdaScale().lr_factor(gns, scale, 5.0) == pytest.approx(gain)
+    assert scaling_rules.AdamScale().lr_factor(gns, scale, 5.0) == pytest.approx(math.sqrt(gain))
+    assert scaling_rules.LinearScale().lr_factor(gns, scale, 5.0) == pytest.approx(scale)
+    assert scaling_rules.SqrtScale().lr_factor(gns, scale, 5.0) == pytest.approx(math.sqrt(scale))
     legw = scaling_rules.LEGWScale(base_warmup_epochs=1, data_size=64)
     expected = scaling.LEGWScale(1, 64, 8).lr_factor(gain, scale, 5.0)
-    assert legw.lr_factor(gns, scale) == pytest.approx(expected)
+    assert legw.lr_factor(gns, scale, 5.0) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("epochs", "size"), [(-1, 10), (1, 0), ("x", 10)])

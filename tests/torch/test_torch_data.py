@@ -231,9 +231,7 @@ def test_autoscale_with_accumulation_splits_into_micro_batches() -> None:
             assert helper.is_optim_step() == (len(sizes) % 4 == 0)
             # Progress stops an adaptive loop: add one unit per optimiser step.
             if helper.is_optim_step():
-                gns = helper.job.gns
-                assert gns is not None
-                gns.add_progress(1.0)
+                helper.job.metrics.add_progress(1.0)
     assert loader.current_local_bsz == 4 and loader.accumulation_steps == 3
     assert set(sizes) == {4} and len(sizes) == 16
 

@@ -68,7 +68,7 @@ FloatArray = npt.NDArray[np.float64]
 _REALS = "an array of real numbers"
 
 #: Schema tag of :meth:`GradientNoiseScale.to_json`.
-GNS_SCHEMA = "adaptdl.gns/1"
+GNS_SCHEMA = "adaptdl.gns/2"
 
 _JSON_KEYS = (
     "schema",
@@ -79,7 +79,6 @@ _JSON_KEYS = (
     "var_biased",
     "weight",
     "differenced",
-    "progress",
     "num_updates",
 )
 
@@ -161,7 +160,7 @@ def _var_sums(value: Any) -> tuple[float, ...]:
 
 @attrs.define(eq=True)
 class GradientNoiseScale:
-    """Running estimates of the gradient's squared norm and noise, and the training progress.
+    """Running estimates of the gradient's squared norm and noise, per parameter group.
 
     Fields ``init_batch_size`` (the batch size the learning rate was tuned for, in
     samples), ``num_groups`` (parameter groups) and ``smoothing`` (in (0, 1)) are
@@ -172,10 +171,10 @@ class GradientNoiseScale:
     * :meth:`update` when the step averaged two or more micro-batches;
     * :meth:`update_differenced` when it had one micro-batch and the previous step's
       gradient (also one micro-batch) is at hand;
-    * nothing (first single-micro-batch step, or a skipped step);
+    * nothing (first single-micro-batch step, or a skipped step).
 
-    and then, once the optimiser has stepped, :meth:`add_progress` with the step's
-    scale. The state is plain data: :meth:`to_json` / :meth:`from_json`.
+    ``adaptdl.core.step`` applies these rules for an adapter. The state is plain
+    data: :meth:`to_json` / :meth:`from_json`.
     """
 
     init_batch_size: int = attrs.field(converter=_init_batch_size)
@@ -187,7 +186,6 @@ class GradientNoiseScale:
     weight: float = attrs.field(default=0.0)
     # Whether the averages hold estimates of the (biased) differenced kind.
     differenced: bool = attrs.field(default=False)
-    progress: float = attrs.field(default=0.0)
     num_updates: int = attrs.field(default=0)
 
     SCHEMA: ClassVar[str] = GNS_SCHEMA
@@ -206,7 +204,6 @@ class GradientNoiseScale:
         if not isinstance(self.differenced, (bool, np.bool_)):
             raise ArgumentTypeError(f"differenced must be a bool, got {self.differenced!r}")
         self.differenced = bool(self.differenced)
-        self.progress = check_float("progress", self.progress, min=0.0)
         self.num_updates = check_int("num_updates", self.num_updates, min=0)
 
     # -- estimates ---------------------------------------------------------
@@ -281,17 +278,6 @@ class GradientNoiseScale:
             for s, v in zip(self.group_sqr, self.group_var, strict=True)
         )
 
-    def add_progress(self, scale: float) -> float:
-        """Add one optimiser step at ``scale`` to :attr:`progress`; return the gain added.
-
-        Call once per optimiser step, after that step's update (if any). ``progress``
-        counts scale-invariant steps: initial-batch-size steps that would have made
-        the same progress.
-        """
-        gain = self.gain(scale)
-        self.progress += gain
-        return gain
-
     # -- updates -----------------------------------------------------------
 
     def update(
@@ -364,7 +350,7 @@ class GradientNoiseScale:
         self._fold(dot, var, b_c / self.init_batch_size)
 
     def reset(self) -> None:
-        """Forget the estimates (keeps :attr:`progress`)."""
+        """Forget the estimates."""
         self._restart()
         self.differenced = False
 
@@ -381,7 +367,6 @@ class GradientNoiseScale:
             "var_biased": list(self.var_biased),
             "weight": self.weight,
             "differenced": self.differenced,
-            "progress": self.progress,
             "num_updates": self.num_updates,
         }
 

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -28,9 +29,7 @@ from adaptdl.core.metrics import MetricsState
 from adaptdl.core.topology import Topology
 
 if TYPE_CHECKING:
-    from adaptdl.core.gns import GradientNoiseScale
     from adaptdl.core.loader import LoaderHelper
-    from adaptdl.core.profiler import Profiler
 
 LOG = logging.getLogger("adaptdl.core.job")
 
@@ -88,13 +87,42 @@ class CheckpointPolicy:
 
 
 class Store(Protocol):
-    """What the job needs of a checkpoint store (directory or memory)."""
+    """What the job and its loaders need of a checkpoint store (directory or memory)."""
+
+    @property
+    def root(self) -> Path | None:
+        """The checkpoint directory, for messages; None for a store without one."""
+        ...
 
     def save(
         self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
     ) -> Checkpoint: ...
 
     def load(self) -> Checkpoint | None: ...
+
+
+@attrs.frozen
+class Boundary:
+    """What every replica agreed at one step boundary (see `Job.step_boundary`).
+
+    ``stop``: checkpoint and exit; ``checkpoint``: write a periodic checkpoint and
+    go on; ``redecide``: the training loop decides its batch size again. A value
+    that `Job.step_boundary` returns never has ``stop``: it raised `Preempted`.
+    """
+
+    stop: bool = False
+    checkpoint: bool = False
+    redecide: bool = False
+
+    def to_wire(self) -> list[bool]:
+        """The three flags as a collective carries them (reduced with ``logical_or``)."""
+        return [self.stop, self.checkpoint, self.redecide]
+
+    @classmethod
+    def from_wire(cls, flags: Any) -> Boundary:
+        """The value of :meth:`to_wire`'s list (after the reduction)."""
+        stop, checkpoint, redecide = flags
+        return cls(bool(stop), bool(checkpoint), bool(redecide))
 
 
 class JobState(JsonState):
@@ -158,7 +186,7 @@ class Job:
         self.redecide_schedule = RedecideSchedule()
         self._redecide_interval: float | None = None
         self._next_redecide = clock() + self.redecide_schedule.next_interval(None)
-        self.redecide_due = False
+        self._redecide_pending = False
         self.checkpoint_policy = checkpoint_policy or CheckpointPolicy()
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = clock()
@@ -190,7 +218,7 @@ class Job:
                 # Bytes that passed the store's checks but do not decode (a crafted or
                 # foreign entry): say which checkpoint, not just a decoder's traceback.
                 del self._states[state.name]
-                root = getattr(self.store, "root", None)
+                root = self.store.root if self.store is not None else None
                 where = (
                     f"'{os.path.join(root, self._loaded.label)}'"
                     if root is not None
@@ -285,33 +313,34 @@ class Job:
     def stop_requested(self) -> bool:
         return self._stop_requested
 
-    def step_boundary(self, *, training: bool = True) -> None:
+    def step_boundary(self, *, training: bool = True) -> Boundary:
         """Called after every optimiser step, on every replica, at the same points.
 
         Each call starts a non-blocking reduction of (any replica asked to stop,
         rank 0 finds a periodic checkpoint due, rank 0 finds the batch size due for
         another decision) and reads the one started at the previous boundary, so
         every replica acts on the same answer at the same boundary without waiting
-        on the network. A stop checkpoints and raises `Preempted`; a due checkpoint
-        is written and training goes on; a due decision sets `redecide_due` until the
-        training loader acts on it. Boundaries of other loops (``training=False``,
-        e.g. validation) still stop and checkpoint, but count no step toward
-        ``every_steps`` and schedule no decision.
+        on the network. The job acts on that `Boundary` and returns it: a stop
+        checkpoints and raises `Preempted`; a due checkpoint is written and training
+        goes on; a due decision is returned (``redecide``) at the next training
+        boundary, for the training loop to act on. Boundaries of other loops
+        (``training=False``, e.g. validation) still stop and checkpoint, but count
+        no step toward ``every_steps``, schedule no decision and never carry one.
         """
         if training:
             self._steps_since_checkpoint += 1
         previous = self._boundary_future
         self._boundary_future = None
-        if previous is not None:
-            stop, due, redecide = previous.result()
-            if stop:
-                self.checkpoint()
-                raise Preempted()
-            if due:
-                self.checkpoint()
-            # Stays set until the training loader acts on it (a validation loop
-            # may run in between).
-            self.redecide_due = self.redecide_due or bool(redecide)
+        agreed = Boundary.from_wire(previous.result()) if previous is not None else Boundary()
+        if agreed.stop:
+            self.checkpoint()
+            raise Preempted()
+        if agreed.checkpoint:
+            self.checkpoint()
+        # A decision waits for the next training boundary (a validation loop may run
+        # in between).
+        redecide = self._redecide_pending or agreed.redecide
+        self._redecide_pending = redecide and not training
         now = self.clock()
         due_now = (
             self.store is not None
@@ -326,8 +355,9 @@ class Job:
             self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
             self._next_redecide = now + self._redecide_interval
         self._boundary_future = self.collective.allreduce_async(
-            [self._stop_requested, due_now, redecide_now], logical_or
+            Boundary(self._stop_requested, due_now, redecide_now).to_wire(), logical_or
         )
+        return attrs.evolve(agreed, redecide=redecide and training)
 
     # -- loops ------------------------------------------------------------------------
     def enter_loader(self, loader: LoaderHelper) -> None:
@@ -355,15 +385,6 @@ class Job:
         self.metrics.ensure_gns(loader.batch_size, gns.num_groups if gns is not None else 1)
 
     # -- metrics ------------------------------------------------------------------------
-    @property
-    def gns(self) -> GradientNoiseScale | None:
-        """The gradient-noise estimator; None until a training loader exists."""
-        return self.metrics.gns
-
-    @property
-    def profiler(self) -> Profiler:
-        return self.metrics.profiler
-
     @property
     def progress(self) -> float:
         """Scale-invariant progress: optimiser steps weighted by their gain."""

@@ -16,20 +16,81 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, BatchSizeQuery
-from adaptdl.core.checkpoint import CheckpointError, JsonState
+from adaptdl.core.checkpoint import CheckpointError, JsonState, State
 
 if TYPE_CHECKING:
-    from adaptdl.core.job import Job
+    from adaptdl.core.collective import Collective
+    from adaptdl.core.epoch import EpochState
+    from adaptdl.core.job import Boundary, Store
+    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.topology import Topology
 
 LOG = logging.getLogger("adaptdl.core.loader")
 T = TypeVar("T")
 
 # (epoch, index, local_bsz) -> the batches of one pass, starting at that index.
 BatchesFn = Callable[[int, int, int], Iterable[T]]
+
+
+class LoaderJob(Protocol):
+    """What a loader needs of its job: `adaptdl.core.job.Job` has it all.
+
+    Read-only: the topology, collective, clock, batch-size decision, epoch
+    counter, metrics (progress and profiler), checkpoint store and the loops
+    that run; the loader changes the job only through the methods below.
+    """
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def collective(self) -> Collective: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def batch_size_decision(self) -> BatchSizeDecision: ...
+
+    @property
+    def epoch(self) -> EpochState: ...
+
+    @property
+    def metrics(self) -> MetricsState: ...
+
+    @property
+    def store(self) -> Store | None: ...
+
+    @property
+    def restored_from(self) -> str | None: ...
+
+    @property
+    def current_loader(self) -> LoaderHelper | None: ...
+
+    @property
+    def training_loader(self) -> LoaderHelper | None: ...
+
+    def register(self, state: State) -> None: ...
+
+    def unique_name(self, prefix: str) -> str: ...
+
+    def set_training_loader(self, loader: LoaderHelper) -> None: ...
+
+    def enter_loader(self, loader: LoaderHelper) -> None: ...
+
+    def exit_loader(self, loader: LoaderHelper) -> None: ...
+
+    def take_sync_time(self) -> float: ...
+
+    def taking_samples(self, samples: int) -> None: ...
+
+    def count_samples(self, samples: int) -> None: ...
+
+    def step_boundary(self, *, training: bool = True) -> Boundary: ...
 
 
 class LoaderState(JsonState):
@@ -74,7 +135,7 @@ class LoaderHelper:
 
     def __init__(
         self,
-        job: Job,
+        job: LoaderJob,
         batch_size: int = 1,
         *,
         name: str | None = None,
@@ -147,6 +208,7 @@ class LoaderHelper:
 
     @property
     def training(self) -> bool:
+        """Whether this is the job's training loader."""
         return self.job.training_loader is self
 
     def is_accum_step(self) -> bool:
@@ -267,7 +329,7 @@ class LoaderHelper:
         yield
         if commit:
             topo = self.job.topology
-            self.job.profiler.record(
+            self.job.metrics.profiler.record(
                 topo.num_nodes,
                 topo.num_replicas,
                 self.current_local_bsz,
@@ -297,7 +359,7 @@ class LoaderHelper:
             while not self._finished(n, epoch):
                 if not decided:  # a pass starts
                     local_bsz = self.sync_local_bsz()
-                    progress, steps = self.job.progress, 0
+                    progress, steps = self.job.metrics.progress, 0
                 decided = False
                 for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
                     index = self._state.current_index
@@ -311,10 +373,12 @@ class LoaderHelper:
                     if self._accum_count == 0:
                         steps += 1
                         # Without a designated training loader, every loop trains.
-                        self.job.step_boundary(training=self.job.training_loader in (None, self))
+                        boundary = self.job.step_boundary(
+                            training=self.job.training_loader in (None, self)
+                        )
                         if self._max_batch_size is not None and self._finished(n, epoch):
                             break
-                        if self._redecided():
+                        if boundary.redecide and self._redecided():
                             # Go on from the current index with the new batch size.
                             decided, local_bsz = True, self.current_local_bsz
                             break
@@ -323,7 +387,7 @@ class LoaderHelper:
                     if (
                         self._max_batch_size is not None
                         and steps > 0
-                        and self.job.progress == progress
+                        and self.job.metrics.progress == progress
                         and not self._finished(n, epoch)
                     ):
                         raise RuntimeError(
@@ -334,10 +398,9 @@ class LoaderHelper:
                     self._state.current_index = math.ceil(self._state.current_index / n) * n
 
     def _redecided(self) -> bool:
-        """Ask the decision again mid-pass when the job says so; True if it changed."""
-        if not (self.job.redecide_due and self.training and self._max_batch_size is not None):
+        """Ask the decision again mid-pass (the job said so); True if it changed."""
+        if not (self.training and self._max_batch_size is not None):
             return False
-        self.job.redecide_due = False
         before = (self._state.current_local_bsz, self._state.accumulation_steps)
         self.sync_local_bsz()
         return (self._state.current_local_bsz, self._state.accumulation_steps) != before
@@ -346,7 +409,8 @@ class LoaderHelper:
         """Refuse to resume a loop over a dataset whose length changed; record ``n``."""
         recorded = self._state.dataset_len
         if recorded and recorded != n:
-            root = getattr(self.job.store, "root", None)
+            store = self.job.store
+            root = store.root if store is not None else None
             where = f"'{root}'" if root is not None else "the checkpoint store"
             if self._state.current_index > 0:
                 raise CheckpointError(
@@ -378,7 +442,7 @@ class LoaderHelper:
         return (
             walked
             and self._accum_count == 0
-            and self.job.progress >= n * (epoch + 1) / self.batch_size
+            and self.job.metrics.progress >= n * (epoch + 1) / self.batch_size
         )
 
     def _require_epoch(self) -> int:

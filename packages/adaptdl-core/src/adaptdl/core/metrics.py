@@ -1,36 +1,45 @@
-"""The job's training metrics as one checkpointed state: gradient noise and step timings."""
+"""The job's training metrics as one checkpointed state: noise, progress and step timings."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from adaptdl.core._validate import check_float
 from adaptdl.core.checkpoint import JsonState
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.profiler import Profiler
 
+# The estimator's schema before progress moved here; its JSON held the progress.
+_GNS_SCHEMA_WITH_PROGRESS = "adaptdl.gns/1"
+
 
 class MetricsState(JsonState):
-    """Holds the job's `GradientNoiseScale` (once a training loader exists) and `Profiler`."""
+    """The job's `GradientNoiseScale` (once a training loader exists), progress and `Profiler`.
+
+    ``progress`` is the job's scale-invariant progress: optimiser steps, each
+    weighted by its gain (initial-batch-size steps that would have made the same
+    progress). It belongs to the job, not to the estimator: the estimator may be
+    made anew (another parameter-group shape) or reset without losing it.
+    """
 
     def __init__(self, name: str = "adaptdl-metrics") -> None:
         self.name = name
         self.gns: GradientNoiseScale | None = None
+        self.progress = 0.0
         self.profiler = Profiler()
 
     def ensure_gns(self, init_batch_size: int, num_groups: int = 1) -> GradientNoiseScale:
-        """The gradient-noise estimator for this shape, made anew (keeping progress) if needed."""
+        """The gradient-noise estimator for this shape, made anew if needed."""
         gns = self.gns
         if gns is None or (gns.init_batch_size, gns.num_groups) != (init_batch_size, num_groups):
-            progress = gns.progress if gns is not None else 0.0
             gns = GradientNoiseScale(init_batch_size=init_batch_size, num_groups=num_groups)
-            gns.progress = progress
             self.gns = gns
         return gns
 
-    @property
-    def progress(self) -> float:
-        return self.gns.progress if self.gns is not None else 0.0
+    def add_progress(self, gain: float) -> None:
+        """Add one optimiser step worth ``gain`` initial-batch steps (> 0) to the progress."""
+        self.progress += check_float("gain", gain, min=0.0, min_exclusive=True)
 
     def grad_params(self) -> GradParams | None:
         return self.gns.grad_params() if self.gns is not None else None
@@ -38,10 +47,17 @@ class MetricsState(JsonState):
     def to_json(self) -> dict[str, Any]:
         return {
             "gns": self.gns.to_json() if self.gns is not None else None,
+            "progress": self.progress,
             "profiler": self.profiler.to_json(),
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
         gns = data["gns"]
+        progress = data.get("progress", 0.0)
+        if isinstance(gns, dict) and gns.get("schema") == _GNS_SCHEMA_WITH_PROGRESS:
+            # Written before progress moved out of the estimator.
+            gns = {k: v for k, v in gns.items() if k != "progress"} | {"schema": GNS_SCHEMA}
+            progress = data["gns"].get("progress", 0.0)
         self.gns = GradientNoiseScale.from_json(gns) if gns is not None else None
+        self.progress = check_float("progress", progress, min=0.0)
         self.profiler = Profiler.from_json(data["profiler"])

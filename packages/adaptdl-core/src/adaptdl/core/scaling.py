@@ -7,7 +7,7 @@ learning rate (the one tuned for the initial batch size):
   ``GradientNoiseScale.gain``), in ``[1, scale]`` for ``scale >= 1``;
 * ``scale``: total batch size / initial batch size, > 0;
 * ``progress``: scale-invariant training progress so far, in initial-batch-size
-  steps (``GradientNoiseScale.progress``: each optimiser step adds its gain).
+  steps (``MetricsState.progress``: each optimiser step adds its gain).
 
 Rules that do not need an input ignore it; all take the same three so that the
 caller need not know which rule it holds.
@@ -66,23 +66,38 @@ class ScalingRule(Protocol):
 
 
 @attrs.frozen
-class AdaScale:
+class _FactorOf:
+    """A rule whose factor is one input (``of``: "gain" or "scale"), or its square root.
+
+    Subclasses say which in their class line:
+    ``class AdaScale(_FactorOf, name="adascale", of="gain")``.
+    """
+
+    name: ClassVar[str]
+    _of: ClassVar[int]  # index into (gain, scale, progress)
+    _root: ClassVar[bool]
+
+    def __init_subclass__(cls, *, name: str, of: str, root: bool = False) -> None:
+        super().__init_subclass__()
+        cls.name = name
+        cls._of = ("gain", "scale").index(of)
+        cls._root = root
+
+    def lr_factor(self, gain: float, scale: float, progress: float) -> float:
+        """Return the multiplier of the base learning rate (see the class)."""
+        value = _check_inputs(gain, scale, progress)[self._of]
+        return math.sqrt(value) if self._root else value
+
+
+class AdaScale(_FactorOf, name="adascale", of="gain"):
     """AdaScale (Johnson et al., 2020): the factor is the gain itself.
 
     For plain SGD: a step at ``scale`` worth ``gain`` initial steps takes a step
     ``gain`` times as long.
     """
 
-    name: ClassVar[str] = "adascale"
 
-    def lr_factor(self, gain: float, scale: float, progress: float) -> float:
-        """Return ``gain``."""
-        gain, _, _ = _check_inputs(gain, scale, progress)
-        return gain
-
-
-@attrs.frozen
-class AdamScale:
+class AdamScale(_FactorOf, name="adamscale", of="gain", root=True):
     """AdaScale for adaptive optimisers (Adam, AdamW, RMSprop): the factor is ``sqrt(gain)``.
 
     Adam normalises the update by the gradient's second moment, which shrinks by
@@ -92,36 +107,13 @@ class AdamScale:
     ``adaptdl.core.gns``).
     """
 
-    name: ClassVar[str] = "adamscale"
 
-    def lr_factor(self, gain: float, scale: float, progress: float) -> float:
-        """Return ``sqrt(gain)``."""
-        gain, _, _ = _check_inputs(gain, scale, progress)
-        return math.sqrt(gain)
-
-
-@attrs.frozen
-class LinearScale:
+class LinearScale(_FactorOf, name="linear", of="scale"):
     """The linear scaling rule (Goyal et al., 2017): the factor is ``scale``."""
 
-    name: ClassVar[str] = "linear"
 
-    def lr_factor(self, gain: float, scale: float, progress: float) -> float:
-        """Return ``scale``."""
-        _, scale, _ = _check_inputs(gain, scale, progress)
-        return scale
-
-
-@attrs.frozen
-class SqrtScale:
+class SqrtScale(_FactorOf, name="sqrt", of="scale", root=True):
     """The square-root scaling rule (Krizhevsky, 2014): the factor is ``sqrt(scale)``."""
-
-    name: ClassVar[str] = "sqrt"
-
-    def lr_factor(self, gain: float, scale: float, progress: float) -> float:
-        """Return ``sqrt(scale)``."""
-        _, scale, _ = _check_inputs(gain, scale, progress)
-        return math.sqrt(scale)
 
 
 def _non_negative_float(value: object) -> float:

@@ -4,10 +4,13 @@ A scenario drives a real ``adaptdl.core.job.Job`` in simulated time: the core sa
 (``Shard``) chooses every replica's samples, the core loader walks the epoch and
 decides when an adaptive loop ends, the core goodput engine (``GoodputDecision`` on
 the job's ``Profiler`` and ``GradientNoiseScale``) picks the batch size and
-accumulation, and checkpoints go through a ``MemoryCheckpointStore``. The simulator
-only supplies time (step times from an application model), the gradient statistics
-of the model (fed to the core estimator as the squared norms a real step would
-produce), and the failures.
+accumulation, every optimiser step goes through core's step contract
+(``adaptdl.core.step``: the noise update with its one-step lag across replicas,
+the non-finite skip, the scaling rule, progress) exactly as the torch adapter's
+does, and checkpoints go through a ``MemoryCheckpointStore``. The simulator only
+supplies time (step times from an application model), the gradient statistics of
+the model (handed to core as the squared norms a real step would measure), and
+the failures.
 
 On a resize or a preemption the job is asked to stop: it checkpoints at the next
 batch boundary and restarts with the new topology. On a crash it dies at once:
@@ -33,12 +36,25 @@ from adaptdl.core.collective import GroupMember, Ready, add, check_root, fold, w
 from adaptdl.core.job import CheckpointPolicy, Job, Preempted
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
+from adaptdl.core.scaling import AdaScale, ScalingRule
+from adaptdl.core.step import PairedNorms, StepDecision, StepMeasurement, StepStatistics
 from adaptdl.core.topology import Topology
 from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
 
 T = TypeVar("T")
 
 EVENT_KINDS = ("resize", "preempt", "crash")
+
+#: The columns of `ReplayReport.timeline`, as `ReplayReport.to_json` names them.
+TIMELINE_COLUMNS = (
+    "time",
+    "replicas",
+    "local_bsz",
+    "accum_steps",
+    "batch_size",
+    "goodput",
+    "progress",
+)
 
 
 class SimClock:
@@ -172,21 +188,28 @@ def load_scenario(path: Path | str) -> Scenario:
         raise ValueError(f"{path}: bad scenario: {exc}") from exc
 
 
+#: The sizes of the built-in replay application, which its scenarios share.
+_REPLAY_SIZES: dict[str, Any] = {
+    "epochs": 6,
+    "dataset_size": 6000,
+    "init_batch_size": 32,
+    "max_batch_size": 1024,
+    "local_bsz_bounds": (8, 256),
+}
+
+
 def replay_application(name: str = "replay-small") -> ParametricApplication:
-    """A small parametric application for built-in replay scenarios."""
+    """A small parametric application for built-in replay scenarios.
+
+    Its step-time and noise numbers not given here are `ParametricApplication`'s
+    defaults.
+    """
     return ParametricApplication(
         name=name,
-        init_batch_size=32,
-        max_batch_size=1024,
-        local_bsz_bounds=(8, 256),
-        dataset_size=6000,
-        epochs=6,
-        alpha_c=0.02,
+        **_REPLAY_SIZES,
         beta_c=0.0015,
         alpha_r=0.005,
-        beta_r=0.002,
         alpha_n=0.04,
-        beta_n=0.01,
         noise_start=60.0,
         noise_end=2000.0,
     )
@@ -196,11 +219,7 @@ def builtin_scenarios() -> dict[str, Scenario]:
     """Named scenarios that need no external data."""
     base = {
         "application": "replay-small",
-        "epochs": 6,
-        "dataset_size": 6000,
-        "init_batch_size": 32,
-        "max_batch_size": 1024,
-        "local_bsz_bounds": (8, 256),
+        **_REPLAY_SIZES,
         "gradient_accumulation": True,
         "checkpoint_interval": 15.0,
     }
@@ -216,11 +235,11 @@ def builtin_scenarios() -> dict[str, Scenario]:
                 E(230.0, "crash"),
                 E(250.0, "resize", replicas=6, nodes=2),
             ),
-            **base,  # type: ignore[arg-type]
+            **base,
         ),
         "fixed": Scenario(
             name="fixed",
-            **{**base, "max_batch_size": None, "local_bsz_bounds": None},  # type: ignore[arg-type]
+            **{**base, "max_batch_size": None, "local_bsz_bounds": None},
             replicas=2,
             timeline=(E(10.0, "resize", replicas=4, nodes=1), E(33.0, "crash")),
         ),
@@ -228,7 +247,7 @@ def builtin_scenarios() -> dict[str, Scenario]:
             name="crashy",
             replicas=4,
             timeline=tuple(E(11.0 * (i + 1), "crash") for i in range(8)),
-            **base,  # type: ignore[arg-type]
+            **base,
         ),
     }
 
@@ -266,34 +285,13 @@ class ReplayReport:
         return all(e.exactly_once for e in self.epochs)
 
     def to_json(self) -> dict[str, Any]:
+        summary = ("end_time", "restarts", "crashes", "restart_seconds", "lost_seconds")
         return {
             "scenario": self.scenario,
             "exactly_once": self.exactly_once,
-            "end_time": self.end_time,
-            "restarts": self.restarts,
-            "crashes": self.crashes,
-            "restart_seconds": self.restart_seconds,
-            "lost_seconds": self.lost_seconds,
-            "checkpoints": self.checkpoints,
+            **{key: getattr(self, key) for key in (*summary, "checkpoints")},
             "epochs": [attrs.asdict(e) | {"exactly_once": e.exactly_once} for e in self.epochs],
-            "timeline": [
-                dict(
-                    zip(
-                        (
-                            "time",
-                            "replicas",
-                            "local_bsz",
-                            "accum_steps",
-                            "batch_size",
-                            "goodput",
-                            "progress",
-                        ),
-                        row,
-                        strict=True,
-                    )
-                )
-                for row in self.timeline
-            ],
+            "timeline": [dict(zip(TIMELINE_COLUMNS, row, strict=True)) for row in self.timeline],
         }
 
 
@@ -372,6 +370,7 @@ def run_replay(
         else:
             loader.train()
         placement = _placement(replicas, nodes)
+        steps = ReplaySteps(StepStatistics(job.metrics, job.collective), scenario.init_batch_size)
         written = job.checkpoints_written
         last_checkpoint_time = clock.now
         pending_stop: TimelineEvent | None = None
@@ -407,15 +406,11 @@ def run_replay(
                     local = loader.current_local_bsz
                     accum = loader.accumulation_steps
                     step, sync = app.step_time(placement, local)
-                    gns = job.gns
                     if loader.is_optim_step():
                         clock.now += step
                         job.record_sync_time(sync)
-                        assert gns is not None
-                        count = replicas * (accum + 1)
                         sqr, var = _grad_stats(app, sqr_var_cache, loader, ep, scenario)
-                        _feed_gns(gns, sqr, var, local, count)
-                        gns.add_progress(loader.current_batch_size / scenario.init_batch_size)
+                        steps.step(sqr, var, local, accum + 1, replicas)
                     else:
                         clock.now += max(step - sync, 1e-6)
                     if local != prev_local or not timeline or timeline[-1][1] != replicas:
@@ -491,18 +486,78 @@ def _grad_stats(
     return cache[key]
 
 
-def _feed_gns(gns: Any, sqr: float, var: float, local: int, count: int) -> None:
-    """Give the core estimator the squared norms a step with these statistics has.
+def measurement(
+    sqr: float,
+    var: float,
+    init_batch_size: int,
+    local_bsz: int,
+    micro_batches: int,
+    num_replicas: int,
+    prev_local_bsz: int | None = None,
+) -> StepMeasurement:
+    """The squared norms a step has, in expectation, when its gradient has these statistics.
 
-    ``var`` is the variance at the initial batch size, so one sample's is ``var * M0``.
+    ``sqr`` is |G|^2 and ``var`` the variance at the initial batch size, so one
+    sample's is ``var * init_batch_size``. Per replica: ``micro_batches`` gradients
+    of ``local_bsz`` samples each. A step of one micro-batch in all pairs with the
+    previous such step, of ``prev_local_bsz`` samples (None: no previous step).
     """
-    v = var * gns.init_batch_size
-    if count >= 2:
-        gns.update(count * (sqr + v / local), sqr + v / (local * count), count, local)
-    else:
-        prev = cur = sqr + v / local
-        mixed = sqr + v / (2 * local)
-        gns.update_differenced(prev, cur, mixed, local)
+    v = var * init_batch_size
+    count = num_replicas * micro_batches
+    cur = sqr + v / local_bsz
+    pair = None
+    if count == 1 and prev_local_bsz is not None:
+        # E|(g_p + g_c) / 2|^2 for independent g_p, g_c of these statistics.
+        mixed = sqr + (v / prev_local_bsz + v / local_bsz) / 4
+        prev = sqr + v / prev_local_bsz
+        pair = PairedNorms(prev_sqr=(prev,), mixed_sqr=(mixed,), prev_batch_size=prev_local_bsz)
+    return StepMeasurement(
+        local_sqr=(micro_batches * cur,),
+        total_sqr=(sqr + v / (local_bsz * count),),
+        micro_batches=micro_batches,
+        num_replicas=num_replicas,
+        batch_size=local_bsz,
+        pair=pair,
+    )
+
+
+class ReplaySteps:
+    """One run's optimiser steps through core's step contract, as torch's adapter takes them.
+
+    ``init_batch_size`` is the job's initial batch size; ``rule`` the scaling rule
+    (default AdaScale, as torch's). Keeps what the adapter keeps between steps:
+    whether the previous step (of one micro-batch) left a gradient to pair with,
+    and of how many samples.
+    """
+
+    def __init__(
+        self, stats: StepStatistics, init_batch_size: int, rule: ScalingRule | None = None
+    ) -> None:
+        self.stats = stats
+        self.init_batch_size = check_int("init_batch_size", init_batch_size, min=1)
+        self.rule: ScalingRule = rule or AdaScale()
+        self.prev_local_bsz: int | None = None
+
+    def step(
+        self, sqr: float, var: float, local_bsz: int, micro_batches: int, num_replicas: int
+    ) -> StepDecision:
+        """Measure, decide and commit one step whose gradient has statistics (sqr, var)."""
+        m = measurement(
+            sqr,
+            var,
+            self.init_batch_size,
+            local_bsz,
+            micro_batches,
+            num_replicas,
+            self.prev_local_bsz,
+        )
+        fold = self.stats.measure(m, self.init_batch_size)
+        single = m.count == 1 and fold.pairable
+        self.prev_local_bsz = local_bsz if single else None
+        decision = self.stats.decide(local_bsz * micro_batches * num_replicas, self.rule)
+        assert decision is not None  # measure made the estimator
+        self.stats.commit(decision)
+        return decision
 
 
 def _sample(

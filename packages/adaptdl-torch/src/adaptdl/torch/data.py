@@ -8,6 +8,7 @@ wires them into a real ``torch.utils.data.DataLoader``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import signal
@@ -104,49 +105,32 @@ class AdaptiveDataLoaderHelper(LoaderHelper):
         writer.add_scalar(f"{prefix}Data/accumulation_steps", self.accumulation_steps, global_step)
 
 
+def _of_helper(name: str) -> Any:
+    """A read-only property: the loader helper's (``self._elastic``) property ``name``."""
+    source = getattr(LoaderHelper, name)
+    return property(lambda self: getattr(self._elastic, name), doc=source.__doc__)
+
+
 class AdaptiveDataLoaderMixin:
     """Elastic functionality for a custom DataLoader: a helper in ``self._elastic``."""
 
     def __init__(self, batch_size: int) -> None:
         self._elastic = AdaptiveDataLoaderHelper(batch_size)
 
-    def autoscale_batch_size(
-        self,
-        max_batch_size: int,
-        local_bsz_bounds: tuple[int | None, int | None] | None = None,
-        gradient_accumulation: bool = False,
-    ) -> None:
-        """Enable adaptive batch size up to ``max_batch_size`` in total.
-
-        Raises ValueError when the bounds are invalid.
-        """
-        self._elastic.autoscale_batch_size(
-            max_batch_size, local_bsz_bounds, gradient_accumulation=gradient_accumulation
-        )
+    # The helper's signature and docstring (``inspect.signature`` follows ``__wrapped__``).
+    @functools.wraps(LoaderHelper.autoscale_batch_size)
+    def autoscale_batch_size(self, *args: Any, **kwargs: Any) -> None:
+        self._elastic.autoscale_batch_size(*args, **kwargs)
 
     def train(self) -> None:
         """Make this the job's (one) training loader."""
         self._elastic.train()
 
-    @property
-    def current_local_bsz(self) -> int:
-        """The local batch size of one micro-batch on each replica."""
-        return self._elastic.current_local_bsz
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches accumulated before the one that takes the optimiser step."""
-        return self._elastic.accumulation_steps
-
-    @property
-    def current_batch_size(self) -> int:
-        """Total samples per optimiser step over all replicas and micro-batches."""
-        return self._elastic.current_batch_size
-
-    @property
-    def training(self) -> bool:
-        """Whether this is the job's training loader."""
-        return self._elastic.training
+    # Read-only views of the helper's properties of the same names.
+    current_local_bsz: int = _of_helper("current_local_bsz")
+    accumulation_steps: int = _of_helper("accumulation_steps")
+    current_batch_size: int = _of_helper("current_batch_size")
+    training: bool = _of_helper("training")
 
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
         """Write batch-size metrics to a ``torch.utils.tensorboard.SummaryWriter``."""

@@ -1,38 +1,34 @@
-"""`AdaptiveDataParallel`: DistributedDataParallel whose gradients feed core's statistics.
+"""`AdaptiveDataParallel`: DistributedDataParallel whose gradients feed core's step contract.
 
 Per micro-batch, a hook on every parameter adds the squared norm of the local
 gradient (before any all-reduce) to a per-group sum. After the optimiser-step
 micro-batch's backward pass, once DDP has averaged the gradients, the squared
-norm of the averaged gradient and the replicas' local sums go to core's
-`GradientNoiseScale`; the time spent waiting for the all-reduce after the
-backward computation goes to the profiler. Accumulation micro-batches run under
-``no_sync`` and leave the gradients summing in ``.grad``; on the step they are
-divided by the number of micro-batches, so the optimiser always sees the mean
-gradient of the whole batch. ``optimizer.step()`` multiplies each group's learning
-rate by the scaling rule's factor for that step only, then adds the step's gain to
-the job's scale-invariant progress.
+norm of the averaged gradient and the local sums go to core as a
+`StepMeasurement` (`adaptdl.core.step`); the time spent waiting for the
+all-reduce after the backward computation goes to the profiler. Accumulation
+micro-batches run under ``no_sync`` and leave the gradients summing in ``.grad``;
+on the step they are divided by the number of micro-batches, so the optimiser
+always sees the mean gradient of the whole batch. ``optimizer.step()`` asks core
+for the step's `StepDecision`, multiplies each group's learning rate by its
+factor for that step only, then commits the step's gain to the job's progress.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from adaptdl.core.collective import Future
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.step import PairedNorms, StepMeasurement, StepStatistics
 from adaptdl.torch._context import current_job
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
 from adaptdl.torch.state import StateDictState
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["AdaptiveDataParallel"]
-
-LOG = logging.getLogger("adaptdl.torch.parallel")
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
@@ -111,7 +107,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self._accum_index = 0
         self._loader: LoaderHelper | None = None
         self._sync_start = 0.0
-        self._pending: tuple[Future[Any], list[float], int, int] | None = None
+        self._steps = StepStatistics(job.metrics, job.collective)
         self._prev_grads: list[list[torch.Tensor]] | None = None
         self._prev_bsz = 0
         self.last_lr_factor = 1.0
@@ -200,7 +196,6 @@ class AdaptiveDataParallel(DistributedDataParallel):
         job.record_sync_time(job.clock() - self._sync_start)
         loader = self._loader
         assert loader is not None
-        self._apply_pending()
         micro, self._micro = max(len(self._micro), 1), set()
         parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
         groups = self._grad_groups()
@@ -216,61 +211,38 @@ class AdaptiveDataParallel(DistributedDataParallel):
         local = [v / mp2 for v in sums[: self._num_groups]]
         total = [v / mp2 for v in sums[self._num_groups :]]
         training = job.training_loader or loader
-        gns = job.metrics.ensure_gns(training.batch_size, self._num_groups)
         bsz = max(loader.current_local_bsz, 1)
         replicas = job.topology.num_replicas
-        count = replicas * micro
-        if count >= 2:
+        single = replicas * micro == 1
+        current = [[g.detach() / mp2**0.5 for g in grads] for grads in groups] if single else None
+        measurement = StepMeasurement(
+            local_sqr=tuple(local),
+            total_sqr=tuple(total),
+            micro_batches=micro,
+            num_replicas=replicas,
+            batch_size=bsz,
+            pair=self._pair(current) if current is not None else None,
+        )
+        fold = self._steps.measure(measurement, training.batch_size)
+        if current is not None and fold.pairable:
+            self._prev_grads = [[g.clone() for g in grads] for grads in current]
+            self._prev_bsz = bsz
+        else:
             self._prev_grads = None
-            if replicas > 1:
-                # The replicas' local norms are summed in the background and folded in
-                # at the next step: no wait here, and a one-step lag is immaterial to
-                # a moving average over hundreds of steps.
-                self._pending = (job.collective.allreduce_async(local), total, count, bsz)
-            else:
-                self._update(gns.update, local, total, count, bsz)
-            return
-        if not all(math.isfinite(v) for v in total):
-            self._skip()
-            return
-        current = [[g.detach() / mp2**0.5 for g in grads] for grads in groups]
-        if self._prev_grads is not None and _same_shapes(self._prev_grads, current):
-            # Both gradients with this step's preconditioner, as the estimator requires.
-            pairs = zip(
-                self._preconditioned(self._prev_grads),
-                self._preconditioned(current),
-                strict=True,
-            )
-            mixed = [
-                float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
-                for pg, cg in pairs
-            ]
-            prev = [
-                float(_sum_sqr_norms(_norms(pg))) for pg in self._preconditioned(self._prev_grads)
-            ]
-            self._update(gns.update_differenced, prev, total, mixed, bsz, self._prev_bsz)
-        self._prev_grads = [[g.clone() for g in grads] for grads in current]
-        self._prev_bsz = bsz
 
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        future, total, count, bsz = pending
-        gns = self._job.metrics.gns
-        if gns is not None:
-            self._update(gns.update, future.result(), total, count, bsz)
-
-    def _update(self, update: Callable[..., None], *args: Any) -> None:
-        values = [v for a in args if isinstance(a, list) for v in a]
-        if not all(math.isfinite(v) for v in values):
-            self._skip()
-            return
-        update(*args)
-
-    def _skip(self) -> None:
-        LOG.warning("non-finite gradient: gradient-noise statistics skip this step")
-        self._prev_grads = None
+    def _pair(self, current: list[list[torch.Tensor]]) -> PairedNorms | None:
+        """The norms that pair this single-micro-batch step with the previous one, if any."""
+        prev = self._prev_grads
+        if prev is None or not _same_shapes(prev, current):
+            return None
+        # Both gradients with this step's preconditioner, as the estimator requires.
+        pairs = zip(self._preconditioned(prev), self._preconditioned(current), strict=True)
+        mixed = tuple(
+            float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
+            for pg, cg in pairs
+        )
+        prev_sqr = tuple(float(_sum_sqr_norms(_norms(pg))) for pg in self._preconditioned(prev))
+        return PairedNorms(prev_sqr=prev_sqr, mixed_sqr=mixed, prev_batch_size=self._prev_bsz)
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``groups`` (gradients of the params with grads) divided by their preconditioners."""
@@ -347,19 +319,21 @@ class AdaptiveDataParallel(DistributedDataParallel):
         gns = job.metrics.gns
         if loader is None or gns is None:
             return step(*args, **kwargs)
-        scale = loader.current_batch_size / gns.init_batch_size
-        factor = self.scaling_rule.lr_factor(gns, scale)
+        rule = self.scaling_rule.core_rule(gns.init_batch_size)
         groups = self.adaptdl_optimizer.param_groups
+        decision = self._steps.decide(loader.current_batch_size, rule, len(groups))
+        assert decision is not None
         base = [group["lr"] for group in groups]
-        for group, lr in zip(groups, base, strict=True):
+        for group, lr, factor in zip(groups, base, decision.lr_factors, strict=True):
             group["lr"] = lr * factor
         try:
             result = step(*args, **kwargs)
         finally:
             for group, lr in zip(groups, base, strict=True):
                 group["lr"] = lr
-        self.last_lr_factor = factor
-        self.last_gain = gns.add_progress(scale)
+        self._steps.commit(decision)
+        self.last_lr_factor = decision.lr_factors[0]
+        self.last_gain = decision.gain
         return result
 
     def _patch_scaler(self, scaler: Any) -> None:

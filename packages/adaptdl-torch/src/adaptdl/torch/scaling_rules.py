@@ -1,14 +1,15 @@
 """Learning-rate scaling rules for adaptive batch sizes, applied to an optimiser's groups.
 
-The math is core's (`adaptdl.core.scaling`); these classes feed it the job's gain,
-scale and progress and say by how much each parameter group's learning rate is
-multiplied at the optimiser step. The learning rate the user (or an LR scheduler)
-set stays the base rate; the factor only applies during ``optimizer.step()``.
+The math is core's (`adaptdl.core.scaling`) and so is the step's decision
+(`adaptdl.core.step`); these classes name the rule a model is trained with and
+build core's rule for the job's initial batch size. The learning rate the user
+(or an LR scheduler) set stays the base rate; the factor only applies during
+``optimizer.step()``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 from adaptdl.core import scaling
 from adaptdl.core._validate import check_float, check_int
@@ -20,13 +21,22 @@ __all__ = ["AdaScale", "AdamScale", "LEGWScale", "LinearScale", "ScalingRuleBase
 class ScalingRuleBase:
     """A rule: the learning-rate factor at ``scale`` = batch size / initial batch size."""
 
-    def _core(self, init_batch_size: int) -> Any:
-        raise NotImplementedError
+    #: Core's rule, for rules that need no configuration.
+    _core_rule: ClassVar[type[scaling.ScalingRule] | None] = None
 
-    def lr_factor(self, gns: GradientNoiseScale, scale: float) -> float:
-        """The multiplier of every group's base learning rate for a step at ``scale``."""
-        rule = self._core(gns.init_batch_size)
-        return float(rule.lr_factor(gns.gain(scale), scale, gns.progress))
+    def core_rule(self, init_batch_size: int) -> scaling.ScalingRule:
+        """Core's rule for a job whose initial batch size is ``init_batch_size``."""
+        if self._core_rule is None:
+            raise NotImplementedError(f"{type(self).__name__} names no core rule")
+        return self._core_rule()
+
+    def lr_factor(self, gns: GradientNoiseScale, scale: float, progress: float) -> float:
+        """The multiplier of every group's base learning rate for a step at ``scale``.
+
+        ``progress`` is the job's scale-invariant progress before the step.
+        """
+        rule = self.core_rule(gns.init_batch_size)
+        return float(rule.lr_factor(gns.gain(scale), scale, progress))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -35,29 +45,25 @@ class ScalingRuleBase:
 class AdaScale(ScalingRuleBase):
     """AdaScale (Johnson et al., 2020): multiply the learning rate by the gain (for SGD)."""
 
-    def _core(self, init_batch_size: int) -> Any:
-        return scaling.AdaScale()
+    _core_rule = scaling.AdaScale
 
 
 class AdamScale(ScalingRuleBase):
     """AdaScale for Adam-like optimisers: multiply the learning rate by ``sqrt(gain)``."""
 
-    def _core(self, init_batch_size: int) -> Any:
-        return scaling.AdamScale()
+    _core_rule = scaling.AdamScale
 
 
 class LinearScale(ScalingRuleBase):
     """Linear scaling (Goyal et al., 2017): multiply the learning rate by the scale."""
 
-    def _core(self, init_batch_size: int) -> Any:
-        return scaling.LinearScale()
+    _core_rule = scaling.LinearScale
 
 
 class SqrtScale(ScalingRuleBase):
     """Square-root scaling: multiply the learning rate by ``sqrt(scale)``."""
 
-    def _core(self, init_batch_size: int) -> Any:
-        return scaling.SqrtScale()
+    _core_rule = scaling.SqrtScale
 
 
 class LEGWScale(ScalingRuleBase):
@@ -71,7 +77,7 @@ class LEGWScale(ScalingRuleBase):
         self.base_warmup_epochs = check_float("base_warmup_epochs", base_warmup_epochs, min=0.0)
         self.data_size = check_int("data_size", data_size, min=1)
 
-    def _core(self, init_batch_size: int) -> Any:
+    def core_rule(self, init_batch_size: int) -> scaling.ScalingRule:
         return scaling.LEGWScale(self.base_warmup_epochs, self.data_size, init_batch_size)
 
     def __repr__(self) -> str:

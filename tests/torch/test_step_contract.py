@@ -1,0 +1,165 @@
+"""One job's statistics through torch's adapter and the simulator's replay: identical decisions.
+
+The probe model's loss is linear in its weights, so each micro-batch's gradient is
+exactly the vector chosen for it. The vectors are small integers whose norms (and
+the norm of their mean) are exact in float32, so the squared norms torch measures
+equal, to the last bit, the ones the replay derives from the same statistics
+(|G|^2 and the variance); both then go through core's step contract.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from torch.utils.data import TensorDataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.core.collective import LocalCollective
+from adaptdl.core.metrics import MetricsState
+from adaptdl.core.step import StepStatistics
+from adaptdl.sim.replay import ReplaySteps
+from adaptdl.torch import _context
+from adaptdl.torch.parallel import AdaptiveDataParallel
+
+INF = float("inf")
+
+#: (g1, g2) per optimiser step of two accumulated micro-batches; None: a non-finite step.
+ACCUMULATED: list[tuple[tuple[float, ...], tuple[float, ...]] | None] = [
+    ((-9, -6, -2), (-9, 6, 2)),
+    ((0, 6, -8), (0, 9, 0)),
+    None,
+    ((0, 6, -8), (6, 9, -2)),
+    ((-9, -6, -2), (-6, 0, -8)),
+    ((0, 6, -8), (8, -4, -8)),
+    ((-9, -6, -2), (-2, -4, 4)),
+]
+
+#: One micro-batch per step, all of norm 5, consecutive means of exact norm.
+SINGLE: list[tuple[float, ...] | None] = [
+    (-4, -3, 0),
+    (-4, 3, 0),
+    (-4, -3, 0),
+    None,
+    (-4, 3, 0),
+    (-4, -3, 0),
+    (-4, 3, 0),
+]
+
+
+class Probe(torch.nn.Module):
+    """``loss = x . w``: the gradient with respect to ``w`` is ``x``, whatever ``w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.weight).sum()
+
+
+def _sqr(v: tuple[float, ...]) -> float:
+    return float(sum(a * a for a in v))
+
+
+def _torch_decisions(
+    micro_batches: list[list[tuple[float, ...] | None]], local_bsz: int, accum: int
+) -> tuple[list[tuple[float, float, float]], dict[str, Any]]:
+    """Train the probe; return (lr factor, gain, progress) after each optimiser step."""
+    loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(256)), batch_size=local_bsz)
+    loader.autoscale_batch_size(8 * local_bsz, (1, 4 * local_bsz), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (local_bsz, accum)
+    model = Probe()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    adp = AdaptiveDataParallel(model, optimizer)
+    flat = [g for step in micro_batches for g in step]
+    decisions = []
+    for _ in adl.remaining_epochs_until(1):
+        for i, _batch in enumerate(loader):
+            g = flat[i]
+            x = torch.full((3,), INF) if g is None else torch.tensor(g, dtype=torch.float32)
+            optimizer.zero_grad()
+            adp(x).backward()
+            optimizer.step()
+            helper = adl.current_dataloader()
+            assert helper is not None
+            if helper.is_optim_step():
+                decisions.append((adp.last_lr_factor, adp.last_gain, adp.progress))
+            if i + 1 == len(flat):
+                break
+    assert adp.gns is not None
+    return decisions, adp.gns.to_json()
+
+
+def _replay_decisions(
+    stats: list[tuple[float, float]], local_bsz: int, micro: int
+) -> tuple[list[tuple[float, float, float]], dict[str, Any]]:
+    """The replay's steps for (|G|^2, variance at the initial batch) per step."""
+    metrics = MetricsState()
+    steps = ReplaySteps(StepStatistics(metrics, LocalCollective()), init_batch_size=local_bsz)
+    decisions = []
+    for sqr, var in stats:
+        d = steps.step(sqr, var, local_bsz, micro, 1)
+        assert len(set(d.lr_factors)) == 1
+        decisions.append((d.lr_factors[0], d.gain, d.progress))
+    assert metrics.gns is not None
+    return decisions, metrics.gns.to_json()
+
+
+def test_accumulated_steps_decide_the_same_in_torch_and_in_the_replay() -> None:
+    # Initial batch 2, two micro-batches of 2: scale 2, so the gain and factor vary.
+    local_bsz = 2
+    stats = []
+    for pair in ACCUMULATED:
+        if pair is None:
+            stats.append((INF, 0.0))
+            continue
+        g1, g2 = pair
+        mean = tuple((a + b) / 2 for a, b in zip(g1, g2, strict=True))
+        local, total = _sqr(g1) + _sqr(g2), _sqr(mean)
+        # The replay's norms: local = 2 (sqr + var), total = sqr + var / 2 (init = local bsz).
+        var = local - 2 * total
+        stats.append((2 * total - local / 2, var))
+    steps: list[list[tuple[float, ...] | None]] = [
+        [None, None] if p is None else list(p) for p in ACCUMULATED
+    ]
+    torch_side, torch_gns = _torch_decisions(steps, local_bsz, accum=1)
+    replay_side, replay_gns = _replay_decisions(stats, local_bsz, micro=2)
+    assert torch_side == replay_side
+    assert torch_gns == replay_gns
+    assert torch_gns["num_updates"] == len(ACCUMULATED) - 1  # the non-finite step skipped
+    assert any(factor > 1.0 for factor, _, _ in torch_side)
+
+
+def test_single_micro_batch_steps_pair_the_same_in_torch_and_in_the_replay() -> None:
+    local_bsz = 4
+    stats = []
+    for prev, cur in zip([None, *SINGLE], SINGLE, strict=False):
+        if cur is None:
+            stats.append((INF, 0.0))
+            continue
+        c = _sqr(cur)
+        if prev is None:
+            stats.append((c, 0.0))  # no pair: only |g|^2 is measured
+            continue
+        mixed = _sqr(tuple((a + b) / 2 for a, b in zip(prev, cur, strict=True)))
+        # The replay's pair: |g|^2 = sqr + var, |(g_p + g_c) / 2|^2 = sqr + var / 2.
+        stats.append((2 * mixed - c, 2 * (c - mixed)))
+    torch_side, torch_gns = _torch_decisions([[g] for g in SINGLE], local_bsz, accum=0)
+    replay_side, replay_gns = _replay_decisions(stats, local_bsz, micro=1)
+    assert torch_side == replay_side
+    assert torch_gns == replay_gns
+    # Unpaired: the first step and the one after the non-finite step.
+    assert torch_gns["num_updates"] == len(SINGLE) - 3
+    assert all(math.isfinite(p) for _, _, p in torch_side)
+
+
+@pytest.mark.parametrize("accum", [0, 1])
+def test_progress_is_the_sum_of_the_gains(accum: int) -> None:
+    steps: list[list[tuple[float, ...] | None]] = [
+        [(-9, -6, -2), (-9, 6, 2)][: accum + 1] for _ in range(4)
+    ]
+    decisions, _ = _torch_decisions(steps, 2, accum)
+    assert decisions[-1][2] == pytest.approx(math.fsum(g for _, g, _ in decisions))
