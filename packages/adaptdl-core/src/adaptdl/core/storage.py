@@ -209,11 +209,13 @@ class LocalStorage:
         except FileNotFoundError:
             return []
         # A symlink is never a directory this storage wrote: not listed, never followed.
-        return [
-            n
-            for n in names
-            if not n.startswith(TMP_PREFIX) and stat.S_ISDIR(os.lstat(self._root / n).st_mode)
-        ]
+        return [n for n in names if not n.startswith(TMP_PREFIX) and self._is_dir(n)]
+
+    def _is_dir(self, name: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(self._root / name).st_mode)
+        except FileNotFoundError:  # removed since it was listed (by another job)
+            return False
 
     def read(self, name: str, limit: int | None = None) -> bytes:
         if limit is not None and limit < 0:
