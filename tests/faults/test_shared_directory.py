@@ -8,6 +8,8 @@ job that holds it, and touches none of its files.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -115,3 +117,53 @@ def test_a_model_whose_shapes_changed_names_the_checkpoint_and_the_entry(
     message = str(info.value)
     assert "ckpt-000001" in message and "adaptdl-dataparallel" in message, message
     assert "size mismatch" in message, message
+
+
+START = textwrap.dedent(
+    """
+    import adaptdl.torch as adl
+    adl.init_process_group("gloo")
+    print("restored", adl._context.current_job().restored_from, flush=True)
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_replicas_that_see_different_checkpoints_fail_naming_both_never_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two real replicas; rank 1's directory lacks the newest checkpoint (a stale view)."""
+    root = tmp_path / "ckpt"
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(root))
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "job-a")
+    adl.init_process_group("gloo")
+    job = _context.current_job()
+    job.checkpoint()
+    job.checkpoint()
+    _context._reset()
+    stale = tmp_path / "stale"
+    shutil.copytree(root / "ckpt-000001", stale / "ckpt-000001")
+    port = str(free_port())
+    replicas = [
+        start(
+            START,
+            root if rank == 0 else stale,
+            "job-a",
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            ADAPTDL_COLLECTIVE_TIMEOUT="600",  # a hang would outlast the test's timeout
+        )
+        for rank in (0, 1)
+    ]
+    for replica in replicas:
+        _, err = replica.communicate(input="", timeout=240)
+        assert replica.returncode != 0, err
+        assert "CheckpointError" in err and "replica 1 does not see checkpoint" in err, err
+        assert "ckpt-000002" in err and "ckpt-000001" in err, err
