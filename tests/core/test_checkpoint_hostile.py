@@ -168,18 +168,21 @@ def damage_nested(path: Path) -> None:
     path.write_bytes(b"[" * 100_000 + b"]" * 100_000)
 
 
+HOSTILE = [damage_fifo, damage_dev_zero, damage_sparse, damage_directory]
+
+
 @pytest.mark.parametrize(
-    "damage", [damage_fifo, damage_dev_zero, damage_sparse, damage_directory, damage_nested]
+    ("target", "damage"),
+    # An entry's bytes are opaque (its SHA-256 catches any content): only the manifest
+    # is parsed, so only the manifest gets deeply nested JSON.
+    [("manifest", d) for d in [*HOSTILE, damage_nested]] + [("entry", d) for d in HOSTILE],
 )
-@pytest.mark.parametrize("target", ["manifest", "entry"])
 def test_hostile_files_in_the_newest_checkpoint_fall_back(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: object, target: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, target: str, damage: object
 ) -> None:
     store = two_checkpoints(tmp_path)
     newest = store.labels()[-1]
     path = tmp_path / newest / MANIFEST if target == "manifest" else entry(tmp_path, newest)
-    if damage is damage_nested and target == "entry":
-        pytest.skip("an entry's bytes are opaque; its SHA-256 catches it")
     damage(path)  # type: ignore[operator]
     with caplog.at_level(logging.WARNING, LOGGER):
         loaded = store.load()

@@ -221,7 +221,8 @@ class Job:
         for r in sorted(views, key=int):
             labels = views[r]["labels"]
             if label not in labels:
-                newest = max(labels, default=None)
+                # Labels are ckpt-NNNNNN with 6 or more digits: longer is newer.
+                newest = max(labels, key=lambda name: (len(name), name), default=None)
                 raise CheckpointError(
                     f"replica {r} does not see checkpoint {where(label)} that rank 0 restores "
                     f"(the newest it sees is {newest or 'none'}); every replica must see one "
