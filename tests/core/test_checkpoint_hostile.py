@@ -18,10 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
 from adaptdl.core.journal import JOURNAL, Journal, Mark
-from adaptdl.core.storage import TMP_PREFIX, LocalStorage, StorageLocked
+from adaptdl.core.storage import TMP_PREFIX, LocalStorage, MemoryStorage, StorageLocked
 
 LOGGER = "adaptdl.core.checkpoint"
 
@@ -321,3 +323,28 @@ def test_the_lock_names_its_owner_in_json(tmp_path: Path) -> None:
     owner = json.loads((tmp_path / "adaptdl.lock").read_text())
     assert owner["job_id"] == "job-a" and owner["pid"] == os.getpid()
     storage.unlock()
+
+
+@given(
+    record=st.one_of(
+        st.binary(max_size=130),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+            lambda inner: st.lists(inner, max_size=3)
+            | st.dictionaries(st.sampled_from(["samples", "replayed", "checkpoint"]), inner),
+            max_leaves=6,
+        ).map(lambda v: json.dumps(v).encode()),
+    )
+)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_any_journal_record_is_a_mark_nothing_or_a_checkpoint_error(record: bytes) -> None:
+    storage = MemoryStorage()
+    storage.overwrite(JOURNAL, record)
+    try:
+        mark = Journal(storage).read()
+    except CheckpointError as exc:
+        assert JOURNAL in str(exc)
+        return
+    if mark is not None:
+        for count in (mark.samples, mark.replayed, mark.checkpoint):
+            assert type(count) is int and 0 <= count < 2**63

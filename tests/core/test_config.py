@@ -173,3 +173,13 @@ def test_a_collective_timeout_in_range_is_read(raw: str) -> None:
 def test_a_checkpoint_path_with_surrounding_whitespace_is_refused(raw: str) -> None:
     with pytest.raises(ValueError, match=r"ADAPTDL_CHECKPOINT_PATH=.*whitespace"):
         JobConfig.from_env({"ADAPTDL_CHECKPOINT_PATH": raw})
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(10**20), 10**20))
+def test_any_collective_timeout_is_in_range_or_refused(value: float) -> None:
+    try:
+        config = JobConfig.from_env({"ADAPTDL_COLLECTIVE_TIMEOUT": repr(value)})
+    except ValueError as exc:
+        assert "ADAPTDL_COLLECTIVE_TIMEOUT" in str(exc)
+        return
+    assert 0.001 <= config.collective_timeout <= 365 * 86400
