@@ -330,8 +330,10 @@ def test_the_lock_names_its_owner_in_json(tmp_path: Path) -> None:
         st.binary(max_size=130),
         st.recursive(
             st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-            lambda inner: st.lists(inner, max_size=3)
-            | st.dictionaries(st.sampled_from(["samples", "replayed", "checkpoint"]), inner),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(st.sampled_from(["samples", "replayed", "checkpoint"]), inner)
+            ),
             max_leaves=6,
         ).map(lambda v: json.dumps(v).encode()),
     )
