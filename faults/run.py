@@ -18,6 +18,13 @@ fault, chosen from :data:`KINDS`:
 ``hang``            SIGSTOP of a random replica: the others must stop within the
                     collective timeout (``ADAPTDL_COLLECTIVE_TIMEOUT``), not hang;
                     torchrun then restarts the group.
+``second_job``      another job on the same checkpoint directory: a torchrun launch
+                    of another job id is refused at start, naming the directory and
+                    this job; files of another job (a checkpoint, a save in
+                    progress, its journal) appear in the directory as on a file
+                    system that ignores the lock; a replica is then SIGKILLed so the
+                    restart must resume past them from this job's own checkpoint.
+                    None of the other job's files may be touched.
 
 After every torchrun launch the checkpoint directory must hold a loadable
 checkpoint. After every trial: the job finished all its epochs; every sample of
@@ -52,12 +59,15 @@ from typing import Any
 
 import attrs
 
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
+from adaptdl.core.journal import Journal, Mark, journal_name
+from adaptdl.core.storage import TMP_PREFIX, LocalStorage, owner_tag
 from adaptdl.torch.launch import torchrun_command
 
 SCRIPT = Path(__file__).with_name("train.py")
-KINDS = ("kill", "kill_in_save", "double_sigterm", "enospc", "resize", "hang")
+KINDS = ("kill", "kill_in_save", "double_sigterm", "enospc", "resize", "hang", "second_job")
 JOB_ID = "faults-job"
+OTHER_JOB = "faults-other-job"  # the job a `second_job` trial puts beside this one
 EPOCHS = 2
 WAIT_TIMEOUT = 120.0  # seconds a launch may take to reach a point or to exit: a hang
 HANG_TIMEOUT = 5.0  # the collective timeout of a `hang` trial
@@ -83,6 +93,7 @@ class Result:
     repeated: int = 0
     replayed: int = 0
     checkpoint_checks: int = 0
+    foreign_touched: int | None = None  # files of another job changed (second_job trials)
     stop_seconds: float | None = None
     seconds: float = 0.0
     error: str | None = None
@@ -296,8 +307,9 @@ class Trial:
         written = any("checkpoint_s" in r for r in read_records(self.records))
         if written and loaded is None:
             raise launch.fail("checkpoints were written but none is there")
-        if len(store.labels()) > store.keep:
-            raise launch.fail(f"more than {store.keep} checkpoints: {store.labels()}")
+        own = [label for label in store.labels() if _job_of(self.checkpoints / label) == JOB_ID]
+        if len(own) > store.keep:
+            raise launch.fail(f"more than {store.keep} checkpoints: {own}")
         self.result.checkpoint_checks += 1
 
     def signal_torchrun(self, launch: Launch, times: int) -> None:
@@ -432,6 +444,65 @@ class Trial:
         self._wait_restart(launch, attempt)
         self.finish(launch)
 
+    def second_job(self) -> None:
+        # Slow steps keep the job running while the other one launches.
+        launch = Launch(self, self.procs(), max_restarts=1, env={"FAULTS_STEP_SLEEP": "0.4"})
+        launch.pids()
+        attempt = launch.attempt()
+        launch.wait_for("a checkpoint", lambda records: any("saved" in r for r in records))
+        foreign = self._plant_foreign()
+        before = _snapshot(foreign)
+        other = subprocess.run(
+            torchrun_command(SCRIPT, 1, max_restarts=0, monitor_interval=0.2),
+            env={
+                **self.env,
+                "ADAPTDL_JOB_ID": OTHER_JOB,
+                "FAULTS_RUN": "99",
+                "FAULTS_RECORD_DIR": str(self.dir / "other-records"),
+            },
+            capture_output=True,
+            text=True,
+            timeout=WAIT_TIMEOUT,
+            check=False,
+        )
+        (self.dir / "other-records").mkdir(exist_ok=True)
+        (self.dir / "other-job.log").write_text(other.stdout + other.stderr)
+        running = launch.proc.poll() is None
+        text = other.stdout + other.stderr
+        if other.returncode == 0:
+            raise launch.fail("a second job on the same checkpoint directory was not refused")
+        if running and not (f"'{self.checkpoints}'" in text and f"'{JOB_ID}'" in text):
+            raise launch.fail(
+                f"the second job's refusal names neither the directory nor "
+                f"the job holding it:\n{text[-2000:]}"
+            )
+        self.result.detail += " 2nd job refused" if running else " 2nd job (ended first)"
+        if running:
+            pids = launch.pids()
+            rank = self.rng.randrange(launch.nproc)
+            self.result.detail += f", kill rank {rank}"
+            _kill(pids[rank], signal.SIGKILL)
+            if launch.proc.poll() is None:
+                with contextlib.suppress(TrialFailure):  # it may have finished meanwhile
+                    self._wait_restart(launch, attempt)
+        self.finish(launch)
+        after = _snapshot(foreign)
+        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+        self.result.foreign_touched = len(changed)
+        if changed:
+            raise TrialFailure(f"files of another job were touched: {changed[:5]}")
+
+    def _plant_foreign(self) -> list[Path]:
+        """Another job's checkpoint, save in progress and journal, beside this job's."""
+        saved = CheckpointStore(self.checkpoints, job_id=OTHER_JOB).save({"x": b"other"})
+        leftover = self.checkpoints / f"{TMP_PREFIX}{owner_tag(OTHER_JOB)}.ckpt-000999-feed"
+        leftover.mkdir()
+        (leftover / "entry-0000.bin").write_bytes(b"half-written")
+        journal = Journal(LocalStorage(self.checkpoints), journal_name(OTHER_JOB))
+        journal.write(Mark(samples=5, replayed=1, checkpoint=saved.sequence))
+        journal.close()
+        return [self.checkpoints / saved.label, leftover, self.checkpoints / journal.name]
+
     def _wait_restart(self, launch: Launch, attempt: int) -> None:
         launch.wait_for(
             f"restart {attempt + 1}",
@@ -517,6 +588,26 @@ class Trial:
                 launch.kill()
             self.result.seconds = time.monotonic() - start
         return self.result
+
+
+def _job_of(checkpoint: Path) -> Any:
+    """The job id in a checkpoint's manifest (None when unreadable)."""
+    try:
+        return json.loads((checkpoint / MANIFEST).read_text()).get("job_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _snapshot(paths: list[Path]) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``paths``: its modification time and bytes."""
+    found: dict[str, tuple[int, bytes]] = {}
+    for path in paths:
+        for file in [path, *path.rglob("*")] if path.is_dir() else [path]:
+            if file.is_file():
+                found[str(file)] = (file.stat().st_mtime_ns, file.read_bytes())
+            elif not file.exists():
+                found[str(file)] = (-1, b"")
+    return found
 
 
 def _kill(pid: int, sig: signal.Signals) -> None:
@@ -650,6 +741,9 @@ def report(results: list[Result], seed: int) -> None:
         summary.add_row(
             f"slowest stop after a peer hung (timeout {HANG_TIMEOUT:.0f}s)", f"{max(stops):.1f}s"
         )
+    touched = [r.foreign_touched for r in results if r.foreign_touched is not None]
+    if touched:
+        summary.add_row("files of another job touched (must be 0)", str(sum(touched)))
     summary.add_row("trials failed", str(sum(r.error is not None for r in results)))
     console.print(summary)
 

@@ -73,8 +73,8 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
 class FaultyStorage(LocalStorage):
     """The checkpoint directory, with the faults this launch asks for in its file writes."""
 
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
+    def __init__(self, root: str, owner: str) -> None:
+        super().__init__(root, owner=owner)  # as the library's own: tagged with the job
         self.writes = 0
 
     def write_durably(self, path: Path, data: bytes) -> None:  # type: ignore[override]
@@ -93,10 +93,10 @@ class FaultyStorage(LocalStorage):
 
 def _storage() -> LocalStorage | None:
     """The checkpoint storage: faulty when this launch injects faults into writes."""
-    path = JobConfig.from_env(os.environ).checkpoint_path
-    if path is None or not (SLOW_SAVE or ENOSPC_AT):
+    config = JobConfig.from_env(os.environ)
+    if config.checkpoint_path is None or not (SLOW_SAVE or ENOSPC_AT):
         return None  # the library's own
-    return FaultyStorage(path)
+    return FaultyStorage(config.checkpoint_path, config.job_id or "")
 
 
 def main() -> None:

@@ -156,3 +156,30 @@ def test_every_variable_the_library_names_is_a_config_variable() -> None:
     for path in _library_sources():
         named |= set(re.findall(r"\b(ADAPTDL_[A-Z_]+|TORCHELASTIC_[A-Z_]+)\b", path.read_text()))
     assert named <= set(ENV_VARS)
+
+
+@pytest.mark.parametrize("raw", ["1e15", "1e-9", "0.0001", "1e400", "nan", "-3"])
+def test_a_collective_timeout_out_of_range_names_the_range(raw: str) -> None:
+    with pytest.raises(ValueError, match=r"ADAPTDL_COLLECTIVE_TIMEOUT=.* between 0.001 and"):
+        JobConfig.from_env({"ADAPTDL_COLLECTIVE_TIMEOUT": raw})
+
+
+@pytest.mark.parametrize("raw", ["0.001", "86400", "31536000"])
+def test_a_collective_timeout_in_range_is_read(raw: str) -> None:
+    assert JobConfig.from_env({"ADAPTDL_COLLECTIVE_TIMEOUT": raw}).collective_timeout == float(raw)
+
+
+@pytest.mark.parametrize("raw", [" /ckpt", "/ckpt ", "/ckpt\n", "\t/ckpt"])
+def test_a_checkpoint_path_with_surrounding_whitespace_is_refused(raw: str) -> None:
+    with pytest.raises(ValueError, match=r"ADAPTDL_CHECKPOINT_PATH=.*whitespace"):
+        JobConfig.from_env({"ADAPTDL_CHECKPOINT_PATH": raw})
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(10**20), 10**20))
+def test_any_collective_timeout_is_in_range_or_refused(value: float) -> None:
+    try:
+        config = JobConfig.from_env({"ADAPTDL_COLLECTIVE_TIMEOUT": repr(value)})
+    except ValueError as exc:
+        assert "ADAPTDL_COLLECTIVE_TIMEOUT" in str(exc)
+        return
+    assert 0.001 <= config.collective_timeout <= 365 * 86400

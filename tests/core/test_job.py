@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.fakes import ManualClock
 
-from adaptdl.core.checkpoint import MemoryCheckpointStore
+from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
 from adaptdl.core.collective import LocalCollective, run_replicas
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.job import Boundary, CheckpointPolicy, Job, Preempted
@@ -139,7 +139,9 @@ def test_journal_round_trip_and_garbage(tmp_path):
     journal.write(Mark(samples=5))
     assert Journal(tmp_path / "j").read() == Mark(samples=5)
     (tmp_path / "bad").write_bytes(b"\x00garbage")
-    assert Journal(tmp_path / "bad").read() is None
+    # Damage is an error naming the file (issue 12); only an empty record is no mark.
+    with pytest.raises(CheckpointError, match=r"journal .*bad"):
+        Journal(tmp_path / "bad").read()
 
 
 def test_checkpoint_gathers_pending_accumulator_contributions():

@@ -2,8 +2,9 @@
 
 The full suite (``python -m faults --trials 30``) runs every kind, several times,
 with random seeds; this one runs a fixed seed: SIGKILL of a replica, SIGKILL inside
-a checkpoint write, two SIGTERMs, and a hung peer (the survivors must stop within
-the collective timeout). Each trial checks that the job finishes its epochs, that
+a checkpoint write, two SIGTERMs, a hung peer (the survivors must stop within
+the collective timeout), and a second job on the same checkpoint directory (refused;
+none of another job's files touched). Each trial checks that the job finishes its epochs, that
 no sample is lost, that repeats are all counted replays, and that the checkpoint
 directory holds a loadable checkpoint after every torchrun launch.
 """
@@ -17,15 +18,15 @@ import pytest
 from faults.run import KINDS, plan, read_records, report, run_trials
 
 SEED = 20261202
-CI_KINDS = ("kill", "kill_in_save", "double_sigterm", "hang")
+CI_KINDS = ("kill", "kill_in_save", "double_sigterm", "hang", "second_job")
 
 
 def test_the_plan_is_seeded_and_spreads_the_kinds() -> None:
-    trials = plan(30, seed=5)
-    assert trials == plan(30, seed=5) and trials != plan(30, seed=6)
+    trials = plan(5 * len(KINDS), seed=5)
+    assert trials == plan(5 * len(KINDS), seed=5) and trials != plan(5 * len(KINDS), seed=6)
     counts = {kind: sum(1 for k, _ in trials if k == kind) for kind in KINDS}
     assert counts == dict.fromkeys(KINDS, 5)
-    assert sorted(k for k, _ in plan(4, SEED, CI_KINDS)) == sorted(CI_KINDS)
+    assert sorted(k for k, _ in plan(len(CI_KINDS), SEED, CI_KINDS)) == sorted(CI_KINDS)
 
 
 def test_unknown_kinds_are_refused() -> None:
@@ -55,3 +56,5 @@ def test_fault_trials_lose_no_sample_and_count_every_replay(
     assert all(r.restarts >= 1 for r in crashed)
     (hang,) = [r for r in results if r.kind == "hang"]
     assert hang.stop_seconds is not None
+    (second,) = [r for r in results if r.kind == "second_job"]
+    assert second.foreign_touched == 0

@@ -20,8 +20,19 @@ A checkpoint is one atomic directory write of the storage (manifest last): a
 crash at any instant leaves either the new complete checkpoint or none of it.
 
 Concurrency: one process (rank 0) writes; any number of processes may read at the
-same time (a checkpoint appears and disappears by a rename). Two writers on the
-same directory are not supported.
+same time (a checkpoint appears and disappears by a rename). A job holds its
+directory with :meth:`~adaptdl.core.storage.LocalStorage.lock`; should two jobs
+still share one (a file system that ignores the lock), each removes only
+checkpoints whose manifest names its own job id and only its own leftovers, and
+loads only its own checkpoints. A new checkpoint takes the next free number
+after every checkpoint in the directory; anything else already holding that name
+(a stray file, a dangling symlink) is skipped, never removed.
+
+Hostile files: the storage opens every file without following symlinks and
+refuses anything but a regular file; the manifest is read up to
+:data:`MAX_MANIFEST_BYTES` and every entry up to its size in the manifest plus
+one byte, so a FIFO, a link to ``/dev/zero`` or a huge sparse file is damage
+like any other, and loading falls back to the older checkpoint.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from adaptdl.core.storage import LocalStorage, MemoryStorage, Storage
 
 __all__ = [
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
     "SCHEMA",
     "Checkpoint",
     "CheckpointError",
@@ -64,6 +76,11 @@ SCHEMA = "adaptdl.checkpoint/1"
 
 MANIFEST = "manifest.json"
 """The name of the manifest file inside a checkpoint directory."""
+
+MAX_MANIFEST_BYTES = 1 << 24
+"""A manifest longer than this (16 MiB, some 100 000 entries) is damage."""
+
+_SAVE_ATTEMPTS = 100  # names taken by debris that a save skips before giving up
 
 _LABEL = re.compile(r"ckpt-([0-9]{6,})\Z")
 _FILE = re.compile(r"entry-[0-9]{4,}\.bin\Z")
@@ -174,11 +191,16 @@ def _check_label(_: Any, __: Any, label: str) -> None:
 
 @attrs.frozen
 class Checkpoint:
-    """One saved checkpoint: its label, the bytes of every entry, and its metadata."""
+    """One saved checkpoint: its label, the bytes of every entry, and its metadata.
+
+    ``digest`` is the manifest's checksum when the checkpoint came from a store
+    (replicas compare it to know they loaded the very same checkpoint).
+    """
 
     label: str = attrs.field(validator=_check_label)
     entries: Mapping[str, bytes] = attrs.field(converter=_freeze_entries)
     metadata: Mapping[str, Any] = attrs.field(factory=dict, converter=_freeze_metadata)
+    digest: str | None = attrs.field(default=None, kw_only=True)
 
     @property
     def sequence(self) -> int:
@@ -201,6 +223,10 @@ def _label(sequence: int) -> str:
 
 class _Unusable(Exception):
     """Why one stored checkpoint cannot be used."""
+
+
+class _Foreign(_Unusable):
+    """The checkpoint is another job's: skipped quietly when this job has its own."""
 
 
 def _digest(body: Mapping[str, Any]) -> str:
@@ -235,7 +261,7 @@ class CheckpointStore:
         self._expected = _freeze_metadata({} if expected is None else expected)
         self._clock = clock
         if isinstance(root, (str, os.PathLike)):
-            self._storage: Storage = LocalStorage(root)
+            self._storage: Storage = LocalStorage(root, owner=job_id)
         elif isinstance(root, Storage):
             self._storage = root
         else:
@@ -291,8 +317,9 @@ class CheckpointStore:
             ) from exc
         return [name for name in names if _LABEL.match(name)]
 
-    def _read(self, label: str, file: str) -> bytes:
-        return self._storage.read(f"{label}/{file}")
+    def _read(self, label: str, file: str, size: int) -> bytes:
+        """At most ``size`` + 1 bytes: one more than expected shows a file grew."""
+        return self._storage.read(f"{label}/{file}", limit=size + 1)
 
     def _where(self, label: str | None = None) -> str:
         return self._storage.describe(label)
@@ -325,9 +352,54 @@ class CheckpointStore:
                 )
             meta[key] = value
         labels = self.labels()
-        label = _label(_sequence(labels[-1]) + 1 if labels else 1)
-        checkpoint = Checkpoint(label, frozen_entries, meta)
+        sequence = _sequence(labels[-1]) + 1 if labels else 1
+        for _ in range(_SAVE_ATTEMPTS):
+            label = _label(sequence)
+            try:
+                checkpoint = self._write(label, frozen_entries, meta)
+                break
+            except FileExistsError:
+                # Debris (a stray file, a dangling symlink) or another job took the
+                # name: not ours to remove, so the next number is tried.
+                _log.warning(
+                    "%s already exists and is not a checkpoint of this job; saving as the "
+                    "next one instead",
+                    self._where(label),
+                )
+                sequence += 1
+        else:
+            raise CheckpointError(
+                f"could not write a checkpoint into {self._where()}: the next "
+                f"{_SAVE_ATTEMPTS} checkpoint names are all taken by other files; remove them"
+            )
 
+        # The new checkpoint is durable: failing to delete old ones must not fail the save.
+        try:
+            own = [old for old in labels if self._owns(old)]
+            for old in [*own, label][: -self._keep]:
+                self._storage.remove(old)
+            self._storage.cleanup()
+        except OSError as exc:
+            _log.warning(
+                "checkpoint %s was saved, but older checkpoints or leftovers in %s could "
+                "not be deleted (%s); they will be retried at the next save",
+                label,
+                self._where(),
+                exc,
+            )
+        return checkpoint
+
+    def _owns(self, label: str) -> bool:
+        """Whether ``label``'s manifest is intact and names this store's job id."""
+        try:
+            manifest = self._parse_manifest(label, self._read(label, MANIFEST, MAX_MANIFEST_BYTES))
+        except (OSError, _Unusable):
+            return False  # unknown owner: never removed
+        return bool(manifest.get("job_id") == self._job_id)
+
+    def _write(
+        self, label: str, frozen_entries: Mapping[str, bytes], meta: dict[str, Any]
+    ) -> Checkpoint:
         files: dict[str, bytes] = {}
         listing: dict[str, Any] = {}
         for index, name in enumerate(sorted(frozen_entries)):
@@ -352,26 +424,14 @@ class CheckpointStore:
         files[MANIFEST] = _json_encode(body)  # last: a manifest means the entries are there
         try:
             self._storage.write_directory(label, files)
+        except FileExistsError:
+            raise
         except OSError as exc:
             raise CheckpointError(
                 f"could not write checkpoint {label} into {self._where()} "
                 f"({exc.strerror or exc}); check that the directory is writable and has space"
             ) from exc
-
-        # The new checkpoint is durable: failing to delete old ones must not fail the save.
-        try:
-            for old in [*labels, label][: -self._keep]:
-                self._storage.remove(old)
-            self._storage.cleanup()
-        except OSError as exc:
-            _log.warning(
-                "checkpoint %s was saved, but older checkpoints or leftovers in %s could "
-                "not be deleted (%s); they will be retried at the next save",
-                label,
-                self._where(),
-                exc,
-            )
-        return checkpoint
+        return Checkpoint(label, frozen_entries, meta, digest=body["digest"])
 
     def load(self) -> Checkpoint | None:
         """The newest usable checkpoint, or None when no checkpoint exists at all.
@@ -389,7 +449,9 @@ class CheckpointStore:
             except _Unusable as exc:
                 problem = f"checkpoint {self._where(label)}: {exc}"
                 problems.append(problem)
-                if i + 1 < len(labels):
+                if isinstance(exc, _Foreign):
+                    _log.debug("%s; skipped", problem)
+                elif i + 1 < len(labels):
                     _log.warning(
                         "%s; falling back to the older checkpoint %s", problem, labels[i + 1]
                     )
@@ -402,24 +464,38 @@ class CheckpointStore:
             f"from scratch), or point the job at the checkpoint directory it owns."
         )
 
+    def load_label(self, label: str) -> Checkpoint:
+        """Checkpoint ``label``, verified as :meth:`load` verifies; CheckpointError naming it."""
+        _check_label(None, None, label)
+        if label not in self._list():
+            raise CheckpointError(f"checkpoint {self._where(label)} does not exist")
+        try:
+            return self._load_one(label)
+        except _Unusable as exc:
+            raise CheckpointError(f"checkpoint {self._where(label)}: {exc}") from None
+
     def _load_one(self, label: str) -> Checkpoint:
         try:
-            raw = self._read(label, MANIFEST)
+            raw = self._read(label, MANIFEST, MAX_MANIFEST_BYTES)
         except OSError as exc:
             raise _Unusable(f"{MANIFEST} is missing or unreadable ({exc})") from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise _Unusable(f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes (damaged)")
         manifest = self._parse_manifest(label, raw)
         self._check_identity(manifest)
         entries: dict[str, bytes] = {}
         for name, info in manifest["entries"].items():
             try:
-                data = self._read(label, info["file"])
+                data = self._read(label, info["file"], info["size"])
             except OSError as exc:
                 raise _Unusable(
                     f"entry {name!r} ({info['file']}) is missing or unreadable ({exc})"
                 ) from None
             if len(data) != info["size"]:
                 raise _Unusable(
-                    f"entry {name!r} ({info['file']}) has {len(data)} bytes but the manifest "
+                    f"entry {name!r} ({info['file']}) has "
+                    f"{'more than ' if len(data) > info['size'] else ''}"
+                    f"{min(len(data), info['size'])} bytes but the manifest "
                     f"says {info['size']} (truncated or overwritten)"
                 )
             if hashlib.sha256(data).hexdigest() != info["sha256"]:
@@ -428,7 +504,7 @@ class CheckpointStore:
                     f"manifest (damaged or replaced)"
                 )
             entries[name] = data
-        return Checkpoint(label, entries, manifest["metadata"])
+        return Checkpoint(label, entries, manifest["metadata"], digest=manifest["digest"])
 
     def _parse_manifest(self, label: str, raw: bytes) -> dict[str, Any]:
         try:
@@ -470,7 +546,7 @@ class CheckpointStore:
 
     def _check_identity(self, manifest: Mapping[str, Any]) -> None:
         if self._job_id is not None and manifest.get("job_id") != self._job_id:
-            raise _Unusable(
+            raise _Foreign(
                 f"it belongs to job {manifest.get('job_id')!r}, not to this job {self._job_id!r}"
             )
         metadata = manifest["metadata"]
@@ -513,11 +589,11 @@ class MemoryCheckpointStore(CheckpointStore):
         if entry is None:
             file = MANIFEST
         else:
-            listing = _json_decode(self._read(label, MANIFEST))["entries"]
+            listing = _json_decode(self._read(label, MANIFEST, MAX_MANIFEST_BYTES))["entries"]
             if entry not in listing:
                 raise KeyError(f"checkpoint {label} has no entry {entry!r}; has {sorted(listing)}")
             file = listing[entry]["file"]
         if data is None:
-            old = self._read(label, file)
+            old = self._storage.read(f"{label}/{file}")
             data = bytes([old[0] ^ 0xFF]) + old[1:] if old else b"\0"
         self.storage.put(f"{label}/{file}", data)

@@ -137,6 +137,9 @@ def decode(data: bytes) -> Any:
         return json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"collective data is not valid encoded JSON: {exc}") from exc
+    except RecursionError:
+        # Deeply nested arrays (crafted, or damage) exhaust the parser's stack.
+        raise ValueError("collective data is not valid encoded JSON: nested too deeply") from None
 
 
 _SCALARS = (bool, int, float, type(None))

@@ -86,6 +86,11 @@ DEFAULT_CHECKPOINT_INTERVAL = 600.0
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 """Seconds a collective waits for a peer when ``ADAPTDL_COLLECTIVE_TIMEOUT`` is unset."""
 
+# torch takes the timeout in milliseconds (so less is 0, no timeout at all) and as a
+# timedelta (so 1e15 s overflows); a year is longer than any collective may wait.
+MIN_COLLECTIVE_TIMEOUT = 0.001
+MAX_COLLECTIVE_TIMEOUT = 365 * 86400.0
+
 
 @attrs.frozen
 class JobConfig:
@@ -99,7 +104,7 @@ class JobConfig:
     """
 
     topology: Topology = attrs.field(factory=Topology)
-    checkpoint_path: str | None = None
+    checkpoint_path: str | None = attrs.field(default=None)
     share_path: str | None = None
     job_id: str | None = None
     checkpoint_every_seconds: float | None = attrs.field(default=DEFAULT_CHECKPOINT_INTERVAL)
@@ -122,7 +127,17 @@ class JobConfig:
 
     @collective_timeout.validator
     def _check_timeout(self, attribute: attrs.Attribute[float], value: float) -> None:
-        check_float("collective_timeout", value, min=0.0, min_exclusive=True)
+        check_float(
+            "collective_timeout", value, min=MIN_COLLECTIVE_TIMEOUT, max=MAX_COLLECTIVE_TIMEOUT
+        )
+
+    @checkpoint_path.validator
+    def _check_path(self, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+        if value is not None and value != value.strip():
+            raise ValueError(
+                f"checkpoint_path {value!r} has surrounding whitespace; it would name "
+                "another directory than intended"
+            )
 
     @master_port.validator
     def _check_port(self, attribute: attrs.Attribute[int | None], value: int | None) -> None:
@@ -146,7 +161,7 @@ class JobConfig:
         master_addr = _text(env, MASTER_ADDR_VAR)
         return cls(
             topology=_read_topology(env),
-            checkpoint_path=_text(env, CHECKPOINT_PATH_VAR),
+            checkpoint_path=_read_path(env, CHECKPOINT_PATH_VAR),
             share_path=_text(env, SHARE_PATH_VAR),
             job_id=_text(env, JOB_ID_VAR),
             checkpoint_every_seconds=_read_interval(env),
@@ -162,6 +177,17 @@ class JobConfig:
 
 def _text(env: Mapping[str, str], name: str) -> str | None:
     return env.get(name) or None
+
+
+def _read_path(env: Mapping[str, str], name: str) -> str | None:
+    raw = env.get(name) or None
+    if raw is not None and raw != raw.strip():
+        # Stripping would silently pick another directory than the one written.
+        raise ValueError(
+            f"environment variable {name}={raw!r} has surrounding whitespace; remove it "
+            "(a directory name is taken exactly as written)"
+        )
+    return raw
 
 
 def _read_topology(env: Mapping[str, str]) -> Topology:
@@ -254,8 +280,8 @@ def _read_timeout(env: Mapping[str, str]) -> float:
         env,
         COLLECTIVE_TIMEOUT_VAR,
         float,
-        lambda v: 0 < v < math.inf,
-        "a positive number of seconds",
+        lambda v: MIN_COLLECTIVE_TIMEOUT <= v <= MAX_COLLECTIVE_TIMEOUT,
+        f"a number of seconds between {MIN_COLLECTIVE_TIMEOUT:g} and {MAX_COLLECTIVE_TIMEOUT:.0f}",
     )
     return DEFAULT_COLLECTIVE_TIMEOUT if seconds is None else seconds
 

@@ -100,6 +100,10 @@ class Store(Protocol):
 
     def load(self) -> Checkpoint | None: ...
 
+    def labels(self) -> list[str]: ...
+
+    def load_label(self, label: str) -> Checkpoint: ...
+
 
 @attrs.frozen
 class Boundary:
@@ -144,6 +148,11 @@ class JobState(JsonState):
         self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
 
 
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The union of two replicas' views (keyed by rank)."""
+    return {**a, **b}
+
+
 class Job:
     """One process of an elastic job: topology, collective, checkpoints, loops, metrics.
 
@@ -177,7 +186,8 @@ class Job:
         )
         self._states: dict[str, State] = {}
         self._names: dict[str, int] = {}
-        self._loaded: Checkpoint | None = store.load() if store is not None else None
+        self._loaded: Checkpoint | None = self._restore(store) if store is not None else None
+        self._base = self._loaded.sequence if self._loaded is not None else 0
         self.current_loader: LoaderHelper | None = None
         self.training_loader: LoaderHelper | None = None
         self._sync_time = 0.0
@@ -201,6 +211,67 @@ class Job:
         self.register(self.metrics)
 
     # -- states and checkpoints ---------------------------------------------------------
+    def _restore(self, store: Store) -> Checkpoint | None:
+        """The checkpoint rank 0 chooses, loaded by every replica; CheckpointError on all if not.
+
+        One collective: every replica contributes the labels it sees, rank 0 also
+        its choice (label and manifest digest) or why it has none. A replica that
+        does not see rank 0's choice (a stale directory listing, a path not shared
+        across nodes) makes every replica raise, naming it, its newest and rank 0's
+        choice, so that none waits for a peer that stopped. A replica that sees the
+        label but reads other bytes raises on its own.
+        """
+        rank = self.topology.rank
+        view: dict[str, Any] = {}
+        loaded: Checkpoint | None = None
+        error: CheckpointError | None = None
+        try:
+            if rank == 0:
+                loaded = store.load()
+                view["choice"] = None if loaded is None else [loaded.label, loaded.digest]
+            view["labels"] = store.labels()
+        except CheckpointError as exc:
+            error = exc
+            view = {"error": str(exc)}
+        views: dict[str, Any] = self.collective.allreduce({str(rank): view}, _merge)
+        where = self._where
+        for r in sorted(views, key=int):
+            if "error" in views[r]:
+                if error is not None:
+                    raise error
+                raise CheckpointError(
+                    f"replica {r} could not read the checkpoints: {views[r]['error']}"
+                )
+        choice = views["0"]["choice"]
+        if choice is None:
+            return None
+        label, digest = choice
+        for r in sorted(views, key=int):
+            labels = views[r]["labels"]
+            if label not in labels:
+                # Labels are ckpt-NNNNNN with 6 or more digits: longer is newer.
+                newest = max(labels, key=lambda name: (len(name), name), default=None)
+                raise CheckpointError(
+                    f"replica {r} does not see checkpoint {where(label)} that rank 0 restores "
+                    f"(the newest it sees is {newest or 'none'}); every replica must see one "
+                    "shared checkpoint directory alike (check that the path is shared by every "
+                    "node and not served from a stale cache)"
+                )
+        if rank == 0:
+            return loaded
+        mine = store.load_label(label)
+        if mine.digest != digest:
+            raise CheckpointError(
+                f"replica {rank} reads checkpoint {where(label)} with manifest digest "
+                f"{mine.digest} but rank 0 restores it with {digest}: the replicas see "
+                "different checkpoint directories"
+            )
+        return mine
+
+    def _where(self, label: str) -> str:
+        root = self.store.root if self.store is not None else None
+        return f"'{os.path.join(root, label)}'" if root is not None else label
+
     @property
     def restored_from(self) -> str | None:
         """Label of the checkpoint this job resumed from, or None for a fresh start."""
@@ -214,16 +285,20 @@ class Job:
         if self._loaded is not None and state.name in self._loaded.entries:
             try:
                 state.from_bytes(self._loaded.entries[state.name])
-            except (CheckpointError, ValueError, TypeError, KeyError) as exc:
+            except (
+                CheckpointError,
+                ValueError,
+                TypeError,
+                KeyError,
+                AttributeError,
+                IndexError,
+                RecursionError,
+            ) as exc:
                 # Bytes that passed the store's checks but do not decode (a crafted or
-                # foreign entry): say which checkpoint, not just a decoder's traceback.
+                # foreign entry, a list where a mapping belongs): say which checkpoint
+                # and entry, not just a decoder's traceback.
                 del self._states[state.name]
-                root = self.store.root if self.store is not None else None
-                where = (
-                    f"'{os.path.join(root, self._loaded.label)}'"
-                    if root is not None
-                    else self._loaded.label
-                )
+                where = self._where(self._loaded.label)
                 raise CheckpointError(
                     f"checkpoint {where}: its entry {state.name!r} cannot be restored "
                     f"({type(exc).__name__}: {exc}). Remove that checkpoint directory to "
@@ -233,6 +308,11 @@ class Job:
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
         if mark is None:
+            return
+        if self._loaded is None and mark.checkpoint > 0:
+            # Its run had checkpoints and none is left (removed to start afresh): the
+            # journal describes another history; counting it would invent replays.
+            LOG.info("fresh start: ignoring a journal left by a run whose checkpoints are gone")
             return
         # The journal's replays include those counted by runs that died before
         # writing a checkpoint; the checkpoint's never exceed them.
@@ -250,7 +330,9 @@ class Job:
 
     def _mark(self, samples: int) -> None:
         if self.journal is not None:
-            self.journal.write(Mark(samples=samples, replayed=self.state.replayed_samples))
+            self.journal.write(
+                Mark(samples=samples, replayed=self.state.replayed_samples, checkpoint=self._base)
+            )
 
     @property
     def replayed_samples(self) -> int:
@@ -299,6 +381,7 @@ class Job:
                 },
             )
             LOG.info("checkpoint %s written", saved.label)
+            self._base = saved.sequence
         self.collective.barrier()
         self.checkpoints_written += 1
         self._steps_since_checkpoint = 0

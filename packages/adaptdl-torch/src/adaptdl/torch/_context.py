@@ -20,7 +20,7 @@ import torch.distributed as dist
 from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
 from adaptdl.core.job import CheckpointPolicy, Job
-from adaptdl.core.journal import Journal
+from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.storage import LocalStorage, Storage
 from adaptdl.torch.collective import TorchCollective
 
@@ -32,6 +32,7 @@ _job: Job | None = None
 _gloo_group: Any = None
 _owns_process_group = False
 _previous_handler: Any = None
+_locked: LocalStorage | None = None  # the checkpoint directory rank 0 holds for the job
 
 
 def is_initialized() -> bool:
@@ -57,14 +58,18 @@ def init_process_group(
 
     Checkpoints go to ``storage``, by default a directory named by
     ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints when unset); the newest checkpoint
-    there is loaded now. Every environment variable is read here, once, by
+    there is loaded now, by rank 0, and every replica restores that same one. Rank 0
+    holds a lock on a local checkpoint directory for the job's life: a second job
+    on it is refused (`adaptdl.core.storage.StorageLocked`), and a relaunch of the
+    same job waits up to ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds for its previous run
+    to let go. Every environment variable is read here, once, by
     `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
     replica checkpoint at the next optimiser step and exit with status 143.
 
     Raises RuntimeError when called twice, and ValueError for an unknown backend or
     inconsistent environment variables.
     """
-    global _job, _gloo_group, _owns_process_group
+    global _job, _gloo_group, _owns_process_group, _locked
     if _job is not None:
         raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
     config = JobConfig.from_env(os.environ)  # the one read of the environment
@@ -97,12 +102,15 @@ def init_process_group(
         every_seconds=config.checkpoint_every_seconds, every_steps=config.checkpoint_every_steps
     )
     if storage is None and config.checkpoint_path is not None:
-        storage = LocalStorage(config.checkpoint_path)
+        storage = LocalStorage(config.checkpoint_path, owner=config.job_id or "")
     if storage is not None:
         store = CheckpointStore(storage, job_id=config.job_id)
         store.check_writable()
-        # Beside the checkpoints (not inside one): counts what a crash replays.
-        journal = Journal(storage)
+        if topology.rank == 0 and isinstance(storage, LocalStorage):
+            storage.lock(wait=config.collective_timeout)
+            _locked = storage
+        # Beside the checkpoints (not inside one), one per job: counts what a crash replays.
+        journal = Journal(storage, journal_name(config.job_id))
     _job = Job(
         topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
     )
@@ -197,7 +205,10 @@ def current_job() -> Job:
 
 def _reset() -> None:
     """Forget the default job and tear down what `init_process_group` set up (for tests)."""
-    global _job, _gloo_group, _owns_process_group, _previous_handler
+    global _job, _gloo_group, _owns_process_group, _previous_handler, _locked
+    if _locked is not None:
+        _locked.unlock()
+        _locked = None
     if _previous_handler is not None:
         signal.signal(signal.SIGTERM, _previous_handler)
         _previous_handler = None

@@ -58,4 +58,12 @@ class StateDictState:
                 f"{sorted(saved)}); construct the same objects as the run that saved it"
             )
         for key, obj in self._objects.items():
-            obj.load_state_dict(saved[key])
+            try:
+                obj.load_state_dict(saved[key])
+            except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+                # torch's own message lists the mismatched parameters and shapes.
+                raise CheckpointError(
+                    f"state {self._name!r}: the saved {key} does not fit this {key} "
+                    f"({type(exc).__name__}: {exc}); construct the same {key} as the run "
+                    "that saved the checkpoint"
+                ) from exc
