@@ -103,7 +103,10 @@ def test_jsonl_shards_are_counted_once_and_the_index_is_cached(tmp_path: Path) -
         out.write(json.dumps({"i": 120, "x": [0.0, 0.0]}) + "\n")
     assert len(ShardedDataset(paths, reader, block_size=4)) == 121
     assert reader.scans == 2 * len(COUNTS)
-    ShardedDataset(paths, reader, block_size=5)
+    # Another block size has its own index, and leaves this one in place.
+    other = ShardedDataset(paths, reader, block_size=5)
+    assert reader.scans == 3 * len(COUNTS) and other.index_path != ds.index_path
+    ShardedDataset(paths, reader, block_size=4)
     assert reader.scans == 3 * len(COUNTS)
 
 

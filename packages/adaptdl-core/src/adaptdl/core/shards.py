@@ -14,8 +14,9 @@ Blocks and the pass order
     by ``(seed, epoch, pass)``), the short last block (if ``n % B``) last, and
     shuffles the samples inside each block: pass position ``p`` is slot
     ``b = p // B``, place ``u = p % B``, block ``blocks[b]``, and in-block offset
-    ``inner[(u + rotation(block)) % len(block)]`` where ``inner`` is one
-    permutation of ``[0, B)`` per pass and the rotation a keyed value per block.
+    ``inner[(u + rotation(block)) % B]`` where ``inner`` is one permutation of
+    ``[0, B)`` per pass and the rotation a keyed hash of the block (the short last
+    block has its own permutation and no rotation).
     Position to sample is O(1) time and memory (O(log shards) to name the shard);
     nothing proportional to ``n`` is ever built. The permuted block order gives
     the shard mixing; a block's samples land in one micro-batch or a few
@@ -42,14 +43,20 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from adaptdl.core._validate import ArgumentTypeError, check_int
-from adaptdl.core.permutation import MAX_N, Identity, Permutation, make_permutation
+from adaptdl.core.permutation import (
+    MAX_N,
+    Identity,
+    Permutation,
+    make_permutation,
+    round_keys,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -67,9 +74,20 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 16
 # Largest block: the in-block permutation is materialised (B ints) once per pass.
 MAX_BLOCK_SIZE = 1 << 20
-# Keys of the block rotations: a separate "epoch" stream of the same Feistel network,
-# so that rotations and the block order are independent draws.
+# Key of the block rotations: round keys of a separate "epoch" stream, so that the
+# rotations and the block order are independent draws.
 _ROTATION_SALT = 0x5A17
+# Slots of the block order drawn at once (a page of ints, cached by the order).
+_PAGE = 1024
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(value: int, key: int) -> int:
+    """A keyed 64-bit mix (splitmix64's finaliser) of ``value``: pure integer arithmetic."""
+    h = ((value ^ key) * 0xBF58476D1CE4E5B9) & _MASK64
+    h ^= h >> 31
+    h = (h * 0x94D049BB133111EB) & _MASK64
+    return h ^ (h >> 29)
 
 
 def _check_names(value: Any) -> tuple[str, ...]:
@@ -198,18 +216,18 @@ def _materialise(size: int, shuffle: bool, key: dict[str, int]) -> npt.NDArray[n
     return out
 
 
-@attrs.frozen
-class BlockRun:
+class BlockRun(NamedTuple):
     """Pass positions that fall in one block: read ``block``, take ``offsets`` of it.
 
     ``offsets`` are in-block offsets (global id ``start + offset``) in the order of
-    the positions; ``start``/``stop`` are the block's global ids.
+    the positions; ``start``/``stop`` are the block's global ids. (A named tuple:
+    one is made per block read, on the hot path.)
     """
 
     block: int
     start: int
     stop: int
-    offsets: tuple[int, ...]
+    offsets: list[int]
 
 
 @attrs.frozen
@@ -227,26 +245,28 @@ class BlockOrder:
     pass_: int = attrs.field(default=0, converter=_check_pass)
     shuffle: bool = attrs.field(default=True, converter=_check_bool)
     _blocks: Permutation | Identity | None = attrs.field(init=False, repr=False, eq=False)
-    _rotations: Permutation | None = attrs.field(init=False, repr=False, eq=False)
+    _rotation_key: int = attrs.field(init=False, repr=False, eq=False)
+    # The in-block permutation twice over, so that a rotated run of it is one slice.
     _inner: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
     _inner_last: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
+    # [first slot, blocks of the slots from it]: block order drawn a page at a time.
+    _page: list[Any] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         full = self.num_full_blocks
         key = {"seed": self.seed, "epoch": self.epoch, "pass_": self.pass_}
         blocks = make_permutation(full, shuffle=self.shuffle, **key) if full else None
-        rotations = None
-        if self.shuffle and full:
-            rotations = Permutation(
-                full, seed=self.seed, epoch=self.epoch + _ROTATION_SALT, pass_=self.pass_
-            )
+        rotation_key = 0
+        if self.shuffle:
+            rotation_key = round_keys(full, self.seed, self.epoch + _ROTATION_SALT, self.pass_)[0]
         b, last = self.block_size, self.n - full * self.block_size
         inner = _materialise(b, self.shuffle, key) if full else _EMPTY
         inner_last = _materialise(last, self.shuffle, key) if last else _EMPTY
         object.__setattr__(self, "_blocks", blocks)
-        object.__setattr__(self, "_rotations", rotations)
-        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_rotation_key", rotation_key)
+        object.__setattr__(self, "_inner", np.concatenate([inner, inner]))
         object.__setattr__(self, "_inner_last", inner_last)
+        object.__setattr__(self, "_page", [-1, []])
 
     @property
     def num_full_blocks(self) -> int:
@@ -258,11 +278,22 @@ class BlockOrder:
 
     def block_at(self, slot: int) -> int:
         """The block laid out in slot ``slot`` (positions ``[slot * B, (slot + 1) * B)``)."""
-        slot = check_int("slot", slot, min=0, max=self.num_blocks - 1)
-        if slot >= self.num_full_blocks:
+        return self._block_at(check_int("slot", slot, min=0, max=self.num_blocks - 1))
+
+    def _block_at(self, slot: int) -> int:
+        full = self.num_full_blocks
+        if slot >= full:
             return slot  # the short last block stays last
         assert self._blocks is not None
-        return self._blocks[slot]
+        first, blocks = self._page
+        if not first <= slot < first + len(blocks):
+            # Draw the block order a page of slots at a time, vectorised: readers walk
+            # slots forwards, and a page is a bounded number of ints.
+            first = slot - slot % _PAGE
+            span = np.arange(first, min(full, first + _PAGE), dtype=np.int64)
+            blocks = self._blocks.take(span).tolist()
+            self._page[:] = [first, blocks]
+        return int(blocks[slot - first])
 
     def block_span(self, block: int) -> tuple[int, int]:
         """The global ids ``[start, stop)`` of block ``block``."""
@@ -270,26 +301,27 @@ class BlockOrder:
         start = block * self.block_size
         return start, min(self.n, start + self.block_size)
 
-    def _offsets(self, block: int, lo: int, hi: int) -> tuple[int, ...]:
-        """In-block offsets at places ``[lo, hi)`` of ``block``'s slot."""
-        if block >= self.num_full_blocks:
-            return tuple(self._inner_last[lo:hi].tolist())
-        b = self.block_size
-        shift = self._rotations[block] % b if self._rotations is not None else 0
-        places = np.arange(lo + shift, hi + shift, dtype=np.int64)
-        places %= b
-        return tuple(self._inner[places].tolist())
+    def rotation(self, block: int) -> int:
+        """How far ``block``'s places are rotated through the in-block permutation."""
+        if not self._rotation_key or block >= self.num_full_blocks:
+            return 0
+        return _mix(block, self._rotation_key) % self.block_size
 
     def runs(self, lo: int, hi: int) -> Iterator[BlockRun]:
         """Positions ``[lo, hi)`` (``0 <= lo <= hi <= n``) grouped by block, in order."""
         lo = check_int("lo", lo, min=0, max=self.n)
         hi = check_int("hi", hi, min=lo, max=self.n)
-        b = self.block_size
+        b, n, full = self.block_size, self.n, self.num_full_blocks
         for slot in range(lo // b, -(-hi // b)):
-            block = self.block_at(slot)
-            start, stop = self.block_span(block)
+            block = self._block_at(slot)
+            start = block * b
             first, last = max(lo, slot * b) - slot * b, min(hi, (slot + 1) * b) - slot * b
-            yield BlockRun(block, start, stop, self._offsets(block, first, last))
+            if block < full:
+                shift = self.rotation(block)
+                offsets = self._inner[first + shift : last + shift]
+            else:
+                offsets = self._inner_last[first:last]
+            yield BlockRun(block, start, min(n, start + b), offsets.tolist())
 
     def __getitem__(self, position: int) -> int:
         p = check_int("position", position, min=0, max=self.n - 1)

@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import logging
+import mmap
 import os
 import struct
 import tarfile
@@ -184,9 +185,10 @@ class ShardedDataset(IterableDataset[Any]):
     ``transform`` is applied to each decoded sample. ``block_size`` samples form a
     block, the unit of seeking and of the in-block shuffle: it is part of the
     order, so keep it fixed for a job. The index is read from ``index_path``
-    (default: ``adaptdl-index-<digest>.json`` beside the first shard, local shards
-    only) and built by one sequential read of every shard when missing or stale
-    (shard list, block size or a shard's byte size changed).
+    (default: ``adaptdl-index-<digest of shards and block size>.json`` beside the
+    first shard, local shards only) and built by one sequential read of every
+    shard when missing or stale (shard list, block size or a shard's byte size
+    changed).
 
     Iterated directly it yields every sample once in index order (blocks shared
     round-robin between DataLoader workers); `AdaptiveDataLoader` reads it in the
@@ -222,7 +224,10 @@ class ShardedDataset(IterableDataset[Any]):
         self.reader = reader
         self.block_size = block_size
         self.transform = transform
-        self.index_path = Path(index_path) if index_path is not None else _default_index(names)
+        if index_path is None:
+            self.index_path = _default_index(names, block_size)
+        else:
+            self.index_path = Path(index_path)
         self.index = self._load_or_build(names)
         self._reset_caches()
 
@@ -280,7 +285,7 @@ class ShardedDataset(IterableDataset[Any]):
 
     def _reset_caches(self) -> None:
         self._files: collections.OrderedDict[int, IO[bytes]] = collections.OrderedDict()
-        self._seek_file: IO[bytes] | None = None
+        self._seek_map: mmap.mmap | None = None
         self._block: tuple[int, list[Any]] | None = None
         #: Per process: blocks and records read, samples decoded (read amplification).
         self.stats = {"blocks": 0, "records": 0, "decoded": 0}
@@ -288,15 +293,15 @@ class ShardedDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get a copy without open files or a cached block.
         state = self.__dict__.copy()
-        state.update(_files=collections.OrderedDict(), _seek_file=None, _block=None)
+        state.update(_files=collections.OrderedDict(), _seek_map=None, _block=None)
         return state
 
     def close(self) -> None:
         """Close the files this process holds open (reopened on demand)."""
         for stream in self._files.values():
             stream.close()
-        if self._seek_file is not None:
-            self._seek_file.close()
+        if self._seek_map is not None:
+            self._seek_map.close()
         self._reset_caches()
 
     def _stream(self, shard: int, position: int) -> IO[bytes]:
@@ -310,10 +315,11 @@ class ShardedDataset(IterableDataset[Any]):
         return stream
 
     def _seek_position(self, block: int) -> int:
-        if self._seek_file is None:
-            self._seek_file = open(self.seek_path, "rb")  # noqa: SIM115 - cached
-        self._seek_file.seek(8 * block)
-        (position,) = _U64.unpack(self._seek_file.read(8))
+        if self._seek_map is None:
+            # Mapped, not loaded: the seek file has a number per block of the corpus.
+            with open(self.seek_path, "rb") as f:
+                self._seek_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (position,) = _U64.unpack_from(self._seek_map, 8 * block)
         return int(position)
 
     def read_block(self, block: int, start: int, stop: int) -> list[Any]:
@@ -335,18 +341,18 @@ class ShardedDataset(IterableDataset[Any]):
         self.stats["records"] += len(records)
         return records
 
-    def sample(self, record: Any) -> Any:
-        """Decode and transform one raw record."""
-        self.stats["decoded"] += 1
-        value = self.reader.decode(record)
-        return self.transform(value) if self.transform is not None else value
-
     def take(self, order: BlockOrder, lo: int, hi: int) -> list[Any]:
-        """The samples at pass positions ``[lo, hi)`` of ``order``, block by block."""
-        out = []
+        """The samples at pass positions ``[lo, hi)`` of ``order``, block by block.
+
+        Only the records taken are decoded (and transformed).
+        """
+        decode, out = self.reader.decode, []
         for run in order.runs(lo, hi):
             records = self.read_block(run.block, run.start, run.stop)
-            out += [self.sample(records[o]) for o in run.offsets]
+            out += [decode(records[o]) for o in run.offsets]
+        self.stats["decoded"] += len(out)
+        if self.transform is not None:
+            out = [self.transform(sample) for sample in out]
         return out
 
     def __iter__(self) -> Iterator[Any]:
@@ -358,13 +364,16 @@ class ShardedDataset(IterableDataset[Any]):
             yield from self.take(order, lo, min(order.n, lo + self.block_size))
 
 
-def _default_index(names: list[str]) -> Path:
+def _default_index(names: list[str], block_size: int) -> Path:
     if _is_remote(names[0]):
         raise ValueError(
             f"index_path is needed for remote shards (first shard {names[0]!r}): "
             "name a local file for the cached index"
         )
-    digest = hashlib.blake2b("\n".join(names).encode("utf-8"), digest_size=6).hexdigest()
+    # The block size is part of the name: datasets over the same shards with other
+    # block sizes keep their own index instead of rebuilding each other's.
+    key = "\n".join([*names, f"block_size={block_size}"]).encode("utf-8")
+    digest = hashlib.blake2b(key, digest_size=6).hexdigest()
     return Path(names[0].removeprefix("file://")).resolve().parent / f"adaptdl-index-{digest}.json"
 
 
