@@ -50,10 +50,15 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptdl.core._validate import ArgumentTypeError, check_int
+
+# The order is keyed like a permutation, so its keys are checked by the same rules.
 from adaptdl.core.permutation import (
     MAX_N,
     Identity,
     Permutation,
+    _check_epoch,
+    _check_pass,
+    _check_seed,
     make_permutation,
     round_keys,
 )
@@ -184,18 +189,6 @@ def _check_block_size(value: Any) -> int:
 
 def _check_n(value: Any) -> int:
     return check_int("n", value, min=1, max=MAX_N)
-
-
-def _check_seed(value: Any) -> int:
-    return check_int("seed", value, min=0)
-
-
-def _check_epoch(value: Any) -> int:
-    return check_int("epoch", value, min=0)
-
-
-def _check_pass(value: Any) -> int:
-    return check_int("pass_", value, min=0)
 
 
 def _check_bool(value: Any) -> bool:
