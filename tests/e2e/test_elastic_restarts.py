@@ -1,6 +1,7 @@
 """End to end: real torchrun jobs stopped by SIGTERM and restarted at other sizes.
 
-One job trains through three runs: 2 replicas until SIGTERM in epoch 0, 3
+One job trains through three runs (on a map-style dataset, and again on
+JSON-lines shards read as a ShardedDataset): 2 replicas until SIGTERM in epoch 0, 3
 replicas (with a DataLoader worker) until SIGTERM in epoch 1, then 1 replica to
 the end. From the indices the training loops actually received we check that
 every sample of every epoch was consumed exactly once (padding aside), and from
@@ -109,17 +110,23 @@ def _reached(epoch: int, index: int) -> Callable[[list[dict[str, Any]]], bool]:
     return predicate
 
 
-@pytest.fixture(scope="module")
-def elastic_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Run the job 2 -> SIGTERM -> 3 -> SIGTERM -> 1 replicas; yield its directory."""
-    tmp = tmp_path_factory.mktemp("elastic")
+@pytest.fixture(scope="module", params=["map", "sharded"])
+def elastic_job(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """Run the job 2 -> SIGTERM -> 3 -> SIGTERM -> 1 replicas; yield its directory.
+
+    Once on the map-style dataset, once on JSON-lines shards read as a ShardedDataset.
+    """
+    tmp = tmp_path_factory.mktemp(f"elastic-{request.param}")
     (tmp / "records").mkdir()
+    data = {"E2E_SHARDS": str(tmp / "shards")} if request.param == "sharded" else {}
     launches: list[Launch] = []
     try:
         for run, (nproc, stop_at, workers) in enumerate(
             [(2, 0, "0"), (3, 1, "1"), (1, None, "0")]
         ):
-            launch = Launch(tmp, run, nproc, E2E_WORKERS=workers)
+            launch = Launch(tmp, run, nproc, E2E_WORKERS=workers, **data)
             launches.append(launch)
             if stop_at is not None:
                 launch.wait_until(_reached(stop_at, N // 3))

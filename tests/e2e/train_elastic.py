@@ -1,5 +1,9 @@
 """A tiny elastic training script for the end-to-end tests, launched by torchrun.
 
+With ``E2E_SHARDS`` set to a directory, the same samples are written there as
+JSON-lines shards of uneven sizes and read through a ``ShardedDataset`` instead of
+the map-style dataset (the expected indices then come from core's block order).
+
 Every replica appends one JSON line per batch to ``$E2E_RECORD_DIR/run<R>-rank<k>.jsonl``:
 the dataset indices the training loop actually received, which of them the core
 sharding calls padding, and the loss. At the start of each run and at the end of
@@ -21,7 +25,9 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
+from adaptdl.core.shards import BlockOrder, replica_chunk
 from adaptdl.torch._context import current_job
+from adaptdl.torch.shards import JsonLinesReader, ShardedDataset
 
 N = int(os.environ.get("E2E_N", "120"))
 EPOCHS = int(os.environ.get("E2E_EPOCHS", "3"))
@@ -30,6 +36,9 @@ WORKERS = int(os.environ.get("E2E_WORKERS", "0"))
 STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
 RUN = int(os.environ.get("E2E_RUN", "0"))
 RECORD_DIR = os.environ["E2E_RECORD_DIR"]
+SHARDS = os.environ.get("E2E_SHARDS", "")
+BLOCK_SIZE = 4
+SHARD_SIZES = (7, 30, 1, 45, 37)  # cycled until N samples are written
 
 
 class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -48,6 +57,49 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         return i, self.x[i], self.y[i]
 
 
+def write_shards(dataset: Regression, directory: str) -> list[str]:
+    """The samples as JSON lines {"i", "x", "y"}, in shards of uneven sizes, in order."""
+    os.makedirs(directory, exist_ok=True)
+    paths, start = [], 0
+    for s in range(N):
+        if start >= N:
+            break
+        stop = min(N, start + SHARD_SIZES[s % len(SHARD_SIZES)])
+        path = os.path.join(directory, f"part-{s:03d}.jsonl")
+        if not os.path.exists(path):  # every replica writes the same bytes, atomically
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as out:
+                for i in range(start, stop):
+                    x, y = dataset.x[i].tolist(), dataset.y[i].tolist()
+                    out.write(json.dumps({"i": i, "x": x, "y": y}) + "\n")
+            os.replace(tmp, path)
+        paths.append(path)
+        start = stop
+    return paths
+
+
+def as_tensors(sample: dict[str, Any]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    return sample["i"], torch.tensor(sample["x"]), torch.tensor(sample["y"])
+
+
+def expected_batch(
+    epoch: int, index: int, local_bsz: int, size: int
+) -> tuple[list[int], list[bool]]:
+    """The indices core assigns this replica's batch of ``size`` at ``index``, and padding."""
+    topo = current_job().topology
+    if not SHARDS:
+        shard = Shard(N, index, topo.num_replicas, topo.rank, seed=SHUFFLE_SEED, epoch=epoch)
+        return shard.indices(0, size).tolist(), shard.is_padding(0, size).tolist()
+    chunk = replica_chunk(N, index, topo.num_replicas, topo.rank, local_bsz)
+    order = BlockOrder(N, BLOCK_SIZE, seed=SHUFFLE_SEED, epoch=epoch, pass_=index // N)
+    indices = order.take(chunk.lo, chunk.hi).tolist()
+    padding = [False] * len(indices)
+    if chunk.pad is not None:
+        indices.append(order[chunk.pad])
+        padding.append(True)
+    return indices, padding
+
+
 def digest(model: torch.nn.Module) -> str:
     """A fingerprint of the parameters' exact bits: replicas in step have the same."""
     h = hashlib.sha256()
@@ -62,8 +114,14 @@ def main() -> None:
     topo = job.topology
     torch.manual_seed(0)
     dataset = Regression(N)
+    source: Any = dataset
+    if SHARDS:
+        paths = write_shards(dataset, SHARDS)
+        source = ShardedDataset(
+            paths, JsonLinesReader(), block_size=BLOCK_SIZE, transform=as_tensors
+        )
     loader = adl.AdaptiveDataLoader(
-        dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS
+        source, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS
     )
     model = torch.nn.Linear(8, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
@@ -97,16 +155,10 @@ def main() -> None:
                     helper = adl.current_dataloader()
                     assert helper is not None
                     index = helper.current_index
-                    shard = Shard(
-                        N,
-                        index,
-                        topo.num_replicas,
-                        topo.rank,
-                        seed=SHUFFLE_SEED,
-                        epoch=epoch,
-                        shuffle=True,
+                    assert index is not None
+                    expected, padding = expected_batch(
+                        epoch, index, helper.current_local_bsz, len(idx)
                     )
-                    k = len(idx)
                     optimizer.zero_grad()
                     loss = torch.nn.functional.mse_loss(adp(x), y)
                     loss.backward()
@@ -115,8 +167,8 @@ def main() -> None:
                         epoch=epoch,
                         index=index,
                         indices=idx.tolist(),
-                        expected=shard.indices(0, k).tolist(),
-                        padding=shard.is_padding(0, k).tolist(),
+                        expected=expected,
+                        padding=padding,
                         loss=loss.item(),
                         batch_size=helper.current_batch_size,
                     )

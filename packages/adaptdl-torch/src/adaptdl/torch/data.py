@@ -23,6 +23,7 @@ from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
+from adaptdl.torch.shards import ShardedStream
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 __all__ = [
@@ -172,8 +173,11 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
     time. Every DataLoader worker gets a distinct seed that depends only on the
     epoch, the rank, the position in the pass and the worker id.
 
+    A `adaptdl.torch.shards.ShardedDataset` (shard files streamed in order) is read
+    micro-batch by micro-batch in core's block order (see that module).
+
     Raises ValueError if ``sampler`` or ``batch_sampler`` is given, or if the
-    dataset is an ``IterableDataset``.
+    dataset is an ``IterableDataset`` other than a ``ShardedDataset``.
     """
 
     def __init__(
@@ -190,17 +194,27 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
                     "an ElasticSampler so that restarts neither lose nor repeat data; "
                     "use shuffle=True/False instead"
                 )
+        stream = None
         if isinstance(dataset, IterableDataset):
-            raise ValueError(
-                "AdaptiveDataLoader needs a map-style dataset (with __len__ and __getitem__), "
-                "not an IterableDataset"
-            )
+            stream = ShardedStream.for_loader(dataset, shuffle, SHUFFLE_SEED, kwargs)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         generator = kwargs.pop("generator", None)
         if generator is None:
             generator = torch.Generator()
         worker_init_fn = _WorkerInit(kwargs.pop("worker_init_fn", None))
+        if stream is not None:
+            # The stream yields whole, collated micro-batches: no sampler, no batching.
+            super().__init__(
+                stream,
+                batch_size=None,
+                collate_fn=stream.loader_collate(),
+                generator=generator,
+                worker_init_fn=worker_init_fn,
+                **kwargs,
+            )
+            AdaptiveDataLoaderMixin.__init__(self, batch_size)
+            return
         sampler = ElasticSampler(dataset, shuffle=shuffle)
         super().__init__(
             dataset,
@@ -220,8 +234,11 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
         at the target batch size. A checkpoint-restart may happen between batches.
         """
         helper = self._elastic
-        sampler: ElasticSampler = self.sampler  # type: ignore[assignment]
         rank = helper.job.topology.rank
+        if isinstance(self.dataset, ShardedStream):
+            yield from helper.iterate(len(self.dataset), self._sharded_batches(rank))
+            return
+        sampler: ElasticSampler = self.sampler  # type: ignore[assignment]
 
         def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
             sampler.set_epoch(epoch, index)
@@ -232,6 +249,17 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
 
         yield from helper.iterate(len(sampler.dataset), batches)  # type: ignore[arg-type]
 
+    def _sharded_batches(self, rank: int) -> Callable[[int, int, int], Iterator[Any]]:
+        stream: ShardedStream = self.dataset  # type: ignore[assignment]
+
+        def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
+            stream.set_plan(epoch, index, self._elastic.job.topology.num_replicas, rank, local_bsz)
+            if self.generator is not None:
+                self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
+            return DataLoader.__iter__(self)
+
+        return batches
+
     def __len__(self) -> int:
         """Batches this replica yields in a pass from the sampler's index at the current size.
 
@@ -241,5 +269,9 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
         helper = self._elastic
         replicas = helper.job.topology.num_replicas
         local = helper.current_local_bsz or -(-helper.batch_size // replicas)
+        if isinstance(self.dataset, ShardedStream):
+            epoch, index, *_ = self.dataset.plan
+            self.dataset.set_plan(epoch, index, replicas, helper.job.topology.rank, local)
+            return self.dataset.num_batches()
         count = len(self.sampler)  # type: ignore[arg-type]
         return count // local if self.drop_last else -(-count // local)

@@ -1,0 +1,379 @@
+"""The pass order of a sharded, streamed dataset, and each replica's part of it.
+
+A sharded dataset is a list of shards (files read sequentially) with known
+sample counts: a :class:`ShardIndex`. Its samples have global ids ``g`` in
+``[0, n)``, shard after shard in index order.
+
+Blocks and the pass order
+    The global ids are cut into blocks of ``block_size`` (``B``) consecutive ids:
+    block ``j`` holds ``[j * B, min((j + 1) * B, n))``. A block is the unit of
+    seeking: a reader seeks once to the block's start and reads on sequentially
+    (across a shard boundary if the block spans one). A pass of
+    :class:`BlockOrder` lays the blocks out one after another, full blocks in the
+    order of a keyed Feistel permutation (:mod:`adaptdl.core.permutation`, keyed
+    by ``(seed, epoch, pass)``), the short last block (if ``n % B``) last, and
+    shuffles the samples inside each block: pass position ``p`` is slot
+    ``b = p // B``, place ``u = p % B``, block ``blocks[b]``, and in-block offset
+    ``inner[(u + rotation(block)) % B]`` where ``inner`` is one permutation of
+    ``[0, B)`` per pass and the rotation a keyed hash of the block (the short last
+    block has its own permutation and no rotation).
+    Position to sample is O(1) time and memory (O(log shards) to name the shard);
+    nothing proportional to ``n`` is ever built. The permuted block order gives
+    the shard mixing; a block's samples land in one micro-batch or a few
+    consecutive ones. Without ``shuffle`` the order is the index order.
+
+Which positions a replica reads
+    Core's loader counts ``index``: every pass position below it is consumed.
+    A micro-batch at ``index`` covers the next ``m = min(R * L, n - start)``
+    positions (``R`` replicas, local batch ``L``); here, unlike the strided
+    :class:`adaptdl.core.sampling.Shard`, each replica takes a contiguous run of
+    them (:func:`replica_chunk`), so that it reads about ``L / B + 1`` blocks of
+    which it uses all but the ends. The consumed positions after the micro-batch
+    are still exactly ``[0, index + m)`` whatever ``R`` and ``L`` were before:
+    the prefix invariant. A replica whose run is one short of the others takes one
+    padding sample (a duplicate, explicitly flagged) so that all stay in step.
+
+Read amplification (samples read over samples used) with a one-block cache per
+reader is about ``1 + (B - 1) / L`` (the two partly used blocks at the ends of a
+run), and never more than the number of readers; see README "Streaming data".
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from adaptdl.core._validate import ArgumentTypeError, check_epoch, check_int, check_seed
+
+# The order is keyed like a permutation, so its keys are checked by the same rules.
+from adaptdl.core.permutation import (
+    MAX_N,
+    Identity,
+    Permutation,
+    _check_pass,
+    make_permutation,
+    round_keys,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "BlockOrder",
+    "BlockRun",
+    "Chunk",
+    "ShardIndex",
+    "micro_batches",
+    "replica_chunk",
+]
+
+#: Samples per block: small against usual local batch sizes (32 and up), so that the
+#: read amplification ``1 + (B - 1) / L`` stays under ~1.5, and large enough that a
+#: seek per block costs little next to reading and decoding its samples.
+DEFAULT_BLOCK_SIZE = 16
+# Largest block: the in-block permutation is materialised (B ints) once per pass.
+MAX_BLOCK_SIZE = 1 << 20
+# Key of the block rotations: round keys of a separate "epoch" stream, so that the
+# rotations and the block order are independent draws.
+_ROTATION_SALT = 0x5A17
+# Slots of the block order drawn at once (a page of ints, cached by the order).
+_PAGE = 1024
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(value: int, key: int) -> int:
+    """A keyed 64-bit mix (splitmix64's finaliser) of ``value``: pure integer arithmetic."""
+    h = ((value ^ key) * 0xBF58476D1CE4E5B9) & _MASK64
+    h ^= h >> 31
+    h = (h * 0x94D049BB133111EB) & _MASK64
+    return h ^ (h >> 29)
+
+
+def _check_names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(f"names must be a sequence of str, got {type(value).__name__}")
+    for i, name in enumerate(value):
+        if not isinstance(name, str) or not name:
+            raise ArgumentTypeError(f"names[{i}] must be a non-empty str, got {name!r}")
+    return tuple(value)
+
+
+def _check_counts(value: Any) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ArgumentTypeError(f"counts must be a sequence of int, got {type(value).__name__}")
+    return tuple(check_int(f"counts[{i}]", c, min=0) for i, c in enumerate(value))
+
+
+@attrs.frozen
+class ShardIndex:
+    """Shards (by name, e.g. a path) and their sample counts, in the order of global ids.
+
+    Shard ``s`` holds the global ids ``[offsets[s], offsets[s + 1])``. Empty shards
+    are allowed; the whole index must hold at least one sample. Serialised by
+    :meth:`to_json` as ``{"shards": [{"name": ..., "count": ...}, ...]}``.
+    """
+
+    names: tuple[str, ...] = attrs.field(converter=_check_names)
+    counts: tuple[int, ...] = attrs.field(converter=_check_counts)
+    _offsets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.names) != len(self.counts):
+            raise ValueError(
+                f"names and counts must have the same length, got {len(self.names)} names "
+                f"and {len(self.counts)} counts"
+            )
+        if not self.names:
+            raise ValueError("a shard index needs at least one shard, got none")
+        offsets = (0, *itertools.accumulate(self.counts))
+        if offsets[-1] < 1 or offsets[-1] > MAX_N:
+            raise ValueError(
+                f"the shards must hold 1 to {MAX_N} samples in all, got {offsets[-1]}"
+            )
+        object.__setattr__(self, "_offsets", offsets)
+
+    @property
+    def total(self) -> int:
+        """Samples in all shards."""
+        return self._offsets[-1]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.names)
+
+    def offset(self, shard: int) -> int:
+        """The global id of shard ``shard``'s first sample."""
+        return self._offsets[check_int("shard", shard, min=0, max=self.num_shards - 1)]
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """``(shard, offset in shard)`` of global id ``sample`` (never an empty shard)."""
+        g = check_int("sample", sample, min=0, max=self.total - 1)
+        shard = bisect.bisect_right(self._offsets, g) - 1
+        return shard, g - self._offsets[shard]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shards": [
+                {"name": name, "count": count}
+                for name, count in zip(self.names, self.counts, strict=True)
+            ]
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> ShardIndex:
+        """The index that :meth:`to_json` wrote; ValueError naming what is malformed."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("shards"), list):
+            raise ValueError(
+                f"a shard index must be an object with a 'shards' list, got {str(data)[:200]}"
+            )
+        names, counts = [], []
+        for i, entry in enumerate(data["shards"]):
+            if not isinstance(entry, Mapping) or "name" not in entry or "count" not in entry:
+                raise ValueError(
+                    f"shards[{i}] must be an object with 'name' and 'count', got {entry!r}"
+                )
+            names.append(entry["name"])
+            counts.append(entry["count"])
+        return cls(names, counts)
+
+
+def _check_block_size(value: Any) -> int:
+    return check_int("block_size", value, min=1, max=MAX_BLOCK_SIZE)
+
+
+def _check_n(value: Any) -> int:
+    return check_int("n", value, min=1, max=MAX_N)
+
+
+def _check_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"shuffle must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+_EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+def _materialise(size: int, shuffle: bool, key: dict[str, int]) -> npt.NDArray[np.int64]:
+    """One in-block permutation as an array (``size <= MAX_BLOCK_SIZE`` ints)."""
+    perm = make_permutation(size, shuffle=shuffle, **key)
+    out = perm.take(np.arange(size, dtype=np.int64))
+    out.flags.writeable = False
+    return out
+
+
+class BlockRun(NamedTuple):
+    """Pass positions that fall in one block: read ``block``, take ``offsets`` of it.
+
+    ``offsets`` are in-block offsets (global id ``start + offset``) in the order of
+    the positions; ``start``/``stop`` are the block's global ids. (A named tuple:
+    one is made per block read, on the hot path.)
+    """
+
+    block: int
+    start: int
+    stop: int
+    offsets: list[int]
+
+
+@attrs.frozen
+class BlockOrder:
+    """The order of one pass over ``n`` samples in blocks of ``block_size``.
+
+    ``order[p]`` is the global id at pass position ``p``; :meth:`runs` groups a range
+    of positions by block, which is how a reader consumes them.
+    """
+
+    n: int = attrs.field(converter=_check_n)
+    block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, converter=_check_block_size)
+    seed: int = attrs.field(default=0, converter=check_seed)
+    epoch: int = attrs.field(default=0, converter=check_epoch)
+    pass_: int = attrs.field(default=0, converter=_check_pass)
+    shuffle: bool = attrs.field(default=True, converter=_check_bool)
+    _blocks: Permutation | Identity | None = attrs.field(init=False, repr=False, eq=False)
+    _rotation_key: int = attrs.field(init=False, repr=False, eq=False)
+    # The in-block permutation twice over, so that a rotated run of it is one slice.
+    _inner: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
+    _inner_last: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
+    # [first slot, blocks of the slots from it]: block order drawn a page at a time.
+    _page: list[Any] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        full = self.num_full_blocks
+        key = {"seed": self.seed, "epoch": self.epoch, "pass_": self.pass_}
+        blocks = make_permutation(full, shuffle=self.shuffle, **key) if full else None
+        rotation_key = 0
+        if self.shuffle:
+            rotation_key = round_keys(full, self.seed, self.epoch + _ROTATION_SALT, self.pass_)[0]
+        b, last = self.block_size, self.n - full * self.block_size
+        inner = _materialise(b, self.shuffle, key) if full else _EMPTY
+        inner_last = _materialise(last, self.shuffle, key) if last else _EMPTY
+        object.__setattr__(self, "_blocks", blocks)
+        object.__setattr__(self, "_rotation_key", rotation_key)
+        object.__setattr__(self, "_inner", np.concatenate([inner, inner]))
+        object.__setattr__(self, "_inner_last", inner_last)
+        object.__setattr__(self, "_page", [-1, []])
+
+    @property
+    def num_full_blocks(self) -> int:
+        return self.n // self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.n // self.block_size)
+
+    def block_at(self, slot: int) -> int:
+        """The block laid out in slot ``slot`` (positions ``[slot * B, (slot + 1) * B)``)."""
+        return self._block_at(check_int("slot", slot, min=0, max=self.num_blocks - 1))
+
+    def _block_at(self, slot: int) -> int:
+        full = self.num_full_blocks
+        if slot >= full:
+            return slot  # the short last block stays last
+        assert self._blocks is not None
+        first, blocks = self._page
+        if not first <= slot < first + len(blocks):
+            # Draw the block order a page of slots at a time, vectorised: readers walk
+            # slots forwards, and a page is a bounded number of ints.
+            first = slot - slot % _PAGE
+            span = np.arange(first, min(full, first + _PAGE), dtype=np.int64)
+            blocks = self._blocks.take(span).tolist()
+            self._page[:] = [first, blocks]
+        return int(blocks[slot - first])
+
+    def block_span(self, block: int) -> tuple[int, int]:
+        """The global ids ``[start, stop)`` of block ``block``."""
+        block = check_int("block", block, min=0, max=self.num_blocks - 1)
+        start = block * self.block_size
+        return start, min(self.n, start + self.block_size)
+
+    def rotation(self, block: int) -> int:
+        """How far ``block``'s places are rotated through the in-block permutation."""
+        if not self._rotation_key or block >= self.num_full_blocks:
+            return 0
+        return _mix(block, self._rotation_key) % self.block_size
+
+    def runs(self, lo: int, hi: int) -> Iterator[BlockRun]:
+        """Positions ``[lo, hi)`` (``0 <= lo <= hi <= n``) grouped by block, in order."""
+        lo = check_int("lo", lo, min=0, max=self.n)
+        hi = check_int("hi", hi, min=lo, max=self.n)
+        b, n, full = self.block_size, self.n, self.num_full_blocks
+        for slot in range(lo // b, -(-hi // b)):
+            block = self._block_at(slot)
+            start = block * b
+            first, last = max(lo, slot * b) - slot * b, min(hi, (slot + 1) * b) - slot * b
+            if block < full:
+                shift = self.rotation(block)
+                offsets = self._inner[first + shift : last + shift]
+            else:
+                offsets = self._inner_last[first:last]
+            yield BlockRun(block, start, min(n, start + b), offsets.tolist())
+
+    def __getitem__(self, position: int) -> int:
+        p = check_int("position", position, min=0, max=self.n - 1)
+        (run,) = self.runs(p, p + 1)
+        return run.start + run.offsets[0]
+
+    def take(self, lo: int, hi: int) -> npt.NDArray[np.int64]:
+        """Global ids at positions ``[lo, hi)``."""
+        ids = [run.start + o for run in self.runs(lo, hi) for o in run.offsets]
+        return np.asarray(ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@attrs.frozen
+class Chunk:
+    """One replica's part of the micro-batch at global ``index``.
+
+    Pass positions ``[lo, hi)`` are its real samples; when ``pad`` is not None it
+    also takes pass position ``pad`` once more as padding (a duplicate), so that
+    every replica yields ``size`` samples. ``step`` is what the micro-batch adds to
+    the global index (all replicas together).
+    """
+
+    lo: int
+    hi: int
+    pad: int | None
+    size: int
+    step: int
+
+
+def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: int) -> Chunk:
+    """Replica ``rank``'s contiguous run of the micro-batch that starts at ``index``.
+
+    The micro-batch covers ``m = min(num_replicas * local_bsz, n - index % n)``
+    positions from ``start = index % n``; they are split in contiguous runs, the
+    first ``m % num_replicas`` replicas taking one more, the others a padding
+    sample instead (the position after their run, modulo ``n``).
+    """
+    n = check_int("n", n, min=1, max=MAX_N)
+    index = check_int("index", index, min=0)
+    replicas = check_int("num_replicas", num_replicas, min=1)
+    rank = check_int("rank", rank, min=0, max=replicas - 1)
+    local_bsz = check_int("local_bsz", local_bsz, min=1)
+    start = index % n
+    m = min(replicas * local_bsz, n - start)
+    base, extra = divmod(m, replicas)
+    lo = start + rank * base + min(rank, extra)
+    hi = lo + base + (rank < extra)
+    size = base + (extra > 0)
+    pad = hi % n if hi - lo < size else None
+    return Chunk(lo, hi, pad, size, m)
+
+
+def micro_batches(
+    n: int, index: int, num_replicas: int, rank: int, local_bsz: int
+) -> Iterator[Chunk]:
+    """Replica ``rank``'s chunks from global ``index`` to the end of its pass."""
+    end = (index // n + 1) * n
+    while index < end:
+        chunk = replica_chunk(n, index, num_replicas, rank, local_bsz)
+        yield chunk
+        index += chunk.step

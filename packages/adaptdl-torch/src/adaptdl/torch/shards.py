@@ -1,0 +1,485 @@
+"""Streaming, sharded datasets for `AdaptiveDataLoader`: exactly once across resizes.
+
+A `ShardedDataset` is a list of shard files and a reader that reads one shard
+sequentially from a byte position: `JsonLinesReader` (one JSON value a line) and
+`TarReader` (WebDataset-style tar shards: members grouped into samples by key)
+are provided. Sample counts, and the byte position of every block start (a block
+is ``block_size`` consecutive samples, the unit of seeking), are counted once and
+cached next to the shards: a JSON index and a binary seek file of one
+little-endian uint64 per block.
+
+`AdaptiveDataLoader` reads it micro-batch by micro-batch in the order that
+:mod:`adaptdl.core.shards` decides from (seed, epoch): blocks shuffled, samples
+shuffled inside each block, each replica a contiguous run of positions, each
+micro-batch read whole by one DataLoader worker. A reader seeks once per block and
+keeps the last block it read, so memory is one block per worker whatever the
+corpus size. Remote shards (``s3://``, ``gs://``, ...) are opened through fsspec
+when it is installed (``pip install 'adaptdl-torch[fsspec]'``).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import logging
+import mmap
+import os
+import struct
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import torch
+from adaptdl.core.shards import DEFAULT_BLOCK_SIZE, BlockOrder, ShardIndex, micro_batches
+from torch.utils.data import IterableDataset, get_worker_info
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "JsonLinesReader",
+    "ShardReader",
+    "ShardedDataset",
+    "ShardedStream",
+    "TarReader",
+]
+
+LOG = logging.getLogger("adaptdl.torch.shards")
+
+INDEX_VERSION = 1
+# Open shard files kept per process: blocks come from shards in shuffled order.
+_OPEN_FILES = 8
+_U64 = struct.Struct("<Q")
+
+
+class ShardReader(Protocol):
+    """Reads the samples of one shard file sequentially.
+
+    ``scan`` yields the byte position of every sample of a whole shard (once, to
+    count and index it); ``records`` yields raw records from the stream's current
+    position, which is always 0 or a position ``scan`` yielded; ``decode`` turns a
+    raw record into a sample (only for the samples a micro-batch uses).
+    """
+
+    def scan(self, stream: IO[bytes]) -> Iterator[int]: ...
+
+    def records(self, stream: IO[bytes]) -> Iterator[Any]: ...
+
+    def decode(self, record: Any) -> Any: ...
+
+
+class JsonLinesReader:
+    """JSON lines: one JSON value per non-blank line, decoded with ``json.loads``."""
+
+    def scan(self, stream: IO[bytes]) -> Iterator[int]:
+        position = stream.tell()
+        for line in stream:
+            if line.strip():
+                yield position
+            position += len(line)
+
+    def records(self, stream: IO[bytes]) -> Iterator[bytes]:
+        return (line for line in stream if line.strip())
+
+    def decode(self, record: bytes) -> Any:
+        return json.loads(record)
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """WebDataset's rule: the key is the path up to the first dot of the file name."""
+    directory, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    key = f"{directory}/{stem}" if directory else stem
+    return key, ext if dot else ""
+
+
+class TarReader:
+    """WebDataset-style tar shards: consecutive members with one key form a sample.
+
+    A sample is a dict ``{"__key__": key, ext: bytes, ...}`` (``images/0001.jpg`` and
+    ``images/0001.cls`` give key ``images/0001`` with ``jpg`` and ``cls``); decode
+    the bytes with the dataset's ``transform``.
+    """
+
+    def _members(self, stream: IO[bytes]) -> Iterator[tarfile.TarInfo]:
+        archive = tarfile.open(fileobj=stream, mode="r:")  # noqa: SIM115 - streamed
+        while (member := archive.next()) is not None:
+            archive.members.clear()  # type: ignore[attr-defined]  # tarfile keeps all it read
+            if member.isfile():
+                yield member
+
+    def scan(self, stream: IO[bytes]) -> Iterator[int]:
+        previous = None
+        for member in self._members(stream):
+            key, _ = _split_key(member.name)
+            if key != previous:
+                yield member.offset
+                previous = key
+
+    def records(self, stream: IO[bytes]) -> Iterator[dict[str, Any]]:
+        archive = tarfile.open(fileobj=stream, mode="r:")  # noqa: SIM115 - streamed
+        sample: dict[str, Any] | None = None
+        while (member := archive.next()) is not None:
+            archive.members.clear()  # type: ignore[attr-defined]
+            if not member.isfile():
+                continue
+            key, ext = _split_key(member.name)
+            if sample is not None and sample["__key__"] != key:
+                yield sample
+                sample = None
+            if sample is None:
+                sample = {"__key__": key}
+            data = archive.extractfile(member)
+            assert data is not None  # a regular file always has data
+            sample[ext] = data.read()
+        if sample is not None:
+            yield sample
+
+    def decode(self, record: dict[str, Any]) -> dict[str, Any]:
+        return record
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as exc:
+        raise ImportError(
+            "reading remote shards needs fsspec: pip install 'adaptdl-torch[fsspec]'"
+        ) from exc
+    return fsspec
+
+
+def open_shard(path: str) -> IO[bytes]:
+    """Open a shard for binary reading: a local path, or a URL through fsspec."""
+    if _is_remote(path):
+        return _fsspec().open(path, "rb").open()  # type: ignore[no-any-return]
+    return open(path.removeprefix("file://"), "rb")
+
+
+def _size(path: str) -> int:
+    if _is_remote(path):
+        fs, _, (target,) = _fsspec().get_fs_token_paths(path)
+        return int(fs.size(target))
+    return os.stat(path.removeprefix("file://")).st_size
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+class ShardedDataset(IterableDataset[Any]):
+    """Samples streamed from shard files, for `AdaptiveDataLoader`.
+
+    ``shards`` are paths (or fsspec URLs) in a fixed order; ``reader`` reads one
+    shard (`JsonLinesReader`, `TarReader` or your own `ShardReader`);
+    ``transform`` is applied to each decoded sample. ``block_size`` samples form a
+    block, the unit of seeking and of the in-block shuffle: it is part of the
+    order, so keep it fixed for a job. The index is read from ``index_path``
+    (default: ``adaptdl-index-<digest of shards and block size>.json`` beside the
+    first shard, local shards only) and built by one sequential read of every
+    shard when missing or stale (shard list, block size or a shard's byte size
+    changed).
+
+    Iterated directly it yields every sample once in index order (blocks shared
+    round-robin between DataLoader workers); `AdaptiveDataLoader` reads it in the
+    shuffled, restart-safe order instead.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str | os.PathLike[str]],
+        reader: ShardReader,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        index_path: str | os.PathLike[str] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if isinstance(shards, (str, bytes, os.PathLike)) or not isinstance(shards, Sequence):
+            raise ValueError(f"shards must be a sequence of paths, got {shards!r}")
+        if not shards:
+            raise ValueError("shards must name at least one shard, got an empty sequence")
+        names = [os.fspath(s) for s in shards]
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"shards[{i}] must be a non-empty path, got {name!r}")
+        for method in ("scan", "records", "decode"):
+            if not callable(getattr(reader, method, None)):
+                raise ValueError(
+                    f"reader must implement ShardReader ({method} is missing), got {reader!r}"
+                )
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform must be callable or None, got {transform!r}")
+        self.reader = reader
+        self.block_size = block_size
+        self.transform = transform
+        if index_path is None:
+            self.index_path = _default_index(names, block_size)
+        else:
+            self.index_path = Path(index_path)
+        self.index = self._load_or_build(names)
+        self._reset_caches()
+
+    # -- the index ----------------------------------------------------------------------
+    @property
+    def seek_path(self) -> Path:
+        return self.index_path.with_suffix(".seek")
+
+    def _load_or_build(self, names: list[str]) -> ShardIndex:
+        sizes = [_size(n) for n in names]
+        expected = {"version": INDEX_VERSION, "block_size": self.block_size, "sizes": sizes}
+        try:
+            data = json.loads(self.index_path.read_text(encoding="utf-8"))
+            index = ShardIndex.from_json(data)
+            current = {k: data.get(k) for k in expected}
+            blocks = -(-index.total // self.block_size)
+            if (
+                list(index.names) == names
+                and current == expected
+                and self.seek_path.stat().st_size == 8 * blocks
+            ):
+                return index
+            LOG.warning("shard index %s is stale: rebuilding it", self.index_path)
+        except FileNotFoundError:
+            pass
+        except ValueError as exc:
+            LOG.warning("shard index %s is unreadable (%s): rebuilding it", self.index_path, exc)
+        return self._build(names, expected)
+
+    def _build(self, names: list[str], header: dict[str, Any]) -> ShardIndex:
+        """Count every shard by one sequential read; record each block start's byte position."""
+        counts: list[int] = []
+        seeks = bytearray()
+        total = 0
+        for name in names:
+            count = 0
+            with open_shard(name) as stream:
+                for position in self.reader.scan(stream):
+                    if (total + count) % self.block_size == 0:
+                        seeks += _U64.pack(position)
+                    count += 1
+            counts.append(count)
+            total += count
+        index = ShardIndex(names, counts)  # refuses an index without samples
+        self.index_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(self.seek_path, bytes(seeks))
+        text = json.dumps({**header, **index.to_json()}, indent=1)
+        _write_atomically(self.index_path, text.encode("utf-8"))
+        LOG.info("indexed %d samples in %d shards into %s", total, len(names), self.index_path)
+        return index
+
+    # -- reading --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.total
+
+    def _reset_caches(self) -> None:
+        self._files: collections.OrderedDict[int, IO[bytes]] = collections.OrderedDict()
+        self._seek_map: mmap.mmap | None = None
+        self._block: tuple[int, list[Any]] | None = None
+        #: Per process: blocks and records read, samples decoded (read amplification).
+        self.stats = {"blocks": 0, "records": 0, "decoded": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers get a copy without open files or a cached block.
+        state = self.__dict__.copy()
+        state.update(_files=collections.OrderedDict(), _seek_map=None, _block=None)
+        return state
+
+    def close(self) -> None:
+        """Close the files this process holds open (reopened on demand)."""
+        for stream in self._files.values():
+            stream.close()
+        if self._seek_map is not None:
+            self._seek_map.close()
+        self._reset_caches()
+
+    def _stream(self, shard: int, position: int) -> IO[bytes]:
+        stream = self._files.pop(shard, None)
+        if stream is None:
+            stream = open_shard(self.index.names[shard])
+            while len(self._files) >= _OPEN_FILES:
+                self._files.popitem(last=False)[1].close()
+        self._files[shard] = stream
+        stream.seek(position)
+        return stream
+
+    def _seek_position(self, block: int) -> int:
+        if self._seek_map is None:
+            # Mapped, not loaded: the seek file has a number per block of the corpus.
+            with open(self.seek_path, "rb") as f:
+                self._seek_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (position,) = _U64.unpack_from(self._seek_map, 8 * block)
+        return int(position)
+
+    def read_block(self, block: int, start: int, stop: int) -> list[Any]:
+        """Raw records of global ids ``[start, stop)`` (block ``block``), read sequentially."""
+        if self._block is not None and self._block[0] == block:
+            return self._block[1]
+        shard, offset = self.index.locate(start)
+        position = self._seek_position(block)
+        records: list[Any] = []
+        while len(records) < stop - start:
+            want = min(stop - start - len(records), self.index.counts[shard] - offset)
+            if want > 0:
+                stream = self._stream(shard, position)
+                records += itertools.islice(self.reader.records(stream), want)
+            # A block that spans a shard boundary goes on at the next shard's start.
+            shard, offset, position = shard + 1, 0, 0
+        self._block = (block, records)
+        self.stats["blocks"] += 1
+        self.stats["records"] += len(records)
+        return records
+
+    def take(self, order: BlockOrder, lo: int, hi: int) -> list[Any]:
+        """The samples at pass positions ``[lo, hi)`` of ``order``, block by block.
+
+        Only the records taken are decoded (and transformed).
+        """
+        decode, out = self.reader.decode, []
+        for run in order.runs(lo, hi):
+            records = self.read_block(run.block, run.start, run.stop)
+            out += [decode(records[o]) for o in run.offsets]
+        self.stats["decoded"] += len(out)
+        if self.transform is not None:
+            out = [self.transform(sample) for sample in out]
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = BlockOrder(self.index.total, self.block_size, shuffle=False)
+        for slot in range(worker, order.num_blocks, workers):
+            lo = slot * self.block_size
+            yield from self.take(order, lo, min(order.n, lo + self.block_size))
+
+
+def _default_index(names: list[str], block_size: int) -> Path:
+    if _is_remote(names[0]):
+        raise ValueError(
+            f"index_path is needed for remote shards (first shard {names[0]!r}): "
+            "name a local file for the cached index"
+        )
+    # The block size is part of the name: datasets over the same shards with other
+    # block sizes keep their own index instead of rebuilding each other's.
+    key = "\n".join([*names, f"block_size={block_size}"]).encode("utf-8")
+    digest = hashlib.blake2b(key, digest_size=6).hexdigest()
+    return Path(names[0].removeprefix("file://")).resolve().parent / f"adaptdl-index-{digest}.json"
+
+
+def _keep(batch: Any) -> Any:
+    """The DataLoader's collate step: the stream yields collated micro-batches already."""
+    return batch
+
+
+class ShardedStream(IterableDataset[Any]):
+    """What `AdaptiveDataLoader` hands its DataLoader for a `ShardedDataset`.
+
+    Yields this replica's micro-batches of one pass from the planned global index,
+    collated; with DataLoader workers, micro-batch ``k`` is read and collated by
+    worker ``k % num_workers``, which is the order the DataLoader yields them in.
+    """
+
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        *,
+        shuffle: bool,
+        seed: int,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        drop_last: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+        self.drop_last = drop_last
+        self.plan = (0, 0, 1, 0, 1)  # epoch, index, replicas, rank, local batch size
+
+    @classmethod
+    def for_loader(
+        cls, dataset: Any, shuffle: bool, seed: int, kwargs: dict[str, Any]
+    ) -> ShardedStream:
+        """The stream for `AdaptiveDataLoader`; pops the options it takes from ``kwargs``.
+
+        Raises ValueError for an IterableDataset that is not a `ShardedDataset`, and
+        for DataLoader options that cannot keep exactly-once (persistent workers).
+        """
+        if not isinstance(dataset, ShardedDataset):
+            raise ValueError(
+                "AdaptiveDataLoader needs a map-style dataset (with __len__ and "
+                "__getitem__) or a sharded one: adaptdl.torch.shards.ShardedDataset(shards, "
+                "reader) streams shard files with known sample counts and resumes exactly "
+                f"once after restarts at any size; got the IterableDataset {type(dataset)!r}"
+            )
+        if kwargs.get("persistent_workers"):
+            raise ValueError(
+                "persistent_workers=True is not supported with a ShardedDataset: workers "
+                "are restarted at each pass, and after each batch-size change, from the index"
+            )
+        if not isinstance(shuffle, bool):
+            raise ValueError(f"shuffle must be a bool, got {shuffle!r}")
+        return cls(
+            dataset,
+            shuffle=shuffle,
+            seed=seed,
+            collate_fn=kwargs.pop("collate_fn", None),
+            drop_last=bool(kwargs.pop("drop_last", False)),
+        )
+
+    @staticmethod
+    def loader_collate() -> Callable[[Any], Any]:
+        return _keep
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_plan(self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int) -> None:
+        self.plan = (epoch, index, replicas, rank, local_bsz)
+
+    def order(self) -> BlockOrder:
+        epoch, index, *_ = self.plan
+        n = len(self.dataset)
+        return BlockOrder(
+            n,
+            self.dataset.block_size,
+            seed=self.seed,
+            epoch=epoch,
+            pass_=index // n,
+            shuffle=self.shuffle,
+        )
+
+    def _chunks(self) -> Iterator[Any]:
+        _, index, replicas, rank, local_bsz = self.plan
+        for chunk in micro_batches(len(self.dataset), index, replicas, rank, local_bsz):
+            if self.drop_last and chunk.step < replicas * local_bsz:
+                return
+            yield chunk
+
+    def num_batches(self) -> int:
+        """Micro-batches this replica yields from the planned index to the pass end."""
+        _, index, replicas, _, local_bsz = self.plan
+        rest, step = len(self.dataset) - index % len(self.dataset), replicas * local_bsz
+        return rest // step if self.drop_last else -(-rest // step)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = self.order()
+        for k, chunk in enumerate(self._chunks()):
+            if k % workers != worker:
+                continue
+            samples = self.dataset.take(order, chunk.lo, chunk.hi)
+            if chunk.pad is not None:
+                samples += self.dataset.take(order, chunk.pad, chunk.pad + 1)
+            yield self.collate_fn(samples)

@@ -1,0 +1,318 @@
+"""ShardedDataset, its readers, and AdaptiveDataLoader over it, in one process."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import IterableDataset
+
+import adaptdl.torch as adl
+from adaptdl.core.job import Preempted
+from adaptdl.core.shards import BlockOrder
+from adaptdl.torch import _context
+from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
+from adaptdl.torch.shards import JsonLinesReader, ShardedDataset, TarReader
+
+COUNTS = [7, 30, 1, 0, 45, 37]  # 120 samples, an empty shard, one of a single sample
+
+
+def write_jsonl(directory: Path, counts: list[int], blank_lines: bool = False) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, i = [], 0
+    for s, count in enumerate(counts):
+        path = directory / f"part-{s:03d}.jsonl"
+        with open(path, "w", encoding="utf-8") as out:
+            for _ in range(count):
+                out.write(json.dumps({"i": i, "x": [float(i), -float(i)]}) + "\n")
+                if blank_lines:
+                    out.write("\n")
+                i += 1
+        paths.append(path)
+    return paths
+
+
+def write_tar(directory: Path, counts: list[int]) -> list[Path]:
+    """WebDataset-style shards: each sample a .cls and a .txt member under one key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths, i = [], 0
+    for s, count in enumerate(counts):
+        path = directory / f"shard-{s:03d}.tar"
+        with tarfile.open(path, "w") as tar:
+            for _ in range(count):
+                for ext, data in (("cls", str(i).encode()), ("txt", b"text %d" % i)):
+                    info = tarfile.TarInfo(f"samples/{i:06d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                i += 1
+        paths.append(path)
+    return paths
+
+
+def tar_sample(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"i": int(sample["cls"]), "key": sample["__key__"], "txt": sample["txt"].decode()}
+
+
+def consume(loader: AdaptiveDataLoader, key: str = "i") -> list[int]:
+    seen: list[int] = []
+    for batch in loader:
+        seen += batch[key].tolist()
+    return seen
+
+
+class Recording(JsonLinesReader):
+    """A JSON-lines reader that records where each sequential read starts."""
+
+    def __init__(self) -> None:
+        self.scans = 0
+        self.starts: list[int] = []
+
+    def scan(self, stream: IO[bytes]) -> Iterator[int]:
+        self.scans += 1
+        return super().scan(stream)
+
+    def records(self, stream: IO[bytes]) -> Iterator[bytes]:
+        self.starts.append(stream.tell())
+        return super().records(stream)
+
+
+# -- the dataset and its index -----------------------------------------------------------
+
+
+def test_jsonl_shards_are_counted_once_and_the_index_is_cached(tmp_path: Path) -> None:
+    paths = write_jsonl(tmp_path, COUNTS)
+    reader = Recording()
+    ds = ShardedDataset(paths, reader, block_size=4)
+    assert len(ds) == 120 and list(ds.index.counts) == COUNTS
+    assert reader.scans == len(COUNTS)
+    assert ds.index_path.parent == tmp_path and ds.index_path.exists() and ds.seek_path.exists()
+    assert json.loads(ds.index_path.read_text())["block_size"] == 4
+    # Built once: a second dataset reads the cached index.
+    ShardedDataset(paths, reader, block_size=4)
+    assert reader.scans == len(COUNTS)
+    # Stale (a shard grew, or another block size): rebuilt.
+    with open(paths[0], "a", encoding="utf-8") as out:
+        out.write(json.dumps({"i": 120, "x": [0.0, 0.0]}) + "\n")
+    assert len(ShardedDataset(paths, reader, block_size=4)) == 121
+    assert reader.scans == 2 * len(COUNTS)
+    # Another block size has its own index, and leaves this one in place.
+    other = ShardedDataset(paths, reader, block_size=5)
+    assert reader.scans == 3 * len(COUNTS) and other.index_path != ds.index_path
+    ShardedDataset(paths, reader, block_size=4)
+    assert reader.scans == 3 * len(COUNTS)
+
+
+def test_a_damaged_index_is_rebuilt(tmp_path: Path) -> None:
+    paths = write_jsonl(tmp_path, COUNTS)
+    ds = ShardedDataset(paths, JsonLinesReader(), block_size=4)
+    ds.index_path.write_text("{not json")
+    assert len(ShardedDataset(paths, JsonLinesReader(), block_size=4)) == 120
+
+
+def test_iterating_directly_yields_every_sample_once(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, COUNTS, blank_lines=True), JsonLinesReader())
+    assert [s["i"] for s in ds] == list(range(120))  # blank lines are not samples
+
+
+def test_tar_samples_group_members_by_key(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_tar(tmp_path, [3, 0, 5]), TarReader(), transform=tar_sample)
+    samples = list(ds)
+    assert [s["i"] for s in samples] == list(range(8))
+    assert samples[4] == {"i": 4, "key": "samples/000004", "txt": "text 4"}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda c: sum(c) > 0),
+    block_size=st.integers(1, 20),
+    seed=st.integers(0, 100),
+    lo_frac=st.floats(0, 1),
+)
+def test_take_reads_the_samples_of_the_order_sequentially_from_block_starts(
+    tmp_path_factory: pytest.TempPathFactory,
+    counts: list[int],
+    block_size: int,
+    seed: int,
+    lo_frac: float,
+) -> None:
+    for kind, write, reader, transform in (
+        ("jsonl", write_jsonl, Recording(), None),
+        ("tar", write_tar, TarReader(), tar_sample),
+    ):
+        ds = ShardedDataset(
+            write(tmp_path_factory.mktemp(kind), counts),
+            reader,
+            block_size=block_size,
+            transform=transform,
+        )
+        n = len(ds)
+        order = BlockOrder(n, block_size, seed=seed)
+        lo = int(lo_frac * n)
+        assert [s["i"] for s in ds.take(order, lo, n)] == order.take(lo, n).tolist()
+        # One block cached, a bounded number of open files, whatever was read.
+        assert ds._block is not None and len(ds._block[1]) <= block_size
+        assert len(ds._files) <= 8
+        if isinstance(reader, Recording):
+            # Each sequential read starts at a block start or at a shard's start.
+            block_starts = {ds._seek_position(b) for b in range(order.num_blocks)}
+            assert set(reader.starts) <= block_starts | {0}
+
+
+def test_a_sole_reader_reads_each_sample_once_and_decodes_only_what_it_uses(
+    tmp_path: Path,
+) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, COUNTS), JsonLinesReader(), block_size=8)
+    loader = AdaptiveDataLoader(ds, batch_size=5, shuffle=True)
+    for _ in adl.remaining_epochs_until(1):
+        assert sorted(consume(loader)) == list(range(120))
+    assert ds.stats == {"blocks": 15, "records": 120, "decoded": 120}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shards": []}, "at least one shard"),
+        ({"shards": "a.jsonl"}, "sequence of paths"),
+        ({"block_size": 0}, "block_size must be an int >= 1"),
+        ({"reader": object()}, "reader must implement ShardReader"),
+        ({"transform": 3}, "transform must be callable"),
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {
+        "shards": write_jsonl(tmp_path, [3]),
+        "reader": JsonLinesReader(),
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match=message):
+        ShardedDataset(args.pop("shards"), args.pop("reader"), **args)
+
+
+def test_shards_without_samples_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must hold 1 to"):
+        ShardedDataset(write_jsonl(tmp_path, [0, 0]), JsonLinesReader())
+
+
+def test_remote_shards_go_through_fsspec(tmp_path: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    urls = []
+    for path in write_jsonl(tmp_path / "local", [5, 9]):
+        url = f"memory://adaptdl-test/{path.name}"
+        fs.pipe(url, path.read_bytes())
+        urls.append(url)
+    with pytest.raises(ValueError, match="index_path is needed for remote shards"):
+        ShardedDataset(urls, JsonLinesReader())
+    ds = ShardedDataset(urls, JsonLinesReader(), index_path=tmp_path / "index.json", block_size=3)
+    order = BlockOrder(len(ds), 3, seed=1)
+    assert [s["i"] for s in ds.take(order, 0, 14)] == order.take(0, 14).tolist()
+
+
+def test_remote_shards_without_fsspec_name_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(ImportError, match=r"adaptdl-torch\[fsspec\]"):
+        ShardedDataset(["s3://bucket/a.jsonl"], JsonLinesReader(), index_path=tmp_path / "i.json")
+
+
+# -- AdaptiveDataLoader over shards ------------------------------------------------------
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(3))
+
+
+def test_another_iterable_dataset_is_refused_naming_the_sharded_api() -> None:
+    with pytest.raises(ValueError, match=r"adaptdl\.torch\.shards\.ShardedDataset"):
+        AdaptiveDataLoader(Stream(), batch_size=2)
+
+
+def test_persistent_workers_are_refused_with_shards(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, [4]), JsonLinesReader())
+    with pytest.raises(ValueError, match="persistent_workers"):
+        AdaptiveDataLoader(ds, batch_size=2, num_workers=1, persistent_workers=True)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_workers_read_disjoint_batches_in_the_same_order_as_one_process(
+    tmp_path: Path, shuffle: bool
+) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, COUNTS), JsonLinesReader(), block_size=4)
+    orders = {}
+    for workers in (0, 2):
+        _context._reset()
+        loader = AdaptiveDataLoader(ds, batch_size=7, shuffle=shuffle, num_workers=workers)
+        assert len(loader) == 18
+        orders[workers] = [consume(loader) for _ in adl.remaining_epochs_until(2)]
+    assert orders[0] == orders[2]
+    for order in orders[0]:
+        assert sorted(order) == list(range(120))
+    assert (orders[0][0] == list(range(120))) is not shuffle
+    assert (orders[0][0] == orders[0][1]) is not shuffle
+
+
+def test_tar_shards_through_the_loader_with_workers(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_tar(tmp_path, COUNTS), TarReader(), transform=tar_sample)
+    loader = AdaptiveDataLoader(ds, batch_size=6, shuffle=True, num_workers=2)
+    for _ in adl.remaining_epochs_until(1):
+        batches = list(loader)
+    seen = [i for b in batches for i in b["i"].tolist()]
+    assert sorted(seen) == list(range(120))
+    assert all(t == f"text {i}" for b in batches for i, t in zip(b["i"], b["txt"], strict=True))
+
+
+def test_autoscale_with_accumulation_over_shards(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, [64]), JsonLinesReader(), block_size=4)
+    loader = AdaptiveDataLoader(ds, batch_size=16, shuffle=True)
+    loader.autoscale_batch_size(64, (2, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    sizes, seen = [], []
+    for _ in adl.remaining_epochs_until(1):
+        for batch in loader:
+            sizes.append(len(batch["i"]))
+            seen += batch["i"].tolist()
+            helper = current_dataloader()
+            assert helper is not None
+            if helper.is_optim_step():
+                helper.job.metrics.add_progress(1.0)
+    assert set(sizes) == {4} and len(sizes) == 16
+    assert sorted(seen) == list(range(64))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exactly_once_across_a_restart_at_another_batch_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ckpt"))
+    paths = write_jsonl(tmp_path / "data", COUNTS)
+    seen: dict[int, list[int]] = {}
+
+    def train(stop_after: int | None, batch_size: int) -> None:
+        adl.init_process_group("gloo")
+        job = _context.current_job()
+        ds = ShardedDataset(paths, JsonLinesReader(), block_size=4)
+        loader = AdaptiveDataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers)
+        steps = 0
+        for epoch in adl.remaining_epochs_until(3):
+            for batch in loader:
+                seen.setdefault(epoch, []).extend(batch["i"].tolist())
+                steps += 1
+                if steps == stop_after:
+                    job.request_stop()
+
+    with pytest.raises(Preempted):
+        train(stop_after=20, batch_size=9)
+    _context._reset()
+    train(stop_after=None, batch_size=5)
+    for epoch in range(3):
+        assert sorted(seen[epoch]) == list(range(120)), epoch
