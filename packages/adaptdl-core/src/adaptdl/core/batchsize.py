@@ -42,12 +42,16 @@ def batch_size_query(
     gradient_accumulation: bool = False,
     local_bsz: int = 0,
     accum_steps: int = 0,
+    dataset_size: int = 0,
 ) -> BatchSizeQuery:
     """The query an adaptive loader asks for the replicas it has now.
 
     ``batch_size`` is the loader's target (initial) batch size; ``local_bsz`` and
     ``accum_steps`` are its last decision, 0 before it made any (then ``current`` is
-    None, and a `GoodputDecision` has nothing to keep). Every caller that decides a
+    None, and a `GoodputDecision` has nothing to keep). ``dataset_size`` (0: unknown)
+    caps an adaptive total at one pass, or at ``batch_size`` if that is larger: a
+    larger step is cut short at the pass's end (yet profiled and credited at its full
+    size) or, accumulated, spans two passes and holds samples twice. Every caller that decides a
     loader's batch size (the loader itself, the cluster simulator's jobs) builds its
     query here, so that one state always asks the same question.
     """
@@ -56,6 +60,9 @@ def batch_size_query(
     target = check_int("batch_size", batch_size, min=1)
     local = check_int("local_bsz", local_bsz, min=0)
     current = (local, check_int("accum_steps", accum_steps, min=0)) if local else None
+    n = check_int("dataset_size", dataset_size, min=0)
+    if max_batch_size is not None and n:
+        max_batch_size = min(max_batch_size, max(n, target))
     return BatchSizeQuery(
         nodes, replicas, target, max_batch_size, local_bsz_bounds, gradient_accumulation, current
     )

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from adaptdl.core._validate import check_int
-from adaptdl.core.batchsize import BatchSizeDecision, BatchSizeQuery
+from adaptdl.core.batchsize import BatchSizeDecision, batch_size_query
 from adaptdl.core.checkpoint import CheckpointError, JsonState, State
 
 if TYPE_CHECKING:
@@ -285,25 +285,21 @@ class LoaderHelper:
     def sync_local_bsz(self) -> int:
         """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all.
 
-        An adaptive loop's total is capped at its dataset's size too (or at the
-        target batch size, if that is larger).
+        The query is core's `batch_size_query`, the one the cluster simulator asks
+        too; an adaptive loop's total is capped at its dataset's size.
         """
         topo = self.job.topology
         previous = self._state.current_local_bsz
-        max_batch_size = self._max_batch_size
-        if max_batch_size is not None and self._state.dataset_len:
-            # A pass holds n samples: a larger step is cut short at the pass's end
-            # (yet profiled and credited at its full size) or, accumulated, spans
-            # two passes and holds samples twice.
-            max_batch_size = min(max_batch_size, max(self._state.dataset_len, self.batch_size))
-        query = BatchSizeQuery(
-            num_nodes=topo.num_nodes,
-            num_replicas=topo.num_replicas,
-            batch_size=self.batch_size,
-            max_batch_size=max_batch_size,
+        query = batch_size_query(
+            topo.num_nodes,
+            topo.num_replicas,
+            self.batch_size,
+            max_batch_size=self._max_batch_size,
             local_bsz_bounds=self._local_bsz_bounds,
             gradient_accumulation=self._gradient_accumulation,
-            current=(previous, self._state.accumulation_steps) if previous else None,
+            local_bsz=previous,
+            accum_steps=self._state.accumulation_steps,
+            dataset_size=self._state.dataset_len,
         )
         decide = self._decision or self.job.batch_size_decision
         local, accum = decide(query) if self.job.topology.rank == 0 else (0, 0)

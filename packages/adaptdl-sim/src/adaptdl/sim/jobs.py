@@ -41,9 +41,11 @@ class JobGoodput:
         local_bsz_bounds: tuple[int, int],
         *,
         accumulation: bool = True,
+        dataset_size: int = 0,
     ) -> None:
         self.init_batch_size = init_batch_size
         self.max_batch_size = max_batch_size
+        self.dataset_size = dataset_size  # caps the total at one pass, as the loader does
         self.local_bsz_bounds = local_bsz_bounds
         self.accumulation = accumulation
         self.profiler = Profiler()
@@ -141,6 +143,7 @@ class JobGoodput:
             gradient_accumulation=self.accumulation,
             local_bsz=local,
             accum_steps=accum,
+            dataset_size=self.dataset_size,
         )
 
     def decide(
@@ -204,6 +207,7 @@ class SimJob:
             app.max_batch_size,
             app.local_bsz_bounds,
             accumulation=accumulation,
+            dataset_size=app.dataset_size,
         )
         self._update_grad()
 
