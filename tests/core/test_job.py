@@ -217,3 +217,37 @@ def test_boundaries_outside_training_count_no_steps_and_keep_decisions_pending()
     job.step_boundary(training=False)
     job.step_boundary(training=False)
     assert job.step_boundary() == Boundary()
+
+
+class CountingCollective(LocalCollective):
+    """Counts the reductions started and those whose result was waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = 0
+        self.waited = 0
+
+    def allreduce_async(self, value, op=None):
+        future = super().allreduce_async(value, op) if op else super().allreduce_async(value)
+        self.started += 1
+        outer = self
+
+        class Counted:
+            def result(self):
+                outer.waited += 1
+                return future.result()
+
+        return Counted()
+
+
+@given(steps=st.integers(0, 12))
+def test_drain_leaves_no_reduction_in_flight(steps):
+    """A process must not exit with a boundary's reduction in flight (gloo aborts)."""
+    collective = CountingCollective()
+    job = Job(collective=collective)
+    for _ in range(steps):
+        job.step_boundary()
+    assert collective.started - collective.waited == (1 if steps else 0)
+    job.drain()
+    job.drain()  # a second drain has nothing to wait for
+    assert collective.started == collective.waited == steps

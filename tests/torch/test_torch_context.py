@@ -154,3 +154,15 @@ def test_accumulator_sums_and_survives_a_restart(
         run(stop=True)
     _context._reset()
     assert run(stop=False) == {"seen": 10}
+
+
+def test_a_finished_epoch_loop_leaves_no_reduction_in_flight(fresh_torch_job):
+    """remaining_epochs_until drains the last boundary's reduction when it ends normally."""
+    import adaptdl.torch as adl
+    from adaptdl.torch._context import current_job
+
+    loader = adl.AdaptiveDataLoader(list(range(12)), batch_size=4)
+    for _ in adl.remaining_epochs_until(2):
+        for _batch in loader:
+            pass
+    assert current_job()._boundary_future is None

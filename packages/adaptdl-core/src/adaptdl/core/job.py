@@ -442,6 +442,19 @@ class Job:
         )
         return attrs.evolve(agreed, redecide=redecide and training)
 
+    def drain(self) -> None:
+        """Wait for the reduction the last step boundary started, at the end of training.
+
+        Every replica started it at the same boundary, so it completes at once; a
+        process that exits with it still in flight can abort in the transport's
+        teardown (gloo: "terminate called without an active exception"), and
+        torchrun then restarts a job that had finished. Call it only where every
+        replica got this far (a normal end), never after a peer failed.
+        """
+        pending, self._boundary_future = self._boundary_future, None
+        if pending is not None:
+            pending.result()
+
     # -- loops ------------------------------------------------------------------------
     def enter_loader(self, loader: LoaderHelper) -> None:
         if self.current_loader is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from adaptdl.core.job import Job
 from adaptdl.torch._context import current_job
 
 __all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until"]
@@ -20,7 +21,14 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     Raises ValueError for a negative or non-integer ``epoch`` and RuntimeError when
     called inside another epoch loop.
     """
-    return current_job().epoch.remaining_epochs_until(epoch)
+    job = current_job()
+    return _drained(job, job.epoch.remaining_epochs_until(epoch))
+
+
+def _drained(job: Job, epochs: Iterator[int]) -> Iterator[int]:
+    yield from epochs
+    # A normal end on every replica: nothing of the collective may stay in flight.
+    job.drain()
 
 
 def current_epoch() -> int | None:
