@@ -117,13 +117,7 @@ def worker_elastic(args: argparse.Namespace) -> None:
         steps = 0
         for epoch in adl.remaining_epochs_until(args.epochs):
             for idx, x, y in loader:
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
-                with torch.autocast(device.type, dtype=dtype):
-                    loss = torch.nn.functional.cross_entropy(adp(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                loss = _train_step(adp, optimizer, x, y, device, dtype)
                 steps += 1
                 helper = adl.current_dataloader()
                 assert helper is not None
@@ -148,6 +142,20 @@ def worker_elastic(args: argparse.Namespace) -> None:
             # The library turns SIGTERM into a checkpoint and SystemExit(143).
             out.write(json.dumps({"exit": exc.code}) + "\n")
             raise
+
+
+def _train_step(net: Any, optimizer: Any, x: Any, y: Any, device: Any, dtype: Any) -> Any:
+    """One optimiser step in autocast, the same on every side; returns the loss."""
+    import torch
+
+    x = x.to(device, non_blocking=True)
+    y = y.to(device, non_blocking=True)
+    with torch.autocast(device.type, dtype=dtype):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
 
 
 def _timed(fn: Any, device: Any) -> float:
@@ -195,17 +203,7 @@ def worker_speed(args: argparse.Namespace) -> None:
                 dataset, batch_size=local_bsz, sampler=sampler, pin_memory=not args.cpu
             )
 
-        def train_round(epoch: int) -> None:
-            def one_pass() -> None:
-                for _, x, y in loader:
-                    x = x.to(device, non_blocking=True)
-                    y = y.to(device, non_blocking=True)
-                    with torch.autocast(device.type, dtype=dtype):
-                        loss = torch.nn.functional.cross_entropy(net(x), y)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-
+        def one_epoch(epoch: int, one_pass: Any) -> None:
             if adaptive:
                 for _ in adl.remaining_epochs_until(epoch + 1):
                     one_pass()
@@ -213,19 +211,15 @@ def worker_speed(args: argparse.Namespace) -> None:
                 sampler.set_epoch(epoch)
                 one_pass()
 
-        def load_round(epoch: int) -> None:
-            def one_pass() -> None:
-                for _, x, _ in loader:
-                    x.to(device, non_blocking=True)
+        def train_pass() -> None:
+            for _, x, y in loader:
+                _train_step(net, optimizer, x, y, device, dtype)
 
-            if adaptive:
-                for _ in adl.remaining_epochs_until(epoch + 1):
-                    one_pass()
-            else:
-                sampler.set_epoch(epoch)
-                one_pass()
+        def load_pass() -> None:
+            for _, x, _ in loader:
+                x.to(device, non_blocking=True)
 
-        return train_round, load_round
+        return (lambda e: one_epoch(e, train_pass)), (lambda e: one_epoch(e, load_pass))
 
     sides = {"plain": build(False), "adaptive": build(True)}
     rounds = 2 if args.quick else 6
