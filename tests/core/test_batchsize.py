@@ -142,3 +142,23 @@ def test_batch_size_query_names_bad_arguments():
         batch_size_query(1, 2, 0)
     with pytest.raises(ValueError, match="accum_steps"):
         batch_size_query(1, 2, 32, local_bsz=4, accum_steps=-1)
+    with pytest.raises(ValueError, match="dataset_size"):
+        batch_size_query(1, 2, 32, dataset_size=-1)
+
+
+@given(
+    batch_size=st.integers(1, 4096),
+    max_factor=st.one_of(st.none(), st.integers(1, 64)),
+    dataset_size=st.integers(0, 10**6),
+)
+def test_batch_size_query_caps_an_adaptive_total_at_one_pass(batch_size, max_factor, dataset_size):
+    """A step never holds more than a pass (0: size unknown), nor less than the target."""
+    max_batch_size = None if max_factor is None else batch_size * max_factor
+    q = batch_size_query(
+        1, 1, batch_size, max_batch_size=max_batch_size, dataset_size=dataset_size
+    )
+    if max_batch_size is None or not dataset_size:
+        assert q.max_batch_size == max_batch_size
+    else:
+        assert q.max_batch_size == min(max_batch_size, max(dataset_size, batch_size))
+        assert batch_size <= q.max_batch_size <= max_batch_size
