@@ -16,8 +16,8 @@ from adaptdl.core.goodput import (
     GoodputFunction,
     GradParams,
     PerfParams,
+    compute_time,
     fit_perf_params,
-    network_time,
     optim_step_time,
 )
 
@@ -312,7 +312,7 @@ def test_scalar_and_array_evaluation_agree(
 
 @settings(max_examples=100, deadline=None)
 @given(p=perf_params, topology=topologies(max_replicas=64), bsz=st.integers(1, 10_000))
-def test_network_and_optimiser_step_times_are_the_model(
+def test_compute_and_optimiser_step_times_are_the_model(
     p: PerfParams, topology: tuple[int, int], bsz: int
 ) -> None:
     nodes, replicas = topology
@@ -325,7 +325,7 @@ def test_network_and_optimiser_step_times_are_the_model(
         network = p.alpha_r + p.beta_r * extra
     compute = p.alpha_c + p.beta_c * bsz
     optim = (compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma)
-    assert network_time(p, nodes, replicas) == pytest.approx(network, rel=1e-12)
+    assert compute_time(p, bsz) == pytest.approx(compute, rel=1e-12)
     assert optim_step_time(p, nodes, replicas, bsz) == pytest.approx(optim, rel=1e-9)
     # The goodput function's throughput runs on the same times.
     f = GoodputFunction(p, GRAD, 1)
@@ -339,7 +339,9 @@ def test_network_and_optimiser_step_times_are_the_model(
 
 def test_step_times_reject_bad_configurations() -> None:
     with pytest.raises(ValueError, match="num_nodes must be <= num_replicas"):
-        network_time(PERF, 2, 1)
+        optim_step_time(PERF, 2, 1, 32)
+    with pytest.raises(ValueError, match=r"atomic_bsz must be > 0\.0"):
+        compute_time(PERF, 0)
     with pytest.raises(ValueError, match=r"atomic_bsz must be > 0\.0"):
         optim_step_time(PERF, 1, 1, [32, 0])
 

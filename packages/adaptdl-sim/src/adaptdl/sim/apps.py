@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
-from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.core.goodput import GradParams, PerfParams, compute_time, optim_step_time
 from adaptdl.core.scaling import adascale_gain
 
 FloatArray = npt.NDArray[np.float64]
@@ -148,7 +148,6 @@ class ParametricApplication(ApplicationModel):
     noise_start: float
     noise_end: float
     epoch_progress: FloatArray = attrs.field(init=False)
-    _model: GoodputFunction = attrs.field(init=False)
 
     def __init__(
         self,
@@ -192,9 +191,6 @@ class ParametricApplication(ApplicationModel):
         per_epoch = self.dataset_size / self.init_batch_size
         progress = per_epoch * np.arange(1, self.epochs + 1, dtype=np.float64)
         object.__setattr__(self, "epoch_progress", progress)
-        # Only the throughput of this function is used: it needs no gradient statistics.
-        model = GoodputFunction(self.perf_params, GradParams(0.0, 0.0), self.init_batch_size)
-        object.__setattr__(self, "_model", model)
 
     def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
         """Core's optimiser micro-batch time, and its excess over a compute-only one.
@@ -206,10 +202,10 @@ class ParametricApplication(ApplicationModel):
         counts = normalize_placement(placement)
         nodes, replicas = len(counts), sum(counts)
         b = float(local_bsz)
-        compute = b / float(self._model.throughput(1, 1, b, 0))
+        compute = float(compute_time(self.perf_params, b))
         if replicas == 1:
             return compute, 0.0
-        step = replicas * b / float(self._model.throughput(nodes, replicas, b, 0))
+        step = float(optim_step_time(self.perf_params, nodes, replicas, b))
         return step, max(step - compute, 0.0)
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:

@@ -9,7 +9,7 @@ The package, by what each module holds:
 
 * :mod:`~adaptdl.core.goodput.params`: :class:`PerfParams` and :class:`GradParams`;
 * :mod:`~adaptdl.core.goodput.model`: the throughput and efficiency formulas, once,
-  for one configuration (floats) or many (arrays); :func:`network_time` and
+  for one configuration (floats) or many (arrays); :func:`compute_time` and
   :func:`optim_step_time` for callers that simulate a job;
 * :mod:`~adaptdl.core.goodput.optimize`: the exact integer search over (atomic batch
   size, accumulation steps);
@@ -19,27 +19,18 @@ The package, by what each module holds:
 
 from __future__ import annotations
 
-import numpy as np
-import numpy.typing as npt
-
-from adaptdl.core._validate import FloatArray
 from adaptdl.core.goodput.fit import fit_perf_params
 from adaptdl.core.goodput.function import GoodputFunction
-from adaptdl.core.goodput.model import network_time, optim_step_time
+from adaptdl.core.goodput.model import compute_time, optim_step_time
 from adaptdl.core.goodput.params import GAMMA_RANGE, PARAM_FLOOR, GradParams, PerfParams
-
-#: Integer arrays of configurations (kept importable from here).
-IntArray = npt.NDArray[np.int64]
 
 __all__ = [
     "GAMMA_RANGE",
     "PARAM_FLOOR",
-    "FloatArray",
     "GoodputFunction",
     "GradParams",
-    "IntArray",
     "PerfParams",
+    "compute_time",
     "fit_perf_params",
-    "network_time",
     "optim_step_time",
 ]

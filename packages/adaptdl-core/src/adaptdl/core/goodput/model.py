@@ -42,7 +42,7 @@ import numpy.typing as npt
 from adaptdl.core._validate import FloatArray, check_reals
 from adaptdl.core.goodput.params import GradParams, PerfParams
 
-__all__ = ["network_time", "optim_step_time"]
+__all__ = ["compute_time", "optim_step_time"]
 
 
 class Math(Protocol):
@@ -349,15 +349,13 @@ def check_config(
 # The model's times, for callers that simulate a job
 
 
-def network_time(perf_params: PerfParams, num_nodes: Any, num_replicas: Any) -> Any:
-    """Synchronisation time ``T_n`` of one optimiser step (0 for one replica), in seconds.
+def compute_time(perf_params: PerfParams, atomic_bsz: Any) -> Any:
+    """Compute time ``T_c`` of one micro-batch of ``atomic_bsz`` samples, in seconds.
 
-    A float for plain numbers, else a float64 array broadcast from the arguments.
+    A float for plain numbers, else a float64 array.
     """
-    nodes, replicas = check_placement(num_nodes, num_replicas)
-    m = backend(nodes, replicas)
-    with m.quiet():
-        return m.exp(log_network_time(m, perf_params, nodes, replicas))
+    bsz = check_reals("atomic_bsz", atomic_bsz, min=0.0, exclusive=True)
+    return perf_params.alpha_c + perf_params.beta_c * bsz
 
 
 def optim_step_time(
