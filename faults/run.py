@@ -452,6 +452,9 @@ class Trial:
         launch.wait_for("a checkpoint", lambda records: any("saved" in r for r in records))
         foreign = self._plant_foreign()
         before = _snapshot(foreign)
+        # Before the launch: a second job that is wrongly let in must fail on our
+        # checks, not on a missing records folder (which would pass as a refusal).
+        (self.dir / "other-records").mkdir(exist_ok=True)
         other = subprocess.run(
             torchrun_command(SCRIPT, 1, max_restarts=0, monitor_interval=0.2),
             env={
@@ -465,13 +468,18 @@ class Trial:
             timeout=WAIT_TIMEOUT,
             check=False,
         )
-        (self.dir / "other-records").mkdir(exist_ok=True)
         (self.dir / "other-job.log").write_text(other.stdout + other.stderr)
         running = launch.proc.poll() is None
         text = other.stdout + other.stderr
-        if other.returncode == 0:
-            raise launch.fail("a second job on the same checkpoint directory was not refused")
-        if running and not (f"'{self.checkpoints}'" in text and f"'{JOB_ID}'" in text):
+        refused = "StorageLocked" in text
+        if not refused and (running or other.returncode != 0):
+            # Only a job that ended first frees the directory for the other one, which
+            # then runs to its end on its own files (checked below).
+            raise launch.fail(
+                "a second job on the same checkpoint directory was not refused "
+                f"(exit {other.returncode}):\n{text[-2000:]}"
+            )
+        if refused and not (f"'{self.checkpoints}'" in text and f"'{JOB_ID}'" in text):
             raise launch.fail(
                 f"the second job's refusal names neither the directory nor "
                 f"the job holding it:\n{text[-2000:]}"

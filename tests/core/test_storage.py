@@ -75,6 +75,24 @@ def test_overwrite_replaces_the_start_of_a_file(make: Callable[[], Storage]) -> 
     storage.close()
 
 
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.EACCES, errno.EIO])
+def test_overwrite_keeps_a_regular_file_it_failed_to_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """Only debris (a symlink, a FIFO) is replaced; an open that fails otherwise raises."""
+    (tmp_path / "j").write_bytes(b"journal")
+    storage = LocalStorage(tmp_path)
+
+    def refuse(path: object, flags: int) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr("adaptdl.core.storage.open_regular", refuse)
+    with pytest.raises(OSError) as exc:
+        storage.overwrite("j", b"XY")
+    assert exc.value.errno == code
+    assert (tmp_path / "j").read_bytes() == b"journal"
+
+
 def test_leftovers_are_not_listed_and_cleanup_removes_them(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     (tmp_path / f"{TMP_PREFIX}half").mkdir()

@@ -166,3 +166,23 @@ def test_a_finished_epoch_loop_leaves_no_reduction_in_flight(fresh_torch_job):
         for _batch in loader:
             pass
     assert current_job()._boundary_future is None
+
+
+def test_a_failed_restore_lets_go_of_the_checkpoint_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry in the same process must not wait on its own lock."""
+    from adaptdl.core.storage import LocalStorage
+
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise CheckpointError("a restore that fails")
+
+    monkeypatch.setattr(_context, "Job", broken)
+    with pytest.raises(CheckpointError, match="a restore that fails"):
+        adl.init_process_group("gloo")
+    assert _context._locked is None
+    other = LocalStorage(tmp_path)
+    other.lock(wait=0.0)  # free at once: nobody holds it
+    other.unlock()

@@ -284,7 +284,13 @@ class LocalStorage:
             except OSError:
                 # Not a regular file (a planted symlink, a FIFO): the name is this
                 # storage's own file, so the debris is replaced, never written through.
-                if not os.path.lexists(path) or stat.S_ISDIR(os.lstat(path).st_mode):
+                # Any other failure (EMFILE, EACCES, EIO) keeps the file it could not open.
+                try:
+                    mode = os.lstat(path).st_mode
+                    debris = not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+                except FileNotFoundError:
+                    debris = False
+                if not debris:
                     raise
                 os.unlink(path)
                 fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

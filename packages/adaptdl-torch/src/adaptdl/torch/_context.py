@@ -107,13 +107,24 @@ def init_process_group(
         store = CheckpointStore(storage, job_id=config.job_id)
         store.check_writable()
         if topology.rank == 0 and isinstance(storage, LocalStorage):
-            storage.lock(wait=config.collective_timeout)
+            # The other replicas wait for rank 0 in the restore's collective: give up on
+            # the lock well within its timeout, so that they see StorageLocked's message
+            # rather than a collective timeout.
+            storage.lock(wait=0.8 * timeout.total_seconds())
             _locked = storage
         # Beside the checkpoints (not inside one), one per job: counts what a crash replays.
         journal = Journal(storage, journal_name(config.job_id))
-    _job = Job(
-        topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
-    )
+    try:
+        _job = Job(
+            topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
+        )
+    except BaseException:
+        # A failed restore must not leave this process holding the directory: a retry
+        # in it would wait on its own lock.
+        if _locked is not None:
+            _locked.unlock()
+            _locked = None
+        raise
     if _job.restored_from is not None:
         LOG.info(
             "rank %d of %d resumed from checkpoint %s (restart %d)",
