@@ -181,7 +181,8 @@ def test_a_sole_reader_reads_each_sample_once_and_decodes_only_what_it_uses(
     [
         ({"shards": []}, "at least one shard"),
         ({"shards": "a.jsonl"}, "sequence of paths"),
-        ({"block_size": 0}, "block_size must be an int >= 1"),
+        ({"block_size": 0}, r"block_size must be in \[1, 1048576\], got 0"),
+        ({"block_size": 2**21}, r"block_size must be in \[1, 1048576\], got 2097152"),
         ({"reader": object()}, "reader must implement ShardReader"),
         ({"transform": 3}, "transform must be callable"),
     ],
@@ -194,6 +195,17 @@ def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], messa
     }
     with pytest.raises(ValueError, match=message):
         ShardedDataset(args.pop("shards"), args.pop("reader"), **args)
+
+
+def test_a_shard_shorter_than_its_index_is_an_error_not_other_samples(tmp_path: Path) -> None:
+    """Records missing at read time must not be filled in from the next shard."""
+    paths = write_jsonl(tmp_path, [6, 6])
+    ds = ShardedDataset(paths, JsonLinesReader(), block_size=8)
+    # Rewritten in place with the same size: one record fewer, padded with spaces.
+    lines = paths[0].read_text().splitlines(keepends=True)
+    paths[0].write_text("".join(lines[:5]) + " " * (len(lines[5]) - 1) + "\n")
+    with pytest.raises(ValueError, match=r"ended after 5 of the 6 samples .* delete the index"):
+        ds.read_block(0, 0, 8)
 
 
 def test_shards_without_samples_are_refused(tmp_path: Path) -> None:

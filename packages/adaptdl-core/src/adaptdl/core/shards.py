@@ -49,7 +49,13 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_epoch, check_int, check_seed
+from adaptdl.core._validate import (
+    ArgumentTypeError,
+    check_bool,
+    check_epoch,
+    check_int,
+    check_seed,
+)
 
 # The order is keyed like a permutation, so its keys are checked by the same rules.
 from adaptdl.core.permutation import (
@@ -57,6 +63,7 @@ from adaptdl.core.permutation import (
     Identity,
     Permutation,
     _check_pass,
+    check_n,
     make_permutation,
     round_keys,
 )
@@ -67,6 +74,7 @@ __all__ = [
     "BlockRun",
     "Chunk",
     "ShardIndex",
+    "check_block_size",
     "micro_batches",
     "replica_chunk",
 ]
@@ -181,18 +189,13 @@ class ShardIndex:
         return cls(names, counts)
 
 
-def _check_block_size(value: Any) -> int:
+def check_block_size(value: Any) -> int:
+    """A block size: an int in [1, MAX_BLOCK_SIZE] (an attrs converter)."""
     return check_int("block_size", value, min=1, max=MAX_BLOCK_SIZE)
 
 
-def _check_n(value: Any) -> int:
-    return check_int("n", value, min=1, max=MAX_N)
-
-
-def _check_bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ArgumentTypeError(f"shuffle must be a bool, got {value!r} ({type(value).__name__})")
-    return value
+def _check_shuffle(value: Any) -> bool:
+    return check_bool("shuffle", value)
 
 
 _EMPTY: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
@@ -229,12 +232,12 @@ class BlockOrder:
     of positions by block, which is how a reader consumes them.
     """
 
-    n: int = attrs.field(converter=_check_n)
-    block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, converter=_check_block_size)
+    n: int = attrs.field(converter=check_n)
+    block_size: int = attrs.field(default=DEFAULT_BLOCK_SIZE, converter=check_block_size)
     seed: int = attrs.field(default=0, converter=check_seed)
     epoch: int = attrs.field(default=0, converter=check_epoch)
     pass_: int = attrs.field(default=0, converter=_check_pass)
-    shuffle: bool = attrs.field(default=True, converter=_check_bool)
+    shuffle: bool = attrs.field(default=True, converter=_check_shuffle)
     _blocks: Permutation | Identity | None = attrs.field(init=False, repr=False, eq=False)
     _rotation_key: int = attrs.field(init=False, repr=False, eq=False)
     # The in-block permutation twice over, so that a rotated run of it is one slice.
@@ -353,7 +356,7 @@ def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: i
     first ``m % num_replicas`` replicas taking one more, the others a padding
     sample instead (the position after their run, modulo ``n``).
     """
-    n = check_int("n", n, min=1, max=MAX_N)
+    n = check_n(n)
     index = check_int("index", index, min=0)
     replicas = check_int("num_replicas", num_replicas, min=1)
     rank = check_int("rank", rank, min=0, max=replicas - 1)

@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import torch
-from adaptdl.core.shards import DEFAULT_BLOCK_SIZE, BlockOrder, ShardIndex, micro_batches
+from adaptdl.core.shards import (
+    DEFAULT_BLOCK_SIZE,
+    BlockOrder,
+    ShardIndex,
+    check_block_size,
+    micro_batches,
+)
 from torch.utils.data import IterableDataset, get_worker_info
 
 __all__ = [
@@ -217,8 +223,7 @@ class ShardedDataset(IterableDataset[Any]):
                 raise ValueError(
                     f"reader must implement ShardReader ({method} is missing), got {reader!r}"
                 )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_block_size(block_size)  # core's rule, before an index is built for it
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable or None, got {transform!r}")
         self.reader = reader
@@ -333,7 +338,16 @@ class ShardedDataset(IterableDataset[Any]):
             want = min(stop - start - len(records), self.index.counts[shard] - offset)
             if want > 0:
                 stream = self._stream(shard, position)
-                records += itertools.islice(self.reader.records(stream), want)
+                got = list(itertools.islice(self.reader.records(stream), want))
+                if len(got) < want:
+                    # Filling up from the next shard would put samples at wrong ids.
+                    raise ValueError(
+                        f"shard {self.index.names[shard]!r} ended after {offset + len(got)} "
+                        f"of the {self.index.counts[shard]} samples its index counts (rewritten "
+                        f"in place?); delete the index {os.fspath(self.index_path)!r} to "
+                        "count the shards again"
+                    )
+                records += got
             # A block that spans a shard boundary goes on at the next shard's start.
             shard, offset, position = shard + 1, 0, 0
         self._block = (block, records)
