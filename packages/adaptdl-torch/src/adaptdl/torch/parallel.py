@@ -225,7 +225,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         )
         fold = self._steps.measure(measurement, training.batch_size)
         if current is not None and fold.pairable:
-            self._prev_grads = [[g.clone() for g in grads] for grads in current]
+            self._prev_grads = current  # fresh tensors already (the division above)
             self._prev_bsz = bsz
         else:
             self._prev_grads = None
@@ -236,12 +236,13 @@ class AdaptiveDataParallel(DistributedDataParallel):
         if prev is None or not _same_shapes(prev, current):
             return None
         # Both gradients with this step's preconditioner, as the estimator requires.
-        pairs = zip(self._preconditioned(prev), self._preconditioned(current), strict=True)
+        prev = self._preconditioned(prev)
+        pairs = zip(prev, self._preconditioned(current), strict=True)
         mixed = tuple(
             float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
             for pg, cg in pairs
         )
-        prev_sqr = tuple(float(_sum_sqr_norms(_norms(pg))) for pg in self._preconditioned(prev))
+        prev_sqr = tuple(float(_sum_sqr_norms(_norms(pg))) for pg in prev)
         return PairedNorms(prev_sqr=prev_sqr, mixed_sqr=mixed, prev_batch_size=self._prev_bsz)
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
