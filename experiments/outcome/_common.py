@@ -15,7 +15,6 @@ import numpy as np
 
 from adaptdl.core.batchsize import BatchSizeQuery
 from adaptdl.core.step import StepMeasurement
-from adaptdl.torch.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,6 +68,9 @@ def launch(
             ),
         }
         env.pop("ADAPTDL_CHECKPOINT_PATH", None)  # every run starts fresh
+        # Imported here: adaptdl.torch loads torch, which the numpy paths never need.
+        from adaptdl.torch.launch import torchrun_command
+
         command = torchrun_command(module, nproc, module=True, monitor_interval=0.2)
         start = time.perf_counter()
         proc = subprocess.run(

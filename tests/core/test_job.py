@@ -9,6 +9,7 @@ from tests.fakes import ManualClock
 
 from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
 from adaptdl.core.collective import LocalCollective, run_replicas
+from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.job import Boundary, CheckpointPolicy, Job, Preempted
 from adaptdl.core.journal import Journal, Mark
@@ -173,12 +174,12 @@ def test_checkpoint_gathers_pending_accumulator_contributions():
 
 
 def test_policy_from_env():
-    assert CheckpointPolicy.from_env({}) == CheckpointPolicy()
-    policy = CheckpointPolicy.from_env(
+    assert _policy_from_env({}) == CheckpointPolicy()
+    policy = _policy_from_env(
         {"ADAPTDL_CHECKPOINT_INTERVAL": "0", "ADAPTDL_CHECKPOINT_STEPS": "50"}
     )
     assert policy == CheckpointPolicy(every_seconds=None, every_steps=50)
-    assert CheckpointPolicy.from_env({"ADAPTDL_CHECKPOINT_INTERVAL": "2.5"}).every_seconds == 2.5
+    assert _policy_from_env({"ADAPTDL_CHECKPOINT_INTERVAL": "2.5"}).every_seconds == 2.5
 
 
 @pytest.mark.parametrize(
@@ -193,7 +194,7 @@ def test_policy_from_env():
 )
 def test_policy_env_garbage_names_the_variable(env, variable):
     with pytest.raises(ValueError, match=variable):
-        CheckpointPolicy.from_env(env)
+        _policy_from_env(env)
 
 
 def test_boundaries_outside_training_count_no_steps_and_keep_decisions_pending():
@@ -251,3 +252,7 @@ def test_drain_leaves_no_reduction_in_flight(steps):
     job.drain()
     job.drain()  # a second drain has nothing to wait for
     assert collective.started == collective.waited == steps
+
+
+def _policy_from_env(env):
+    return CheckpointPolicy.from_config(JobConfig.from_env(env))

@@ -66,14 +66,9 @@ class CheckpointPolicy:
             check_int("every_steps", value, min=1)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> CheckpointPolicy:
-        """The policy that ``JobConfig.from_env(env)`` reads (see `adaptdl.core.config`).
-
-        ``ADAPTDL_CHECKPOINT_INTERVAL`` (seconds) and ``ADAPTDL_CHECKPOINT_STEPS``:
-        unset keeps the default; ``0`` turns that trigger off. A value that is not
-        a number raises ValueError naming the variable.
-        """
-        config = JobConfig.from_env(env)
+    def from_config(cls, config: JobConfig) -> CheckpointPolicy:
+        """The policy a job configuration asks for (``ADAPTDL_CHECKPOINT_INTERVAL`` and
+        ``ADAPTDL_CHECKPOINT_STEPS``, read and checked by `JobConfig.from_env`)."""
         return cls(
             every_seconds=config.checkpoint_every_seconds,
             every_steps=config.checkpoint_every_steps,
@@ -481,11 +476,6 @@ class Job:
         self.metrics.ensure_gns(loader.batch_size, gns.num_groups if gns is not None else 1)
 
     # -- metrics ------------------------------------------------------------------------
-    @property
-    def progress(self) -> float:
-        """Scale-invariant progress: optimiser steps weighted by their gain."""
-        return self.metrics.progress
-
     def record_sync_time(self, seconds: float) -> None:
         """Add gradient-synchronisation time to the step being profiled."""
         self._sync_time += seconds

@@ -574,7 +574,7 @@ def _sample(
         loader.accumulation_steps,
         loader.current_batch_size,
         goodput,
-        job.progress,
+        job.metrics.progress,
     )
 
 

@@ -98,9 +98,7 @@ def init_process_group(
     collective = TorchCollective(_gloo_group)
     store = None
     journal = None
-    policy = CheckpointPolicy(
-        every_seconds=config.checkpoint_every_seconds, every_steps=config.checkpoint_every_steps
-    )
+    policy = CheckpointPolicy.from_config(config)
     if storage is None and config.checkpoint_path is not None:
         storage = LocalStorage(config.checkpoint_path, owner=config.job_id or "")
     if storage is not None:
