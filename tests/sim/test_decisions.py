@@ -157,3 +157,15 @@ def test_fixed_config_is_cores_even_split_within_the_memory_bound(
     assert (atomic, accum) == even_split(query)
     assert 1 <= atomic <= hi
     assert atomic * (accum + 1) * sum(placement) >= batch
+
+
+def test_hints_and_queries_cap_the_total_at_one_pass_alike() -> None:
+    """A scheduler must not plan for a total batch the job's loader would never take."""
+    from adaptdl.sim.jobs import JobGoodput
+
+    job = JobGoodput(32, 4096, (16, 512), accumulation=True, dataset_size=1000)
+    assert job.query(1, 2, None).max_batch_size == 1000
+    assert job.hints()["max_batch_size"] == 1000
+    unbounded = JobGoodput(32, 4096, (16, 512), accumulation=True)
+    assert unbounded.hints()["max_batch_size"] == unbounded.query(1, 2, None).max_batch_size
+    assert unbounded.hints()["max_batch_size"] == 4096

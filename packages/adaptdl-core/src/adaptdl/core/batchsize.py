@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import attrs
 
@@ -32,6 +32,24 @@ class BatchSizeQuery:
     current: tuple[int, int] | None = None
 
 
+@overload
+def pass_capped(max_batch_size: int, batch_size: int, dataset_size: int) -> int: ...
+@overload
+def pass_capped(max_batch_size: None, batch_size: int, dataset_size: int) -> None: ...
+def pass_capped(max_batch_size: int | None, batch_size: int, dataset_size: int) -> int | None:
+    """``max_batch_size`` capped at one pass of ``dataset_size`` samples (0: unknown).
+
+    Never below ``batch_size``, the loader's own. A larger step is cut short at the
+    pass's end (yet profiled and credited at its full size) or, accumulated, spans two
+    passes and holds samples twice; the loader's query and a job's scheduling hints
+    both take this cap, so a scheduler never plans for a total the job cannot use.
+    """
+    n = check_int("dataset_size", dataset_size, min=0)
+    if max_batch_size is None or not n:
+        return max_batch_size
+    return min(max_batch_size, max(n, batch_size))
+
+
 def batch_size_query(
     num_nodes: int,
     num_replicas: int,
@@ -49,9 +67,7 @@ def batch_size_query(
     ``batch_size`` is the loader's target (initial) batch size; ``local_bsz`` and
     ``accum_steps`` are its last decision, 0 before it made any (then ``current`` is
     None, and a `GoodputDecision` has nothing to keep). ``dataset_size`` (0: unknown)
-    caps an adaptive total at one pass, or at ``batch_size`` if that is larger: a
-    larger step is cut short at the pass's end (yet profiled and credited at its full
-    size) or, accumulated, spans two passes and holds samples twice. Every caller that decides a
+    caps the total at one pass (`pass_capped`). Every caller that decides a
     loader's batch size (the loader itself, the cluster simulator's jobs) builds its
     query here, so that one state always asks the same question.
     """
@@ -60,9 +76,7 @@ def batch_size_query(
     target = check_int("batch_size", batch_size, min=1)
     local = check_int("local_bsz", local_bsz, min=0)
     current = (local, check_int("accum_steps", accum_steps, min=0)) if local else None
-    n = check_int("dataset_size", dataset_size, min=0)
-    if max_batch_size is not None and n:
-        max_batch_size = min(max_batch_size, max(n, target))
+    max_batch_size = pass_capped(max_batch_size, target, dataset_size)
     return BatchSizeQuery(
         nodes, replicas, target, max_batch_size, local_bsz_bounds, gradient_accumulation, current
     )

@@ -16,7 +16,13 @@ import math
 from collections import Counter
 from typing import Any
 
-from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, batch_size_query, even_split
+from adaptdl.core.batchsize import (
+    BatchSizeQuery,
+    GoodputDecision,
+    batch_size_query,
+    even_split,
+    pass_capped,
+)
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.profiler import Profiler, hints
 from adaptdl.sim.apps import ApplicationModel, Placement, normalize_placement
@@ -44,8 +50,8 @@ class JobGoodput:
         dataset_size: int = 0,
     ) -> None:
         self.init_batch_size = init_batch_size
-        self.max_batch_size = max_batch_size
-        self.dataset_size = dataset_size  # caps the total at one pass, as the loader does
+        # Capped at one pass by core's rule, for the queries and the hints alike.
+        self.max_batch_size = pass_capped(max_batch_size, init_batch_size, dataset_size)
         self.local_bsz_bounds = local_bsz_bounds
         self.accumulation = accumulation
         self.profiler = Profiler()
@@ -143,7 +149,6 @@ class JobGoodput:
             gradient_accumulation=self.accumulation,
             local_bsz=local,
             accum_steps=accum,
-            dataset_size=self.dataset_size,
         )
 
     def decide(
@@ -198,7 +203,6 @@ class SimJob:
         self.finish: float | None = None
         self.last_change = spec.submit  # when the allocation last changed
         self.version = 0
-        self.max_gpus_seen = 0
         self.restart_time = 0.0  # seconds spent restarting
         self.history: list[tuple[float, int, int, int]] = []  # (time, GPUs, batch, accum)
         self._decided_with: GoodputFunction | None = None
@@ -307,7 +311,6 @@ class SimJob:
         self.restart_until = time + restart_penalty
         self.restart_time += restart_penalty
         self.placement = normalize_placement(list(Counter(nodes).values()))
-        self.max_gpus_seen = max(self.max_gpus_seen, len(nodes))
         self.configure(time)
         return True
 

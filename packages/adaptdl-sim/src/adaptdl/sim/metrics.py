@@ -130,22 +130,33 @@ def summarize(sim: ClusterSimulation) -> SimResult:
     """Collect the metrics of a finished simulation."""
     jobs = tuple(
         JobResult(
-            j.name,
-            j.spec.application,
-            j.submit,
-            j.finish,
-            j.restarts,
-            j.failures,
-            j.attained_service,
-            j.restart_time,
-            tuple(j.history),
+            name=j.name,
+            application=j.spec.application,
+            submit=j.submit,
+            finish=j.finish,
+            restarts=j.restarts,
+            failures=j.failures,
+            gpu_seconds=j.attained_service,
+            restart_seconds=j.restart_time,
+            history=tuple(j.history),
         )
         for j in sorted(sim.jobs.values(), key=lambda j: (j.submit, j.name))
     )
     # Jobs never submitted before max_time count as unfinished too.
     missing = [s for s in sim.specs if s.name not in sim.jobs]
     jobs += tuple(
-        JobResult(s.name, s.application, s.submit, None, 0, 0, 0.0, 0.0, ()) for s in missing
+        JobResult(
+            name=s.name,
+            application=s.application,
+            submit=s.submit,
+            finish=None,
+            restarts=0,
+            failures=0,
+            gpu_seconds=0.0,
+            restart_seconds=0.0,
+            history=(),
+        )
+        for s in missing
     )
     return SimResult(
         policy=sim.policy.name,
