@@ -256,3 +256,15 @@ def test_drain_leaves_no_reduction_in_flight(steps):
 
 def _policy_from_env(env):
     return CheckpointPolicy.from_config(JobConfig.from_env(env))
+
+
+def test_drain_waits_for_what_adapters_keep_in_flight_first():
+    """The step statistics' sum was started before the boundary's: it is folded first."""
+    calls = []
+    collective = CountingCollective()
+    job = Job(collective=collective)
+    job.on_drain(lambda: calls.append(("steps", collective.waited)))
+    job.step_boundary()
+    job.drain()
+    assert calls == [("steps", 0)]
+    assert collective.started == collective.waited == 1

@@ -259,3 +259,21 @@ def test_add_progress_refuses_a_gain_that_is_not_positive(gain: float) -> None:
     with pytest.raises(ValueError, match="gain must be"):
         metrics.add_progress(gain)
     assert metrics.progress == 0.0
+
+
+def test_drain_folds_the_last_steps_sum_on_every_replica():
+    """After the last step nothing of the statistics may stay in flight."""
+
+    def replica(collective):
+        metrics = MetricsState()
+        steps = StepStatistics(metrics, collective)
+        m = StepMeasurement(
+            local_sqr=(4.0,), total_sqr=(1.0,), micro_batches=1, num_replicas=2, batch_size=8
+        )
+        steps.measure(m, 8)
+        before = metrics.gns.to_json()
+        steps.drain()
+        steps.drain()  # nothing left
+        return before != metrics.gns.to_json()
+
+    assert run_replicas(2, replica) == [True, True]

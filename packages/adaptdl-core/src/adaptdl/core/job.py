@@ -188,6 +188,7 @@ class Job:
         self._sync_time = 0.0
         self._stop_requested = False
         self._boundary_future: Future[Any] | None = None
+        self._drains: list[Callable[[], None]] = []
         self.redecide_schedule = RedecideSchedule()
         self._redecide_interval: float | None = None
         self._next_redecide = clock() + self.redecide_schedule.next_interval(None)
@@ -437,6 +438,10 @@ class Job:
         )
         return attrs.evolve(agreed, redecide=redecide and training)
 
+    def on_drain(self, drain: Callable[[], None]) -> None:
+        """Have `drain` also wait for a reduction an adapter keeps in flight."""
+        self._drains.append(drain)
+
     def drain(self) -> None:
         """Wait for the reduction the last step boundary started, at the end of training.
 
@@ -444,8 +449,12 @@ class Job:
         process that exits with it still in flight can abort in the transport's
         teardown (gloo: "terminate called without an active exception"), and
         torchrun then restarts a job that had finished. Call it only where every
-        replica got this far (a normal end), never after a peer failed.
+        replica got this far (a normal end), never after a peer failed. What was
+        registered with `on_drain` (the step statistics' own reduction) is waited for
+        first, in the order it was started.
         """
+        for drain in self._drains:
+            drain()
         pending, self._boundary_future = self._boundary_future, None
         if pending is not None:
             pending.result()

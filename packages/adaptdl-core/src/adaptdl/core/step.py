@@ -268,6 +268,10 @@ class StepStatistics:
         self.commit(decision)
         return decision
 
+    def drain(self) -> None:
+        """Fold in the sum started at the last step (it would otherwise stay in flight)."""
+        self._fold_pending()
+
     def _fold_pending(self) -> None:
         pending, self._pending = self._pending, None
         gns = self.metrics.gns

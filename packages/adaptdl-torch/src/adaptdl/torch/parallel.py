@@ -108,6 +108,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self._loader: LoaderHelper | None = None
         self._sync_start = 0.0
         self._steps = StepStatistics(job.metrics, job.collective)
+        job.on_drain(self._steps.drain)
         self._prev_grads: list[list[torch.Tensor]] | None = None
         self._prev_bsz = 0
         self.last_lr_factor = 1.0
