@@ -121,13 +121,12 @@ def worker_elastic(args: argparse.Namespace) -> None:
                 steps += 1
                 helper = adl.current_dataloader()
                 assert helper is not None
-                gain = adp.gain() if callable(adp.gain) else adp.gain
                 entry = {
                     "epoch": epoch,
                     "indices": idx.tolist(),
                     "batch_size": helper.current_batch_size,
                     "accumulation_steps": helper.accumulation_steps,
-                    "gain": float(gain),
+                    "gain": float(adp.gain()),
                     "loss": float(loss),
                 }
                 out.write(json.dumps(entry) + "\n")
