@@ -198,3 +198,27 @@ def test_a_sigterm_checkpoint_holds_the_state(
     again = Counter()
     assert adaptdl.checkpoint.load_state(again)
     assert again.value == counter.value
+
+
+def test_save_state_saves_the_whole_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    counter, other = Counter("one"), Counter("two")
+    counter.value, other.value = 1, 2
+    adaptdl.checkpoint.save_state(counter, str(tmp_path))
+    assert (counter.synced, other.synced) == (1, 1)
+    _restart(tmp_path, monkeypatch)
+    one, two = Counter("one"), Counter("two")
+    assert adaptdl.checkpoint.load_state(one) and adaptdl.checkpoint.load_state(two)
+    assert (one.value, two.value) == (1, 2)
+
+
+def test_save_state_refuses_what_it_cannot_honour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    counter = Counter()
+    with pytest.raises(ValueError, match="checkpoint_dir='/elsewhere' is not the job's"):
+        adaptdl.checkpoint.save_state(counter, "/elsewhere")
+    with pytest.raises(ValueError, match="sync=False is not supported"):
+        adaptdl.checkpoint.save_state(counter, sync=False)
+    assert counter.saves == 0

@@ -38,7 +38,7 @@ from typing import BinaryIO
 from adaptdl.core.job import Job
 from adaptdl.torch._context import current_job
 
-__all__ = ["State", "load_state", "save_all_states"]
+__all__ = ["State", "load_state", "save_all_states", "save_state"]
 
 LOG = logging.getLogger("adaptdl.checkpoint")
 
@@ -139,6 +139,30 @@ def save_all_states() -> str | None:
     if job.topology.rank != 0 or job.store is None or job.store.root is None:
         return None
     return str(job.store.root)
+
+
+def save_state(state: State, checkpoint_dir: str | None = None, sync: bool = True) -> None:
+    """Save ``state`` in a checkpoint: `save_all_states`, since a checkpoint here is whole.
+
+    Every state of the job is saved with it, at the same step, so that the
+    checkpoint stays consistent. ``checkpoint_dir`` may only name the job's own
+    directory (``ADAPTDL_CHECKPOINT_PATH``), and ``sync`` must be True: every state
+    is synchronised before a checkpoint. ValueError otherwise.
+    """
+    if not isinstance(state, State):
+        raise TypeError(f"state must be an adaptdl.checkpoint.State, got {type(state).__name__}")
+    job = _entry(state).job
+    own = None if job.store is None or job.store.root is None else str(job.store.root)
+    if checkpoint_dir is not None and checkpoint_dir != own:
+        raise ValueError(
+            f"checkpoint_dir={checkpoint_dir!r} is not the job's checkpoint directory "
+            f"({own!r}, from ADAPTDL_CHECKPOINT_PATH): states are saved only there"
+        )
+    if sync is not True:
+        raise ValueError(
+            f"sync={sync!r} is not supported: every state is synchronised before a checkpoint"
+        )
+    save_all_states()
 
 
 def load_state(state: State) -> bool:
