@@ -1,6 +1,6 @@
 """End to end: a program in the original's style (adaptdl.env, adaptdl.checkpoint.State,
 adaptdl.collective) under torchrun, stopped by SIGTERM at 2 replicas and resumed at 1,
-prints the metrics of an uninterrupted run."""
+prints the metrics of an uninterrupted run at 2 replicas."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).with_name("train_env_state.py")
 RUN_TIMEOUT = 180.0
-LINE = re.compile(r"^(ENV|RESTORED|STEP|METRIC) (.*)$")
+LINE = re.compile(r"^(ENV|RESTORED|STEP|METRIC|COLLECTIVE) (.*)$")
 
 
 class Run:
@@ -73,11 +73,11 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
-    """An uninterrupted run at 1 replica; another job at 2 replicas, stopped in epoch 1,
+    """An uninterrupted run at 2 replicas; another job at 2 replicas, stopped in epoch 1,
     resumed at 1 replica (as restart 1, the way a scheduler says so)."""
     launched: list[Run] = []
     try:
-        whole = Run(tmp_path_factory.mktemp("uninterrupted"), "whole", 1)
+        whole = Run(tmp_path_factory.mktemp("uninterrupted"), "whole", 2)
         launched.append(whole)
         assert whole.wait() == 0, whole.output()
 
@@ -148,3 +148,17 @@ def test_the_stopped_and_resumed_job_prints_the_uninterrupted_metrics(
         # (two replicas average their gradients in another order than one does).
         assert float(got["progress"]) == pytest.approx(float(expected["progress"]), rel=1e-6)
         assert float(got["loss"]) == pytest.approx(float(expected["loss"]), rel=1e-4)
+
+
+def test_the_collectives_reach_every_replica(runs: dict[str, Run]) -> None:
+    # Rank 0's value everywhere; lists concatenated in rank order (the original's
+    # default reduction); the asynchronous sum of rank + 1.
+    whole = sorted(runs["whole"].lines("COLLECTIVE"), key=lambda c: c["rank"])
+    assert whole == [
+        {"rank": str(r), "broadcast": "from-0", "concatenated": "[0,1]", "sum": "3"}
+        for r in (0, 1)
+    ]
+    assert runs["first"].lines("COLLECTIVE") == []  # stopped before the end
+    assert runs["resumed"].lines("COLLECTIVE") == [
+        {"rank": "0", "broadcast": "from-0", "concatenated": "[0]", "sum": "1"}
+    ]

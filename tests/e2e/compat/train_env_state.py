@@ -9,6 +9,7 @@ metrics per epoch on rank 0:
     RESTORED <bool> steps=..
     STEP epoch=.. index=..                       (rank 0, after every optimiser step)
     METRIC epoch=.. samples=.. steps=.. progress=.. loss=..
+    COLLECTIVE rank=.. broadcast=.. concatenated=.. sum=..   (every replica, at the end)
 """
 
 from __future__ import annotations
@@ -113,6 +114,13 @@ def main() -> None:
                 f"progress={adaptdl.torch._metrics.get_progress():.6f} loss={loss.item():.8f}",
                 flush=True,
             )
+    pending = adaptdl.collective.allreduce_async(rank + 1)
+    print(
+        f"COLLECTIVE rank={rank} broadcast={adaptdl.collective.broadcast(f'from-{rank}')} "
+        f"concatenated={json.dumps(adaptdl.collective.allreduce([rank]), separators=(',', ':'))} "
+        f"sum={pending.result()}",
+        flush=True,
+    )
     adaptdl.collective.teardown()
 
 
