@@ -144,10 +144,31 @@ def test_names_are_unique() -> None:
     Counter("b")
 
 
-def test_a_name_the_library_uses_does_not_collide() -> None:
+def test_a_name_the_library_uses_does_not_collide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The library's own entry is called adaptdl-metrics; a program's state lives apart.
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
     state = Counter("adaptdl-metrics")
-    assert state.name == "adaptdl-metrics"
+    state.value = 5
+    adaptdl.checkpoint.save_all_states()
+    _restart(tmp_path, monkeypatch)
+    again = Counter("adaptdl-metrics")
+    assert adaptdl.checkpoint.load_state(again) and again.value == 5
+
+
+class Named(adaptdl.checkpoint.State):
+    """A subclass with an attribute of its own called name."""
+
+    def __init__(self) -> None:
+        super().__init__("named")
+        self.name = "my own attribute"
+
+
+def test_a_subclass_may_use_any_attribute_name() -> None:
+    state = Named()
+    assert state.name == "my own attribute"
+    adaptdl.checkpoint.save_all_states()
 
 
 @pytest.mark.parametrize("name", ["", None, 3])

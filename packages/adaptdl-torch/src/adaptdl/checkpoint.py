@@ -57,7 +57,7 @@ class _Entry:
     def __init__(self, state: State, job: Job) -> None:
         self.state = state
         self.job = job
-        self.name = _ENTRY_PREFIX + state.name
+        self.name = _ENTRY_PREFIX + state._adaptdl_name
         self.restored: bytes | None = None
 
     def sync(self) -> None:
@@ -94,7 +94,9 @@ class State:
 
     ``name`` must be a non-empty str, unique among the job's states: a second
     `State` with the same name raises ValueError. Subclasses override `save`,
-    `load` and `sync`; the base class saves nothing.
+    `load` and `sync`; the base class saves nothing. As in the original, the base
+    class defines no public attribute, so a subclass may use any name (``name``
+    too) for its own.
     """
 
     def __init__(self, name: str) -> None:
@@ -106,11 +108,6 @@ class State:
         self._adaptdl_name = name
         self._adaptdl_entry: _Entry | None = None
         _entry(self)
-
-    @property
-    def name(self) -> str:
-        """The name this state was made with."""
-        return self._adaptdl_name
 
     def save(self, fileobj: BinaryIO) -> None:
         """Write the state to ``fileobj`` (binary, writable); called on rank 0 only."""
@@ -179,7 +176,9 @@ def load_state(state: State) -> bool:
     if entry.restored is None:
         if entry.job.restored_from is not None:
             LOG.warning(
-                "checkpoint %s holds no state named %r", entry.job.restored_from, state.name
+                "checkpoint %s holds no state named %r",
+                entry.job.restored_from,
+                state._adaptdl_name,
             )
         return False
     state.load(io.BytesIO(entry.restored))
