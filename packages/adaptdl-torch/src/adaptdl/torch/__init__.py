@@ -9,14 +9,21 @@ replicas without losing or repeating data. Every decision is made by
 
 from adaptdl.torch._context import init_process_group, is_initialized
 from adaptdl.torch.accumulator import Accumulator
-from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
+from adaptdl.torch.data import (
+    AdaptiveDataLoader,
+    AdaptiveDataLoaderMixin,
+    ElasticSampler,
+    current_dataloader,
+)
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from adaptdl.torch.parallel import AdaptiveDataParallel
 
 __all__ = [
     "Accumulator",
     "AdaptiveDataLoader",
+    "AdaptiveDataLoaderMixin",
     "AdaptiveDataParallel",
+    "ElasticSampler",
     "current_dataloader",
     "current_epoch",
     "finished_epochs",
@@ -24,3 +31,10 @@ __all__ = [
     "is_initialized",
     "remaining_epochs_until",
 ]
+
+# Programs written for the original do ``import adaptdl.torch`` and then use
+# ``adaptdl.env``, ``adaptdl.checkpoint`` and ``adaptdl.collective`` without importing
+# them: the original's package imported them, so ours does too.
+import adaptdl.checkpoint
+import adaptdl.collective
+import adaptdl.env  # noqa: F401
