@@ -9,18 +9,21 @@ replicas without losing or repeating data. Every decision is made by
 
 from adaptdl.torch._context import init_process_group, is_initialized
 from adaptdl.torch.accumulator import Accumulator
-from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
+from adaptdl.torch.data import AdaptiveDataLoader, ElasticSampler, current_dataloader
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.state import register_state
 
 __all__ = [
     "Accumulator",
     "AdaptiveDataLoader",
     "AdaptiveDataParallel",
+    "ElasticSampler",
     "current_dataloader",
     "current_epoch",
     "finished_epochs",
     "init_process_group",
     "is_initialized",
+    "register_state",
     "remaining_epochs_until",
 ]
