@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import time
 
+from seed_common import EPOCHS, N, record
 from torch.utils.data import TensorDataset
 
 import adaptdl
@@ -23,12 +22,6 @@ import adaptdl.torch as adl
 import torch
 from torch import nn
 
-EPOCHS = int(os.environ.get("E2E_EPOCHS", "3"))
-N = int(os.environ.get("E2E_N", "96"))
-STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
-RUN = int(os.environ.get("E2E_RUN", "0"))
-RECORD_DIR = os.environ["E2E_RECORD_DIR"]
-RANK = int(os.environ.get("RANK", "0"))
 NZ = 4
 
 
@@ -60,12 +53,6 @@ class Discriminator(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.main(input)
-
-
-def record(**entry: object) -> None:
-    path = os.path.join(RECORD_DIR, f"run{RUN}-rank{RANK}.jsonl")
-    with open(path, "a", encoding="utf-8") as out:
-        out.write(json.dumps({**entry, "run": RUN, "rank": RANK}) + "\n")
 
 
 torch.manual_seed(999)
@@ -116,8 +103,6 @@ def train(epoch: int) -> None:
         stats["d_loss_sum"] += errD.item() * b_size
         stats["samples"] += b_size
         record(epoch=epoch, index=adl.current_dataloader().current_index, indices=index.tolist())
-        if STEP_SLEEP:
-            time.sleep(STEP_SLEEP)
     scheduleD.step()
     scheduleG.step()
     with stats.synchronized():

@@ -16,23 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import time
 
 import torch.nn.functional as F
+from seed_common import DROPOUT, EPOCHS, N, record
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch
 import torch
 from torch import nn
-
-EPOCHS = int(os.environ.get("E2E_EPOCHS", "3"))
-N = int(os.environ.get("E2E_N", "96"))
-DROPOUT = float(os.environ.get("E2E_DROPOUT", "0"))
-STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
-RUN = int(os.environ.get("E2E_RUN", "0"))
-RECORD_DIR = os.environ["E2E_RECORD_DIR"]
-RANK = int(os.environ.get("RANK", "0"))
 
 
 class Net(nn.Module):
@@ -53,12 +44,6 @@ def synthetic(n: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.arange(n), x, y)
 
 
-def record(**entry: object) -> None:
-    path = os.path.join(RECORD_DIR, f"run{RUN}-rank{RANK}.jsonl")
-    with open(path, "a", encoding="utf-8") as out:
-        out.write(json.dumps({**entry, "run": RUN, "rank": RANK}) + "\n")
-
-
 def train(model: nn.Module, loader: adaptdl.torch.AdaptiveDataLoader, optimizer, epoch: int):
     model.train()
     for index, data, target in loader:
@@ -71,8 +56,6 @@ def train(model: nn.Module, loader: adaptdl.torch.AdaptiveDataLoader, optimizer,
             index=adaptdl.torch.current_dataloader().current_index,
             indices=index.tolist(),
         )
-        if STEP_SLEEP:
-            time.sleep(STEP_SLEEP)
 
 
 def test(model: nn.Module, loader: adaptdl.torch.AdaptiveDataLoader, what: str, epoch) -> None:

@@ -42,10 +42,23 @@ def current_dataloader() -> LoaderHelper | None:
     return current_job().current_loader
 
 
-def _check_count(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    return value
+class _Count:
+    """An int attribute >= ``least``, checked when assigned (ValueError otherwise)."""
+
+    def __init__(self, least: int, doc: str) -> None:
+        self.least = least
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else obj.__dict__[self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.least:
+            raise ValueError(f"{self.name} must be an int >= {self.least}, got {value!r}")
+        obj.__dict__[self.name] = value
 
 
 class ElasticSampler(Sampler[int]):
@@ -79,23 +92,8 @@ class ElasticSampler(Sampler[int]):
         self.num_replicas = num_replicas
         self.rank = rank
 
-    @property
-    def num_replicas(self) -> int:
-        """How many replicas share each pass (int >= 1; ValueError otherwise)."""
-        return self._num_replicas
-
-    @num_replicas.setter
-    def num_replicas(self, value: int) -> None:
-        self._num_replicas = _check_count("num_replicas", value, 1)
-
-    @property
-    def rank(self) -> int:
-        """Which replica's share this sampler reads (int in [0, num_replicas))."""
-        return self._rank
-
-    @rank.setter
-    def rank(self, value: int) -> None:
-        self._rank = _check_count("rank", value, 0)
+    num_replicas = _Count(1, "How many replicas share each pass (int >= 1).")
+    rank = _Count(0, "Which replica's share this sampler reads (int in [0, num_replicas)).")
 
     def set_epoch(self, epoch: int, index: int = 0) -> None:
         """Sample epoch ``epoch`` starting at global index ``index`` (e.g. after a restart)."""
