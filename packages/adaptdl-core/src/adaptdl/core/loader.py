@@ -296,10 +296,11 @@ class LoaderHelper:
                 # A skipped loop leaves the restored position to the loop it belongs to.
                 self._state.current_index = 0
                 self._state.last_position[epoch] = self._position[epoch]
+                self._accum_count = 0
+                self._resume_epoch = None
             self._position[epoch] += 1
-            self._accum_count = 0
             self._in_flight = 0
-            self._loop_epoch = self._resume_epoch = None
+            self._loop_epoch = None
 
     def skipdone(self) -> bool:
         """True when this loop already finished before a restart (replay skips it)."""
