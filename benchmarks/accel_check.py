@@ -126,7 +126,7 @@ def worker_elastic(args: argparse.Namespace) -> None:
                     "indices": idx.tolist(),
                     "batch_size": helper.current_batch_size,
                     "accumulation_steps": helper.accumulation_steps,
-                    "gain": float(adp.gain()),
+                    "gain": float(adp.gain),
                     "loss": float(loss),
                 }
                 out.write(json.dumps(entry) + "\n")

@@ -71,7 +71,7 @@ def train() -> None:
                     "batch_size": loader.current_batch_size,
                     "local_bsz": loader.current_local_bsz,
                     "accum": loader.accumulation_steps,
-                    "gain": model.gain(),
+                    "gain": model.gain,
                     "goodput": goodput,
                     "loss": accuracy["loss"] / max(accuracy["total"], 1),
                     "accuracy": accuracy["correct"] / max(accuracy["total"], 1),

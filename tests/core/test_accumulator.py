@@ -451,15 +451,57 @@ def test_reading_outside_synchronized_raises_with_help() -> None:
             use()
         if info.type is RuntimeError:
             assert "synchronized()" in str(info.value)
-    for read in (lambda: len(acc), lambda: "x" in acc, lambda: list(acc), lambda: acc.get("x")):
-        with pytest.raises(
-            RuntimeError, match=r"not allowed outside `with accumulator\.synchronized"
-        ):
-            read()
-    for method in (lambda: acc.pop("x"), lambda: acc.setdefault("x"), lambda: acc.popitem()):
-        with pytest.raises(RuntimeError, match="not allowed outside"):
-            method()
+    with pytest.raises(RuntimeError, match="not allowed outside"):
+        acc.setdefault("x")
     assert "pending update" in repr(handle) and "pending" in repr(acc)
+
+
+def test_outside_synchronized_reads_see_an_empty_mapping() -> None:
+    # As the seed's accumulator: a program may print len(acc) or test `in` anywhere.
+    acc = Accumulator(LocalCollective(), initial={"x": 1})
+    acc["x"] += 2
+    assert len(acc) == 0 and "x" not in acc and list(acc) == [] and not acc
+    assert acc.get("x") is None and acc.get("x", 7) == 7
+    assert dict(acc.items()) == {} and list(acc.keys()) == [] and acc == {}
+    assert acc.pop("x", "default") == "default"
+    with pytest.raises(KeyError):
+        acc.pop("x")
+    with pytest.raises(KeyError):
+        acc.popitem()
+    with acc.synchronized():  # the reads changed nothing
+        assert dict(acc) == {"x": 3} and len(acc) == 1 and "x" in acc
+
+
+@given(
+    st.dictionaries(st.sampled_from("abc"), st.integers(-1000, 1000), max_size=3),
+    st.dictionaries(st.sampled_from("abc"), st.integers(-1000, 1000), max_size=3),
+)
+def test_in_place_add_and_subtract_of_a_mapping_match_update_and_subtract(
+    plus: dict[str, int], minus: dict[str, int]
+) -> None:
+    ops = Accumulator(LocalCollective(), name="ops")
+    calls = Accumulator(LocalCollective(), name="calls")
+    ops += plus
+    ops -= minus
+    calls.update(plus)
+    calls.subtract(minus)
+    expected: dict[str, int] = {}
+    for key, value in plus.items():
+        expected[key] = expected.get(key, 0) + value
+    for key, value in minus.items():
+        expected[key] = expected.get(key, 0) - value
+    with ops.synchronized(), calls.synchronized():
+        assert dict(ops) == dict(calls) == expected
+        ops += [("a", 1)]  # pairs, as dict() takes them, inside too
+        assert ops["a"] == expected.get("a", 0) + 1
+
+
+def test_in_place_add_of_a_non_mapping_is_a_type_error() -> None:
+    acc = Accumulator(LocalCollective())
+    with pytest.raises(TypeError, match=r"accumulator \+= takes a mapping"):
+        acc += 3
+    with pytest.raises(TypeError, match=r"accumulator -= takes a mapping"):
+        acc -= "ab"
 
 
 def test_nested_synchronized_is_an_error() -> None:

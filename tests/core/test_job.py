@@ -268,3 +268,69 @@ def test_drain_waits_for_what_adapters_keep_in_flight_first():
     job.drain()
     assert calls == [("steps", 0)]
     assert collective.started == collective.waited == 1
+
+
+def test_replay_lasts_from_the_restore_to_the_first_loop_that_runs() -> None:
+    from adaptdl.core.loader import LoaderHelper
+
+    store = MemoryCheckpointStore()
+    job = Job(Topology(), store=store)
+    assert not job.replaying
+    first, second = LoaderHelper(job, 2), LoaderHelper(job, 2)
+    with pytest.raises(Preempted):
+        for _ in job.epoch.remaining_epochs_until(1):
+            list(first.iterate(4, lambda e, i, b: iter([[0, 1], [2, 3]][i // 2 :])))
+            for _batch in second.iterate(4, lambda e, i, b: iter([[0, 1], [2, 3]][i // 2 :])):
+                job.request_stop()
+    again = Job(Topology(), store=store)
+    resumed: list[bool] = []
+    again.on_resume(lambda: resumed.append(again.replaying))
+    assert again.replaying
+    first, second = LoaderHelper(again, 2), LoaderHelper(again, 2)
+    for _ in again.epoch.remaining_epochs_until(1):
+        assert list(first.iterate(4, lambda e, i, b: iter([]))) == []  # skipped: still replaying
+        assert again.replaying and resumed == []
+        for _batch in second.iterate(4, lambda e, i, b: iter([[2, 3]])):
+            assert not again.replaying
+    assert resumed == [False]
+    again.on_resume(lambda: resumed.append(True))  # not replaying: never called
+    again.loop_resumes()
+    assert resumed == [False]
+
+
+def test_a_checkpoint_outside_loops_is_not_replayed() -> None:
+    store = MemoryCheckpointStore()
+    Job(Topology(), store=store).checkpoint()
+    assert not Job(Topology(), store=store).replaying
+
+
+def test_progress_is_credited_once_per_step_whatever_the_number_of_commits() -> None:
+    job = Job(Topology())
+    for step in range(3):
+        for _model in range(2):  # a GAN: two optimisers step per batch
+            job.metrics.add_progress(0.5, step=step)
+        job.metrics.add_progress(0.25)  # no step named: always credited
+    assert job.metrics.progress == pytest.approx(3 * 0.75)
+
+
+def test_a_state_of_a_finished_epoch_leaves_the_checkpoints() -> None:
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def to_bytes(self) -> bytes:
+            return b"x"
+
+        def from_bytes(self, data: bytes) -> None:
+            pass
+
+    store = MemoryCheckpointStore()
+    job = Job(Topology(), store=store)
+    for epoch in job.epoch.remaining_epochs_until(3):
+        job.register(Named(f"acc-{epoch}"), epoch=epoch)
+        job.checkpoint()
+        saved = store.load()
+        assert saved is not None
+        assert sorted(n for n in saved.entries if n.startswith("acc-")) == [f"acc-{epoch}"]
+    with pytest.raises(ValueError, match="epoch"):
+        job.register(Named("bad"), epoch=-1)

@@ -64,11 +64,71 @@ def test_current_index_counts_all_replicas_samples():
     assert indices == [0, 3, 6]
 
 
-def test_iterating_outside_epoch_loop_raises():
+def test_loops_outside_epoch_loops_walk_one_pass_keyed_by_free_epoch():
+    # The seed allows a test pass after the epoch loop; its order is that of free_epoch.
     job = one_replica_job()
     loader = LoaderHelper(job, batch_size=2)
-    with pytest.raises(RuntimeError, match="outside an epoch loop"):
-        next(iter(loader.iterate(4, shard_batches(4, 0, 1))))
+    loader.autoscale_batch_size(4)  # an adaptive loop outside epochs walks one pass too
+    got = [
+        i for batch in loader.iterate(9, shard_batches(9, 0, 1), free_epoch=3) for i, _ in batch
+    ]
+    assert got == Shard(9, 0, 1, 0, epoch=3).indices(0, 9).tolist()
+    assert loader.current_index is None and job.current_loader is None
+
+
+def test_a_loop_after_the_epoch_loop_is_replayed_like_one_inside():
+    store = MemoryCheckpointStore()
+
+    def program(stop_at: int | None) -> list[list[int]]:
+        job = one_replica_job(store=store)
+        train, test = LoaderHelper(job, 2), LoaderHelper(job, 2)
+        seen: list[list[int]] = []
+        for _ in job.epoch.remaining_epochs_until(2):
+            for batch in train.iterate(6, shard_batches(6, 0, 1)):
+                seen.append([i for i, _ in batch])
+        for loop in range(2):  # two passes after training, each its own loop
+            for batch in test.iterate(6, shard_batches(6, 0, 1), free_epoch=loop):
+                seen.append([i for i, _ in batch])
+                if len(seen) == stop_at:
+                    job.request_stop()  # takes effect at the boundary after the next batch
+        return seen
+
+    whole = program(None)
+    assert store.labels() == []
+    # Stop in the second test loop, then rerun: every earlier loop is skipped.
+    with pytest.raises(Preempted):
+        program(6 + 3 + 1)
+    resumed = program(None)
+    assert resumed == whole[-1:]
+
+
+def test_position_resumes_the_next_loop_exactly_once():
+    job = one_replica_job()
+    loader = LoaderHelper(job, batch_size=2)
+    first: list[int] = []
+    saved = None
+    for _ in job.epoch.remaining_epochs_until(1):
+        for batch in loader.iterate(10, shard_batches(10, 0, 1)):
+            first += [i for i, _ in batch]
+            if len(first) == 4:
+                saved = loader.position()  # between batches: counts the one just taken
+                break
+    assert saved is not None and saved["index"] == 4 and saved["epoch"] == 0
+    assert loader.position()["index"] == 0  # the loop ended: a fresh one is next
+    other = one_replica_job()  # another process, without the job's checkpoint
+    resumed = LoaderHelper(other, batch_size=2)
+    resumed.load_position(json_round_trip(saved))
+    assert resumed.position()["index"] == 4
+    rest = [i for b in resumed.iterate(10, shard_batches(10, 0, 1), free_epoch=7) for i, _ in b]
+    assert sorted(first + rest) == list(range(10)) and len(rest) == 6
+    with pytest.raises(ValueError, match="made by state_dict"):
+        resumed.load_position({"index": 3})
+
+
+def json_round_trip(value):
+    import json
+
+    return json.loads(json.dumps(value))
 
 
 def test_two_loops_at_once_raise():
@@ -626,3 +686,24 @@ def test_loader_needs_only_the_members_of_its_protocol():
     again = Job(Topology(), store=store)
     resumed = LoaderHelper(OnlyLoaderJob(again), batch_size=2)  # type: ignore[arg-type]
     assert resumed.current_local_bsz == loader.current_local_bsz
+
+
+def test_one_loader_looped_twice_in_an_epoch_resumes_its_second_loop_exactly_once():
+    store = MemoryCheckpointStore()
+
+    def program(stop_at):
+        job = one_replica_job(store=store)
+        loader = LoaderHelper(job, 2)
+        seen = []
+        for _ in job.epoch.remaining_epochs_until(1):
+            for _loop in range(2):
+                for batch in loader.iterate(6, shard_batches(6, 0, 1)):
+                    seen.append([i for i, _ in batch])
+                    if len(seen) == stop_at:
+                        job.request_stop()
+        return seen
+
+    whole = program(None)
+    with pytest.raises(Preempted):
+        program(4)  # the stop lands after batch 5: the second loop's second batch
+    assert program(None) == whole[5:]

@@ -47,7 +47,9 @@ def _records(record_dir: Path, run: int | None = None) -> list[dict[str, Any]]:
 class Launch:
     """One torchrun invocation of the training script, in its own process group."""
 
-    def __init__(self, tmp: Path, run: int, nproc: int, **env: str) -> None:
+    def __init__(
+        self, tmp: Path, run: int, nproc: int, *, script: Path = SCRIPT, **env: str
+    ) -> None:
         self.tmp = tmp
         self.run = run
         self.log = tmp / f"torchrun-{run}.log"
@@ -63,7 +65,7 @@ class Launch:
             **env,
         }
         command = torchrun_command(
-            SCRIPT,
+            script,
             nproc,
             max_restarts=int(full_env.get("E2E_MAX_RESTARTS", "0")),
             monitor_interval=0.5,

@@ -113,12 +113,6 @@ def test_bad_batch_size_is_refused(bad: Any) -> None:
         AdaptiveDataLoader(indexed(4), batch_size=bad)
 
 
-def test_iterating_outside_an_epoch_loop_is_an_error() -> None:
-    loader = AdaptiveDataLoader(indexed(4), batch_size=2)
-    with pytest.raises(RuntimeError, match="remaining_epochs_until"):
-        next(iter(loader))
-
-
 def test_two_loops_at_once_is_an_error() -> None:
     a = AdaptiveDataLoader(indexed(4), batch_size=2)
     b = AdaptiveDataLoader(indexed(4), batch_size=2)

@@ -117,7 +117,7 @@ def test_single_micro_batch_steps_use_the_differenced_estimator_and_progress() -
     assert gns is not None
     assert gns.num_updates == N // 4 - 1 and gns.differenced
     assert adp.progress == pytest.approx(N // 4)  # gain 1 at scale 1
-    assert adp.gain() == pytest.approx(1.0)
+    assert adp.gain == pytest.approx(1.0) and adp.gain() == adp.gain  # a property, still callable
 
 
 def test_lr_factor_follows_the_rule_and_restores_the_base_lr() -> None:

@@ -3,13 +3,16 @@
 An :class:`Accumulator` is a dict-like object with two modes.
 
 *Accumulation mode* (the default, outside ``with acc.synchronized():``): each
-replica adds its own contributions, ``acc["loss"] += loss`` or
-``acc.update(loss=loss, n=1)`` (``update`` adds, unlike ``dict.update``). They
-stay local and pending. Nothing can be read in this mode: ``acc["loss"]`` returns
-an opaque handle that only supports ``+=`` and ``-=``, and any other use of it, or
-``len``, ``in``, iteration, ``get``, raises :class:`RuntimeError` pointing to
-``synchronized()``. ``acc[k] = v`` replaces this replica's pending contribution
-to ``k``; ``del acc[k]`` and ``acc.clear()`` drop pending contributions.
+replica adds its own contributions, ``acc["loss"] += loss``,
+``acc.update(loss=loss, n=1)`` (``update`` adds, unlike ``dict.update``) or
+``acc += {"loss": loss, "n": 1}`` (``-=`` and ``subtract`` subtract). They stay
+local and pending. In this mode the accumulator reads as an empty mapping:
+``len`` is 0, ``in`` is False, iteration yields nothing, ``get`` returns its
+default, ``pop(k)`` and ``popitem()`` raise KeyError. ``acc["loss"]`` returns an
+opaque handle that only supports ``+=`` and ``-=``; any other use of it raises
+:class:`RuntimeError` pointing to ``synchronized()``. ``acc[k] = v`` replaces
+this replica's pending contribution to ``k``; ``del acc[k]`` and ``acc.clear()``
+drop pending contributions; ``setdefault`` raises RuntimeError.
 
 *Synchronized mode* (inside ``with acc.synchronized():``): on entry, every
 replica's pending contributions are summed (:func:`adaptdl.core.collective.add`,
@@ -366,24 +369,62 @@ class Accumulator(MutableMapping[str, Any]):
         else:
             self._pending.clear()
 
-    def update(self, other: Mapping[str, Any] | None = None, /, **kwargs: Any) -> None:  # type: ignore[override]
-        """Add (not set) each value to its key's total or contribution, like ``acc[k] += v``."""
-        items = dict(other or {}, **kwargs)
+    def update(self, other: Any = None, /, **kwargs: Any) -> None:
+        """Add (not set) each value to its key's total or contribution, like ``acc[k] += v``.
+
+        ``other`` is a mapping or an iterable of (key, value) pairs, as for ``dict``.
+        """
+        self._add(dict(other or {}, **kwargs), "update", negate=False)
+
+    def subtract(self, other: Any = None, /, **kwargs: Any) -> None:
+        """Subtract each value from its key's total or contribution, like ``acc[k] -= v``."""
+        self._add(dict(other or {}, **kwargs), "subtract", negate=True)
+
+    def __iadd__(self, other: Any) -> Accumulator:
+        """``acc += {"a": 1, "b": 2}``: the same as ``acc.update(...)``."""
+        self._add(self._operand(other, "+="), "+=", negate=False)
+        return self
+
+    def __isub__(self, other: Any) -> Accumulator:
+        """``acc -= {"a": 1, "b": 2}``: the same as ``acc.subtract(...)``."""
+        self._add(self._operand(other, "-="), "-=", negate=True)
+        return self
+
+    @staticmethod
+    def _operand(other: Any, op: str) -> dict[str, Any]:
+        if isinstance(other, Mapping):
+            return dict(other)
+        try:
+            return dict(other)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"accumulator {op} takes a mapping or (key, value) pairs, "
+                f"got {other!r} ({type(other).__name__})"
+            ) from None
+
+    def _add(self, items: dict[str, Any], what: str, *, negate: bool) -> None:
         for key, value in items.items():
             _check_key(key)
-            value = _copy(value, f"accumulator.update({key}={value!r})")
+            value = _copy(value, f"accumulator.{what}({key}={value!r})")
+            if negate:
+                value = _negate(value)
             if self._view is not None:
                 self._view[key] = add(self._view.get(key), value)
             else:
                 self._contribute(key, value, replace=False)
 
+    def _read(self) -> dict[str, Any]:
+        """What reads see: the totals inside synchronized(), an empty mapping outside."""
+        return self._view if self._view is not None else {}
+
     def pop(self, key: str, *default: Any) -> Any:
-        """Inside synchronized(): remove and return the total (``dict.pop``)."""
-        return self._synced("pop()").pop(_check_key(key), *default)
+        """Inside synchronized(): remove and return the total (``dict.pop``); outside,
+        as on an empty dict."""
+        return self._read().pop(_check_key(key), *default)
 
     def popitem(self) -> tuple[str, Any]:
-        """Inside synchronized(): remove and return a (key, total) pair."""
-        return self._synced("popitem()").popitem()
+        """Inside synchronized(): remove and return a (key, total) pair; outside, KeyError."""
+        return self._read().popitem()
 
     def setdefault(self, key: str, default: Any = None) -> Any:
         """Inside synchronized(): ``dict.setdefault`` on the totals."""
@@ -393,20 +434,20 @@ class Accumulator(MutableMapping[str, Any]):
         return view[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._synced("iteration")))
+        return iter(list(self._read()))
 
     def __len__(self) -> int:
-        return len(self._synced("len()"))
+        return len(self._read())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._synced("`in`")
+        return key in self._read()
 
     def get(self, key: str, default: Any = None) -> Any:
-        """Inside synchronized(): the total or ``default``."""
-        return self._synced("get()").get(_check_key(key), default)
+        """Inside synchronized(): the total or ``default``; outside, ``default``."""
+        return self._read().get(_check_key(key), default)
 
     def __eq__(self, other: object) -> bool:
-        return dict(self._synced("==")) == other
+        return dict(self._read()) == other
 
     __hash__ = None  # type: ignore[assignment]
 

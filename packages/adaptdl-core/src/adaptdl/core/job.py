@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core._validate import check_bool, check_float, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.checkpoint import (
     Checkpoint,
@@ -131,16 +131,22 @@ class JobState(JsonState):
         self.name = name
         self.samples_consumed = 0  # by all replicas in all loops, at step boundaries
         self.replayed_samples = 0  # consumed again after crashes (see journal.py)
+        # Whether the checkpoint was taken inside a dataloader loop: then a restart
+        # replays the program up to that loop's resumption (see `Job.replaying`).
+        self.in_loop = True
 
     def to_json(self) -> dict[str, Any]:
         return {
             "samples_consumed": self.samples_consumed,
             "replayed_samples": self.replayed_samples,
+            "in_loop": self.in_loop,
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
         self.samples_consumed = check_int("samples_consumed", data["samples_consumed"], min=0)
         self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
+        # Absent from checkpoints written before it was recorded, all taken in loops.
+        self.in_loop = check_bool("in_loop", data.get("in_loop", True))
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +186,8 @@ class Job:
             self.goodput_fn
         )
         self._states: dict[str, State] = {}
+        # name -> the epoch a state belongs to (see `register`).
+        self._epoch_scoped: dict[str, int] = {}
         self._names: dict[str, int] = {}
         self._loaded: Checkpoint | None = self._restore(store) if store is not None else None
         self._base = self._loaded.sequence if self._loaded is not None else 0
@@ -199,6 +207,9 @@ class Job:
         self.checkpoints_written = 0
         self.state = JobState()
         self.register(self.state)
+        self._replaying = self._loaded is not None and self.state.in_loop
+        self._on_resume: list[Callable[[], None]] = []
+        self.boundaries = 0  # step boundaries passed in this process
         self.journal = journal if self.topology.rank == 0 else None
         self._count_replay()
         self.epoch = EpochState()
@@ -273,10 +284,17 @@ class Job:
         """Label of the checkpoint this job resumed from, or None for a fresh start."""
         return self._loaded.label if self._loaded is not None else None
 
-    def register(self, state: State) -> None:
-        """Add ``state`` to every checkpoint, restoring it now if the checkpoint has it."""
+    def register(self, state: State, *, epoch: int | None = None) -> None:
+        """Add ``state`` to every checkpoint, restoring it now if the checkpoint has it.
+
+        A state of an ``epoch`` (an accumulator made inside it) leaves the job, and
+        its checkpoints, once that epoch has finished: finished epochs never run
+        again, so nothing would ever restore it.
+        """
         if state.name in self._states:
             raise ValueError(f"a state named {state.name!r} is already registered")
+        if epoch is not None:
+            self._epoch_scoped[state.name] = check_int("epoch", epoch, min=0)
         self._states[state.name] = state
         if self._loaded is not None and state.name in self._loaded.entries:
             try:
@@ -361,8 +379,16 @@ class Job:
         """Save every registered state; rank 0 writes, then all replicas meet.
 
         States whose contents live partly on other replicas (accumulators) are
-        synchronised first, on every replica, in registration order.
+        synchronised first, on every replica, in registration order; the
+        reductions that adapters keep in flight (`on_drain`) are folded in before.
         """
+        for name, epoch in list(self._epoch_scoped.items()):
+            if epoch < self.epoch.finished_epochs:
+                del self._epoch_scoped[name]
+                del self._states[name]
+        for drain in self._drains:
+            drain()
+        self.state.in_loop = self.current_loader is not None
         for state in self._states.values():
             if isinstance(state, CollectiveState):
                 state.sync()
@@ -406,6 +432,7 @@ class Job:
         (``training=False``, e.g. validation) still stop and checkpoint, but count
         no step toward ``every_steps``, schedule no decision and never carry one.
         """
+        self.boundaries += 1
         if training:
             self._steps_since_checkpoint += 1
         previous = self._boundary_future
@@ -458,6 +485,31 @@ class Job:
         pending, self._boundary_future = self._boundary_future, None
         if pending is not None:
             pending.result()
+
+    # -- replay ----------------------------------------------------------------------
+    @property
+    def replaying(self) -> bool:
+        """Whether the program is re-running code that ran before the restart.
+
+        True from the restore of a checkpoint taken inside a dataloader loop until a
+        loop that is not skipped starts (`loop_resumes`): the interrupted one, since
+        every loop that finished before it in its epoch is skipped.
+        """
+        return self._replaying
+
+    def on_resume(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the replay ends (never if the job is not replaying)."""
+        if self._replaying:
+            self._on_resume.append(callback)
+
+    def loop_resumes(self) -> None:
+        """A dataloader loop that was not skipped starts: any replay ends here."""
+        if not self._replaying:
+            return
+        self._replaying = False
+        callbacks, self._on_resume = self._on_resume, []
+        for callback in callbacks:
+            callback()
 
     # -- loops ------------------------------------------------------------------------
     def enter_loader(self, loader: LoaderHelper) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from adaptdl.core.topology import Topology
 
 LOG = logging.getLogger("adaptdl.core.loader")
+_POSITION_FORMAT = 1
 T = TypeVar("T")
 
 # (epoch, index, local_bsz) -> the batches of one pass, starting at that index.
@@ -92,6 +93,8 @@ class LoaderJob(Protocol):
 
     def step_boundary(self, *, training: bool = True) -> Boundary: ...
 
+    def loop_resumes(self) -> None: ...
+
 
 class LoaderState(JsonState):
     """What a loader persists across restarts."""
@@ -100,8 +103,9 @@ class LoaderState(JsonState):
         self.name = name
         self.current_index = 0
         self.end_index = 0
-        # epoch -> position (0, 1, ...) of the last loop that finished in that epoch.
-        self.last_position: dict[int, int] = {}
+        # epoch -> position (0, 1, ...) of the last loop that finished in that epoch;
+        # None: loops run outside epoch loops.
+        self.last_position: dict[int | None, int] = {}
         self.current_local_bsz = 0
         self.accumulation_steps = 0
         self.dataset_len = 0  # of the newest loop; 0 before the first
@@ -111,7 +115,7 @@ class LoaderState(JsonState):
             "dataset_len": self.dataset_len,
             "current_index": self.current_index,
             "end_index": self.end_index,
-            "last_position": {str(k): v for k, v in self.last_position.items()},
+            "last_position": {_epoch_key(k): v for k, v in self.last_position.items()},
             "current_local_bsz": self.current_local_bsz,
             "accumulation_steps": self.accumulation_steps,
         }
@@ -120,7 +124,8 @@ class LoaderState(JsonState):
         self.current_index = check_int("current_index", data["current_index"], min=0)
         self.end_index = check_int("end_index", data["end_index"], min=0)
         self.last_position = {
-            int(k): check_int("last_position", v, min=0) for k, v in data["last_position"].items()
+            _key_epoch(k): check_int("last_position", v, min=0)
+            for k, v in data["last_position"].items()
         }
         self.current_local_bsz = check_int("current_local_bsz", data["current_local_bsz"], min=0)
         self.accumulation_steps = check_int(
@@ -128,6 +133,17 @@ class LoaderState(JsonState):
         )
         # Absent from checkpoints written before it was recorded.
         self.dataset_len = check_int("dataset_len", data.get("dataset_len", 0), min=0)
+
+
+_NO_EPOCH = "none"  # the JSON key of loops run outside epoch loops
+
+
+def _epoch_key(epoch: int | None) -> str:
+    return _NO_EPOCH if epoch is None else str(epoch)
+
+
+def _key_epoch(key: str) -> int | None:
+    return None if key == _NO_EPOCH else check_int("last_position epoch", int(key), min=0)
 
 
 class LoaderHelper:
@@ -149,9 +165,14 @@ class LoaderHelper:
         self._max_batch_size: int | None = None
         self._local_bsz_bounds: tuple[int | None, int | None] | None = None
         self._gradient_accumulation = False
-        # Loops entered so far in each epoch during this run of the program.
-        self._position: defaultdict[int, int] = defaultdict(int)
+        # Loops entered so far in each epoch (None: outside epoch loops) during this
+        # run of the program.
+        self._position: defaultdict[int | None, int] = defaultdict(int)
         self._accum_count = 0
+        self._skipped = False  # whether the loop in `context` was skipped by replay
+        self._in_flight = 0  # samples of the batch the loop has yielded and not yet counted
+        self._loop_epoch: int | None = None  # the epoch keying the running loop's passes
+        self._resume_epoch: int | None = None  # set by load_position: keys the next loop
 
     @property
     def name(self) -> str:
@@ -259,28 +280,97 @@ class LoaderHelper:
     # -- loop protocol ----------------------------------------------------------------
     @contextmanager
     def context(self) -> Iterator[None]:
-        """Enter this loader's loop; only one loop of a job may run at a time."""
-        epoch = self._require_epoch()
+        """Enter this loader's loop; only one loop of a job may run at a time.
+
+        Inside an epoch loop, loops are counted per epoch; outside one, they are
+        counted apart (the seed's rule), so that replay skips them alike.
+        """
+        epoch = self.job.epoch.current_epoch
         self.job.enter_loader(self)
+        self._skipped = False
         try:
             yield
         finally:
             self.job.exit_loader(self)
-            self._state.current_index = 0
-            self._state.last_position[epoch] = self._position[epoch]
+            if not self._skipped:
+                # A skipped loop leaves the restored position to the loop it belongs to.
+                self._state.current_index = 0
+                self._state.last_position[epoch] = self._position[epoch]
+                self._accum_count = 0
+                self._resume_epoch = None
             self._position[epoch] += 1
-            self._accum_count = 0
+            self._in_flight = 0
+            self._loop_epoch = None
 
     def skipdone(self) -> bool:
         """True when this loop already finished before a restart (replay skips it)."""
-        epoch = self._require_epoch()
+        epoch = self.job.epoch.current_epoch
         position = self._position[epoch]
         if position <= self._state.last_position.get(epoch, -1):
-            LOG.info(
-                "skipping %s loop %d of epoch %d: done before restart", self.name, position, epoch
-            )
+            where = "outside epoch loops" if epoch is None else f"of epoch {epoch}"
+            LOG.info("skipping %s loop %d %s: done before restart", self.name, position, where)
+            self._skipped = True
             return True
         return False
+
+    # -- position as a JSON-safe dict (torchdata's StatefulDataLoader protocol) ---------
+    def position(self) -> dict[str, Any]:
+        """Where this loader's loop stands, as a JSON-safe dict for `load_position`.
+
+        Taken between batches of a loop, it counts the batch the loop last yielded
+        as consumed; taken outside a loop, it describes the loop that the next
+        iteration starts (fresh, or resumed after `load_position` or a restore).
+        Only the position: which loops finished is the job's checkpoint's business.
+        """
+        in_loop = self.job.current_loader is self
+        accum_count = 0
+        if in_loop and self._in_flight:  # the yielded micro-batch counts as done
+            accum_count = 0 if self.is_optim_step() else self._accum_count + 1
+        return {
+            "format": _POSITION_FORMAT,
+            "index": self._state.current_index + (self._in_flight if in_loop else 0),
+            "epoch": self._loop_epoch if in_loop else self._resume_epoch,
+            "local_bsz": self._state.current_local_bsz,
+            "accumulation_steps": self._state.accumulation_steps,
+            "accum_count": accum_count,
+            "dataset_len": self._state.dataset_len,
+            "end_index": self._state.end_index,
+        }
+
+    def load_position(self, position: Mapping[str, Any]) -> None:
+        """Make the next loop of this loader resume where ``position`` stands.
+
+        The resumed loop walks the passes of the epoch it was taken in, from the
+        sample after the last one counted, so that every sample of the pass is
+        consumed once. Raises RuntimeError inside this loader's loop, ValueError
+        for a dict `position` did not make.
+        """
+        if self.job.current_loader is self:
+            raise RuntimeError(f"{self.name}: load_state_dict() inside its own loop")
+        if not isinstance(position, Mapping) or position.get("format") != _POSITION_FORMAT:
+            raise ValueError(
+                f"state_dict must be a dict made by state_dict() (format {_POSITION_FORMAT}), "
+                f"got {position!r:.80}"
+            )
+        try:
+            index = check_int("index", position["index"], min=0)
+            epoch = position["epoch"]
+            if epoch is not None:
+                epoch = check_int("epoch", epoch, min=0)
+            values = {
+                key: check_int(key, position[key], min=0)
+                for key in ("local_bsz", "accumulation_steps", "accum_count", "dataset_len")
+            }
+            end_index = check_int("end_index", position["end_index"], min=0)
+        except KeyError as exc:
+            raise ValueError(f"state_dict lacks {exc}: make it with state_dict()") from None
+        self._state.current_index = index
+        self._state.current_local_bsz = values["local_bsz"]
+        self._state.accumulation_steps = values["accumulation_steps"]
+        self._state.dataset_len = values["dataset_len"]
+        self._state.end_index = end_index
+        self._accum_count = values["accum_count"]
+        self._resume_epoch = epoch if index > 0 else None
 
     def sync_local_bsz(self) -> int:
         """Choose (local_bsz, accum_steps) for the replicas the job has, the same on all.
@@ -335,24 +425,43 @@ class LoaderHelper:
             )
         self._accum_count = 0 if self.is_optim_step() else self._accum_count + 1
 
-    def iterate(self, dataset_len: int, batches: BatchesFn[T]) -> Iterator[T]:
+    def iterate(
+        self, dataset_len: int, batches: BatchesFn[T], *, free_epoch: int = 0
+    ) -> Iterator[T]:
         """Drive one loop: yield the batches that ``batches`` makes, pass after pass.
 
-        Raises RuntimeError outside an epoch loop or while another loop runs. At
-        each optimiser-step boundary the job's stop flag is checked; when set, the
-        job checkpoints and raises `Preempted`.
+        Inside an epoch loop the epoch keys the passes' permutations; outside one
+        (the seed allows it, e.g. a test pass after training), ``free_epoch`` does
+        (an adaptive loop then stops after one pass). Raises RuntimeError while
+        another loop runs. At each optimiser-step boundary the job's stop flag is
+        checked; when set, the job checkpoints and raises `Preempted`.
         """
         n = check_int("dataset length", dataset_len, min=1)
-        epoch = self._require_epoch()
+        check_int("free_epoch", free_epoch, min=0)
+        job_epoch = self.job.epoch.current_epoch
         self._check_dataset_len(n)
+        resume_epoch, accum_count = self._resume_epoch, self._accum_count
         with self.context():
             if self.skipdone():
                 return
+            self.job.loop_resumes()
+            epoch = job_epoch if job_epoch is not None else free_epoch
+            if resume_epoch is not None and resume_epoch != epoch:
+                LOG.warning(
+                    "%s resumes a loop of epoch %d in epoch %d: it finishes the pass it was "
+                    "saved in",
+                    self.name,
+                    resume_epoch,
+                    epoch,
+                )
+                epoch = resume_epoch
+            self._loop_epoch = epoch
+            self._accum_count = accum_count
             replicas = self.job.topology.num_replicas
             # Checked first too: a restart may land exactly where the loop had ended.
             decided = False  # whether (local_bsz, accum) was just decided mid-pass
             local_bsz, progress, steps = 0, 0.0, 0
-            while not self._finished(n, epoch):
+            while not self._finished(n, job_epoch):
                 if not decided:  # a pass starts
                     local_bsz = self.sync_local_bsz()
                     progress, steps = self.job.metrics.progress, 0
@@ -362,8 +471,10 @@ class LoaderHelper:
                     # The pass's last batch may be short: count only real positions.
                     step = min(replicas * local_bsz, (index // n + 1) * n - index)
                     self.job.taking_samples(step)
+                    self._in_flight = step
                     with self.profile(self.training and i >= 1):
                         yield batch
+                    self._in_flight = 0
                     self._state.current_index = index + step
                     self.job.count_samples(step)
                     if self._accum_count == 0:
@@ -372,7 +483,7 @@ class LoaderHelper:
                         boundary = self.job.step_boundary(
                             training=self.job.training_loader in (None, self)
                         )
-                        if self._max_batch_size is not None and self._finished(n, epoch):
+                        if self._max_batch_size is not None and self._finished(n, job_epoch):
                             break
                         if boundary.redecide and self._redecided():
                             # Go on from the current index with the new batch size.
@@ -384,7 +495,7 @@ class LoaderHelper:
                         self._max_batch_size is not None
                         and steps > 0
                         and self.job.metrics.progress == progress
-                        and not self._finished(n, epoch)
+                        and not self._finished(n, job_epoch)
                     ):
                         raise RuntimeError(
                             f"{self.name}: a whole pass with adaptive batch size made no "
@@ -424,11 +535,12 @@ class LoaderHelper:
             )
         self._state.dataset_len = n
 
-    def _finished(self, n: int, epoch: int) -> bool:
-        """One pass without adaptive batch size; with it, one pass's worth of progress,
-        after one whole pass at least, at an optimiser-step boundary."""
+    def _finished(self, n: int, epoch: int | None) -> bool:
+        """One pass without adaptive batch size or outside epoch loops; with it, one
+        pass's worth of progress, after one whole pass at least, at an optimiser-step
+        boundary."""
         walked = self._state.current_index >= n
-        if self._max_batch_size is None:
+        if self._max_batch_size is None or epoch is None:
             return walked
         # The target is cumulative, so progress credited beyond one epoch's target
         # (a step's gain is up to its scale, and a step cut short by the end of a
@@ -440,15 +552,6 @@ class LoaderHelper:
             and self._accum_count == 0
             and self.job.metrics.progress >= n * (epoch + 1) / self.batch_size
         )
-
-    def _require_epoch(self) -> int:
-        epoch = self.job.epoch.current_epoch
-        if epoch is None:
-            raise RuntimeError(
-                f"{self.name} iterated outside an epoch loop: iterate inside "
-                "`for epoch in remaining_epochs_until(N):`"
-            )
-        return epoch
 
 
 def _check_bounds(

@@ -28,6 +28,7 @@ class MetricsState(JsonState):
         self.gns: GradientNoiseScale | None = None
         self.progress = 0.0
         self.profiler = Profiler()
+        self._credited_step: int | None = None  # not saved: step counts restart with the process
 
     def ensure_gns(self, init_batch_size: int, num_groups: int = 1) -> GradientNoiseScale:
         """The gradient-noise estimator for this shape, made anew if needed."""
@@ -37,9 +38,19 @@ class MetricsState(JsonState):
             self.gns = gns
         return gns
 
-    def add_progress(self, gain: float) -> None:
-        """Add one optimiser step worth ``gain`` initial-batch steps (> 0) to the progress."""
-        self.progress += check_float("gain", gain, min=0.0, min_exclusive=True)
+    def add_progress(self, gain: float, *, step: int | None = None) -> None:
+        """Add one optimiser step worth ``gain`` initial-batch steps (> 0) to the progress.
+
+        ``step`` names the job's step (its count of step boundaries): a job that
+        trains several models (a GAN) steps each model's optimiser once per batch,
+        and that batch is one step of progress, credited at its first commit.
+        """
+        gain = check_float("gain", gain, min=0.0, min_exclusive=True)
+        if step is not None:
+            if step == self._credited_step:
+                return
+            self._credited_step = step
+        self.progress += gain
 
     def grad_params(self) -> GradParams | None:
         return self.gns.grad_params() if self.gns is not None else None

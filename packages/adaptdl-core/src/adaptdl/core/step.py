@@ -249,9 +249,13 @@ class StepStatistics:
             return None
         return decide(gns, self.metrics.progress, batch_size, rule, num_groups)
 
-    def commit(self, decision: StepDecision) -> None:
-        """Record that the step of ``decision`` was taken: add its gain to the progress."""
-        self.metrics.add_progress(decision.gain)
+    def commit(self, decision: StepDecision, *, step: int | None = None) -> None:
+        """Record that the step of ``decision`` was taken: add its gain to the progress.
+
+        ``step``: the job's step this is, so that a second model stepped in the same
+        batch adds no second step of progress (`MetricsState.add_progress`).
+        """
+        self.metrics.add_progress(decision.gain, step=step)
 
     def step(
         self,

@@ -17,6 +17,7 @@ from adaptdl.torch.data import (
 )
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.state import register_state
 
 __all__ = [
     "Accumulator",
@@ -29,6 +30,7 @@ __all__ = [
     "finished_epochs",
     "init_process_group",
     "is_initialized",
+    "register_state",
     "remaining_epochs_until",
 ]
 

@@ -23,6 +23,7 @@ from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.storage import LocalStorage, Storage
 from adaptdl.torch.collective import TorchCollective
+from adaptdl.torch.rng import RngState
 
 __all__ = ["current_job", "init_process_group", "is_initialized"]
 
@@ -33,6 +34,7 @@ _gloo_group: Any = None
 _owns_process_group = False
 _previous_handler: Any = None
 _locked: LocalStorage | None = None  # the checkpoint directory rank 0 holds for the job
+_implicit_backend: str | None = None  # set when current_job() initialised the job itself
 
 
 def is_initialized() -> bool:
@@ -66,12 +68,18 @@ def init_process_group(
     `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
     replica checkpoint at the next optimiser step and exit with status 143.
 
-    Raises RuntimeError when called twice, and ValueError for an unknown backend or
-    inconsistent environment variables.
+    When an adaptdl.torch object made before this call (an `AdaptiveDataLoader`,
+    the seed tutorial's order) already initialised the job with the default
+    backend, this call only checks that it asks for nothing else.
+
+    Raises RuntimeError when called twice (or, after an implicit initialisation,
+    with another backend or any other argument), and ValueError for an unknown
+    backend or inconsistent environment variables.
     """
     global _job, _gloo_group, _owns_process_group, _locked
     if _job is not None:
-        raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
+        _accept_after_implicit(backend, timeout, init_method, storage)
+        return
     config = JobConfig.from_env(os.environ)  # the one read of the environment
     topology = config.topology
     if timeout is None:
@@ -123,6 +131,7 @@ def init_process_group(
             _locked.unlock()
             _locked = None
         raise
+    _job.register(RngState(_job))
     if _job.restored_from is not None:
         LOG.info(
             "rank %d of %d resumed from checkpoint %s (restart %d)",
@@ -132,6 +141,30 @@ def init_process_group(
             topology.num_restarts,
         )
     _install_signal_handler()
+
+
+def _accept_after_implicit(
+    backend: str | None,
+    timeout: timedelta | None,
+    init_method: str | None,
+    storage: Storage | None,
+) -> None:
+    """Accept an explicit call that repeats what the implicit initialisation did."""
+    global _implicit_backend
+    implicit = _implicit_backend
+    if implicit is None:
+        raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
+    given = {"timeout": timeout, "init_method": init_method, "storage": storage}
+    extra = [name for name, value in given.items() if value is not None]
+    if (backend is not None and backend != implicit) or extra:
+        asked = f"backend={backend!r}" if not extra else ", ".join(extra)
+        raise RuntimeError(
+            f"adaptdl.torch.init_process_group({asked}) comes after an adaptdl.torch object "
+            f"(e.g. an AdaptiveDataLoader) initialised the job with backend={implicit!r} and "
+            "default settings: call init_process_group before making adaptdl.torch objects"
+        )
+    _implicit_backend = None  # now explicitly initialised: a further call is an error
+    LOG.info("adaptdl.torch.init_process_group(%r): already initialised with it", implicit)
 
 
 def _init_default_group(
@@ -172,7 +205,8 @@ def _init_default_group(
     if topology.num_replicas != 1:
         raise RuntimeError(
             f"{topology.num_replicas} replicas requested but no rendezvous is configured "
-            "(MASTER_ADDR is unset): launch with torchrun, or pass init_method"
+            "(MASTER_ADDR is unset): launch with torchrun, or pass init_method to "
+            "adaptdl.torch.init_process_group()"
         )
     # One replica without a launcher: a process group of one over an in-process store.
     store = dist.HashStore()  # type: ignore[attr-defined]
@@ -194,27 +228,25 @@ def _install_signal_handler() -> None:
 
 
 def current_job() -> Job:
-    """The process's job; initialises a one-replica job when none exists yet.
+    """The process's job; initialises it (`init_process_group` with its defaults) if needed.
 
-    Raises RuntimeError when the environment describes several replicas but
-    `init_process_group` was not called.
+    A later explicit `init_process_group` asking for the same is accepted (the seed
+    tutorial makes its loaders first). Raises RuntimeError when the environment
+    describes several replicas but no rendezvous (torchrun's) is configured.
     """
+    global _implicit_backend
     if _job is None:
-        topology = JobConfig.from_env(os.environ).topology
-        if topology.num_replicas > 1 and not dist.is_initialized():
-            raise RuntimeError(
-                "call adaptdl.torch.init_process_group() before creating adaptdl.torch "
-                f"objects: this process is one of {topology.num_replicas} replicas"
-            )
-        LOG.info("adaptdl.torch.init_process_group() not called: initialising it now")
+        LOG.info("adaptdl.torch.init_process_group() not called yet: initialising it now")
         init_process_group()
+        _implicit_backend = dist.get_backend()
     assert _job is not None
     return _job
 
 
 def _reset() -> None:
     """Forget the default job and tear down what `init_process_group` set up (for tests)."""
-    global _job, _gloo_group, _owns_process_group, _previous_handler, _locked
+    global _job, _gloo_group, _owns_process_group, _previous_handler, _locked, _implicit_backend
+    _implicit_backend = None
     if _locked is not None:
         _locked.unlock()
         _locked = None

@@ -42,21 +42,58 @@ def current_dataloader() -> LoaderHelper | None:
     return current_job().current_loader
 
 
+class _Count:
+    """An int attribute >= ``least``, checked when assigned (ValueError otherwise)."""
+
+    def __init__(self, least: int, doc: str) -> None:
+        self.least = least
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else obj.__dict__[self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < self.least:
+            raise ValueError(f"{self.name} must be an int >= {self.least}, got {value!r}")
+        obj.__dict__[self.name] = value
+
+
 class ElasticSampler(Sampler[int]):
     """This replica's indices of a dataset, for a set epoch, from a set global index.
 
     Every replica derives the same permutation of the epoch (when ``shuffle``) and
     reads its own share of positions ``[index, len(dataset))`` of it, so that after a
     restart at any number of replicas, sampling continues where it left off.
+
+    ``num_replicas`` and ``rank`` (default: the job's) are public attributes, as on
+    torch's ``DistributedSampler``: assigning them changes which share is read.
     """
 
-    def __init__(self, dataset: Dataset[Any], shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        shuffle: bool = True,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
         if not isinstance(shuffle, bool):
             raise ValueError(f"shuffle must be a bool, got {shuffle!r}")
         self.dataset = dataset
         self.shuffle = shuffle
         self.epoch = 0
         self.index = 0
+        if num_replicas is None or rank is None:
+            topology = current_job().topology
+            num_replicas = topology.num_replicas if num_replicas is None else num_replicas
+            rank = topology.rank if rank is None else rank
+        self.num_replicas = num_replicas
+        self.rank = rank
+
+    num_replicas = _Count(1, "How many replicas share each pass (int >= 1).")
+    rank = _Count(0, "Which replica's share this sampler reads (int in [0, num_replicas)).")
 
     def set_epoch(self, epoch: int, index: int = 0) -> None:
         """Sample epoch ``epoch`` starting at global index ``index`` (e.g. after a restart)."""
@@ -67,12 +104,16 @@ class ElasticSampler(Sampler[int]):
         self.index = index
 
     def _shard(self) -> Shard:
-        topology = current_job().topology
+        if self.rank >= self.num_replicas:
+            raise ValueError(
+                f"ElasticSampler.rank must be in [0, {self.num_replicas - 1}] for "
+                f"num_replicas={self.num_replicas}, got {self.rank}"
+            )
         return Shard(
             len(self.dataset),  # type: ignore[arg-type]
             self.index,
-            topology.num_replicas,
-            topology.rank,
+            self.num_replicas,
+            self.rank,
             seed=SHUFFLE_SEED,
             epoch=self.epoch,
             shuffle=self.shuffle,
@@ -136,6 +177,24 @@ class AdaptiveDataLoaderMixin:
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
         """Write batch-size metrics to a ``torch.utils.tensorboard.SummaryWriter``."""
         self._elastic.to_tensorboard(writer, global_step, tag_prefix)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop position as a JSON-safe dict (torchdata's ``StatefulDataLoader`` protocol).
+
+        Taken between batches it counts the batch just yielded as consumed, so that
+        `load_state_dict` before the next iteration resumes with the next one:
+        every sample of the pass once. Lets torch.distributed.checkpoint, Lightning
+        or Accelerate hold the loader; the job's own checkpoint needs none of it.
+        """
+        return self._elastic.position()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the next iteration where `state_dict` (from `state_dict`) stands.
+
+        Raises ValueError for a dict that `state_dict` did not make and
+        RuntimeError inside this loader's own loop.
+        """
+        self._elastic.load_position(state_dict)
 
 
 def _first_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -239,6 +298,13 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
             yield from helper.iterate(len(self.dataset), self._sharded_batches(rank))
             return
         sampler: ElasticSampler = self.sampler  # type: ignore[assignment]
+        topology = helper.job.topology
+        if (sampler.num_replicas, sampler.rank) != (topology.num_replicas, topology.rank):
+            raise ValueError(
+                f"this loader's sampler was set to rank {sampler.rank} of "
+                f"{sampler.num_replicas} replicas but the job has rank {topology.rank} of "
+                f"{topology.num_replicas}: an AdaptiveDataLoader reads the job's share"
+            )
 
         def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
             sampler.set_epoch(epoch, index)
@@ -247,7 +313,18 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
                 self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
             return DataLoader.__iter__(self)
 
-        yield from helper.iterate(len(sampler.dataset), batches)  # type: ignore[arg-type]
+        # Outside epoch loops the epoch the program set on the sampler (set_epoch, as
+        # for DistributedSampler; 0 by default) keys the order. The loop's own settings
+        # are undone after it, so that a replayed program sets the same again.
+        free_epoch = sampler.epoch
+        try:
+            yield from helper.iterate(
+                len(sampler.dataset),  # type: ignore[arg-type]
+                batches,
+                free_epoch=free_epoch,
+            )
+        finally:
+            sampler.set_epoch(free_epoch)
 
     def _sharded_batches(self, rank: int) -> Callable[[int, int, int], Iterator[Any]]:
         stream: ShardedStream = self.dataset  # type: ignore[assignment]

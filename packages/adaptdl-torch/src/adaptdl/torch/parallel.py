@@ -59,6 +59,32 @@ def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.double() for n in norms]).square().sum().cpu()
 
 
+class _Gain(float):
+    """A float that may also be called for its own value (``gain`` was once a method)."""
+
+    def __call__(self) -> float:
+        return float(self)
+
+
+def _check_mp_scaler(mp_scaler: Any) -> None:
+    """TypeError unless ``mp_scaler`` is None or a GradScaler (or quacks like one)."""
+    if mp_scaler is None or isinstance(mp_scaler, torch.amp.GradScaler):
+        return
+    needed = ("scale", "unscale_", "step", "update", "get_scale", "is_enabled", "state_dict")
+    if all(callable(getattr(mp_scaler, attr, None)) for attr in needed):
+        return
+    hint = (
+        f"; to name the model, pass name={mp_scaler!r} by keyword (the fourth positional "
+        "argument is mp_scaler)"
+        if isinstance(mp_scaler, str)
+        else ""
+    )
+    raise TypeError(
+        f"mp_scaler must be a torch.amp.GradScaler or None, got {mp_scaler!r} "
+        f"({type(mp_scaler).__name__}){hint}"
+    )
+
+
 class AdaptiveDataParallel(DistributedDataParallel):
     """A DistributedDataParallel that adapts to the job's batch size and survives restarts.
 
@@ -84,6 +110,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        _check_mp_scaler(mp_scaler)
         if scaling_rule is not None and not isinstance(scaling_rule, ScalingRuleBase):
             raise ValueError(
                 "scaling_rule must be one of adaptdl.torch.scaling_rules (AdaScale, AdamScale, "
@@ -333,7 +360,8 @@ class AdaptiveDataParallel(DistributedDataParallel):
         finally:
             for group, lr in zip(groups, base, strict=True):
                 group["lr"] = lr
-        self._steps.commit(decision)
+        # One step of progress per batch, however many models the job steps in it.
+        self._steps.commit(decision, step=job.boundaries)
         self.last_lr_factor = decision.lr_factors[0]
         self.last_gain = decision.gain
         return result
@@ -362,18 +390,23 @@ class AdaptiveDataParallel(DistributedDataParallel):
         """Scale-invariant progress: optimiser steps, each weighted by its gain."""
         return self._job.metrics.progress
 
+    @property
     def gain(self) -> float:
-        """The AdaScale gain at the current loader's batch size (1 before any estimate)."""
+        """The AdaScale gain at the current loader's batch size (1 before any estimate).
+
+        A property, as in the seed; calling it (``model.gain()``, this package's
+        earlier form) still works and gives the same number.
+        """
         gns = self.gns
         loader = self._job.current_loader or self._job.training_loader
         if gns is None or loader is None or loader.current_local_bsz == 0:
-            return 1.0
-        return gns.gain(loader.current_batch_size / gns.init_batch_size)
+            return _Gain(1.0)
+        return _Gain(gns.gain(loader.current_batch_size / gns.init_batch_size))
 
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
         """Write gain, gradient statistics, progress and goodput to a SummaryWriter."""
         prefix = f"{tag_prefix}/" if tag_prefix and not tag_prefix.endswith("/") else tag_prefix
-        writer.add_scalar(f"{prefix}Gradient/gain", self.gain(), global_step)
+        writer.add_scalar(f"{prefix}Gradient/gain", float(self.gain), global_step)
         writer.add_scalar(f"{prefix}Gradient/lr_factor", self.last_lr_factor, global_step)
         writer.add_scalar(f"{prefix}Gradient/progress", self.progress, global_step)
         gns = self.gns
