@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +163,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def load(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]) -> None:
+def load(state_dict: dict[str, Any], directory: str | os.PathLike[str]) -> None:
     """``torch.distributed.checkpoint.load`` of ``directory`` into ``state_dict``, safely.
 
     Collective over the default process group. The metadata is read first by
@@ -173,7 +172,7 @@ def load(state_dict: Mapping[str, Any], directory: str | os.PathLike[str]) -> No
     """
     read_metadata(Path(directory) / METADATA_FILE)
     dcp_load(
-        dict(state_dict),
+        state_dict,
         storage_reader=SafeFileSystemReader(directory),
         planner=SafeLoadPlanner(),
     )
