@@ -18,17 +18,17 @@ import os
 import sys
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-import torch.distributed as dist
 from adaptdl.torch import _context
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.scaling_rules import AdaScale
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 N = 64

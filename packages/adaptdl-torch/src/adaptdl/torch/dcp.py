@@ -41,6 +41,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "METADATA_FILE",
     "MetadataUnpickler",
+    "RefusedGlobal",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "load",
@@ -83,18 +84,22 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 _DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
 
 
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle named a global that :class:`MetadataUnpickler` does not admit."""
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only :data:`ALLOWED_GLOBALS` and torch's dtypes.
 
     Any other global (``os.system``, ``builtins.eval``, a class with a
-    ``__reduce__``) raises :class:`pickle.UnpicklingError` naming it, before
-    anything is called; so do persistent ids.
+    ``__reduce__``) raises :class:`RefusedGlobal` naming it, before anything is
+    called; persistent ids raise :class:`pickle.UnpicklingError`.
     """
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED_GLOBALS or (module == "torch" and name in _DTYPES):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+        raise RefusedGlobal(f"refused global {module}.{name}")
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
@@ -115,7 +120,7 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
         raise CheckpointError(f"DCP metadata '{path}' is larger than {MAX_METADATA_BYTES} bytes")
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
+    except RefusedGlobal as exc:
         raise CheckpointError(
             f"DCP metadata '{path}' was refused: {exc}; a DCP metadata file holds only DCP's "
             "own metadata types, so this one is damaged or crafted to run code. Remove it."

@@ -1,0 +1,263 @@
+"""AdaptiveFSDP and sharded checkpoints (issue 15): statistics equal to DDP's, checkpoints
+resharded at another world size, and DCP metadata that would run code refused unrun."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import TensorDataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.core import checkpoint as core_checkpoint
+from adaptdl.core.checkpoint import MANIFEST, CheckpointError
+from adaptdl.core.collective import decode, encode
+from adaptdl.core.shardedfiles import FILES_ENTRY
+from adaptdl.torch import _context
+from adaptdl.torch.dcp import SafeLoadPlanner, read_metadata
+from adaptdl.torch.fsdp import AdaptiveFSDP
+from adaptdl.torch.launch import torchrun_command
+from adaptdl.torch.scaling_rules import AdamScale
+
+SCRIPT = Path(__file__).with_name("fsdp_replicas.py")
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+# --------------------------------------------------------------------- metadata, unit
+
+
+def test_a_metadata_file_with_a_reduce_payload_is_refused_unrun(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata.*refused global posix\.system"):
+        read_metadata(path)
+    assert not marker.exists()
+
+
+def test_a_payload_nested_inside_real_metadata_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata({}, planner_data=Payload(marker))))
+    with pytest.raises(CheckpointError, match=r"refused global posix\.system"):
+        read_metadata(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (pickle.dumps({"not": "metadata"}), "holds a dict"),
+        (pickle.dumps(Metadata({}))[:-5], "cannot be read"),
+        (pickle.dumps(eval), r"refused global builtins\.eval"),
+    ],
+)
+def test_other_bad_metadata_is_a_checkpoint_error(
+    tmp_path: Path, data: bytes, problem: str
+) -> None:
+    path = tmp_path / ".metadata"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=problem):
+        read_metadata(path)
+
+
+def test_a_symlinked_metadata_file_is_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "real").write_bytes(pickle.dumps(Metadata({})))
+    (tmp_path / ".metadata").symlink_to(tmp_path / "real")
+    with pytest.raises(CheckpointError, match="missing or unreadable"):
+        read_metadata(tmp_path / ".metadata")
+
+
+def test_non_tensor_values_load_with_weights_only(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    planner = SafeLoadPlanner()
+    planner.set_up_planner({"lr": 0.0}, Metadata({}), is_coordinator=True)
+    item = ReadItem(
+        LoadItemType.BYTE_IO,
+        MetadataIndex("lr"),
+        torch.Size(),
+        MetadataIndex("lr"),
+        torch.Size(),
+        torch.Size(),
+    )
+    buffer = io.BytesIO()
+    torch.save(0.25, buffer)
+    buffer.seek(0)
+    planner.load_bytes(item, buffer)
+    assert planner.original_state_dict == {"lr": 0.25}
+    buffer = io.BytesIO(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        planner.load_bytes(item, buffer)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------- one replica, in process
+
+
+def data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, generator=gen)
+    return TensorDataset(torch.arange(24), x, x.sum(1, keepdim=True))
+
+
+def build() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, AdaptiveFSDP]:
+    adl.init_process_group("gloo")
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return loader, model, optimizer, AdaptiveFSDP(model, optimizer)
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+
+
+def test_bad_arguments_are_refused() -> None:
+    adl.init_process_group("gloo")
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="fully_shard"):
+        AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1))
+    fully_shard(plain)
+    with pytest.raises(ValueError, match="AdamScale"):
+        AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1), scaling_rule=AdamScale())
+
+
+def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ck"))
+    loader, model, optimizer, wrapped = build()
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+    assert wrapped.gns is not None and wrapped.progress > 0
+    _context.current_job().checkpoint()
+    saved = full_params(model)
+    _context._reset()
+    return saved
+
+
+def test_a_restart_restores_the_sharded_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = checkpoint_one(tmp_path, monkeypatch)
+    _, model, optimizer, _ = build()
+    assert _context.current_job().restored_from == "ckpt-000001"
+    for a, b in zip(full_params(model), saved, strict=True):
+        assert torch.equal(a, b)
+    assert all(s["step"] > 0 for s in optimizer.state.values())
+
+
+def _rewrite(checkpoint: Path, file: str, data: bytes) -> None:
+    """Replace ``file`` and re-hash the listing and the manifest, as an attacker would."""
+    (checkpoint / file).write_bytes(data)
+    manifest = decode((checkpoint / MANIFEST).read_bytes())
+    record = manifest["entries"][FILES_ENTRY]
+    listing = decode((checkpoint / record["file"]).read_bytes())
+    state, name = file.split("/")
+    listing["files"][state][name] = [len(data), hashlib.sha256(data).hexdigest()]
+    raw = encode(listing)
+    (checkpoint / record["file"]).write_bytes(raw)
+    record.update(size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    del manifest["digest"]
+    manifest["digest"] = core_checkpoint._digest(manifest)
+    (checkpoint / MANIFEST).write_bytes(encode(manifest))
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint_one(tmp_path, monkeypatch)
+    marker = tmp_path / "ran"
+    _rewrite(
+        tmp_path / "ck" / "ckpt-000001", "adaptdl-fsdp/.metadata", pickle.dumps(Payload(marker))
+    )
+    with pytest.raises(CheckpointError, match=r"\.metadata.*refused global posix\.system"):
+        build()
+    assert not marker.exists()
+
+
+def test_a_damaged_shard_is_detected_and_never_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint_one(tmp_path, monkeypatch)
+    shard = tmp_path / "ck" / "ckpt-000001" / "adaptdl-fsdp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
+        build()
+
+
+# --------------------------------------------------------------------- torchrun
+
+
+def torchrun(mode: str, nproc: int, out: Path, **env: str) -> None:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    command = torchrun_command(SCRIPT, nproc, args=[mode, str(out)])
+    done = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def results(out: Path, mode: str, rank: int = 0) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((out / f"{mode}-rank{rank}.json").read_text())
+    return loaded
+
+
+@pytest.mark.e2e
+def test_noise_statistics_under_fsdp2_equal_those_under_ddp(tmp_path: Path) -> None:
+    torchrun("ddp", 2, tmp_path)
+    torchrun("fsdp", 2, tmp_path)
+    ddp, fsdp = results(tmp_path, "ddp"), results(tmp_path, "fsdp")
+    assert fsdp["updates"] == ddp["updates"] > 0
+    assert fsdp["progress"] == pytest.approx(ddp["progress"], rel=1e-6)
+    for key in ("sqr", "var"):
+        assert len(fsdp[key]) == 2  # per parameter group
+        assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5), key
+    for a, b in zip(fsdp["params"], ddp["params"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert results(tmp_path, "fsdp", 1)["sqr"] == fsdp["sqr"]
+
+
+@pytest.mark.e2e
+def test_bf16_fsdp2_measures_finite_statistics(tmp_path: Path) -> None:
+    torchrun("fsdp", 2, tmp_path, FSDP_BF16="1")
+    fsdp = results(tmp_path, "fsdp")
+    assert fsdp["updates"] > 0 and all(v > 0 for v in fsdp["sqr"] + fsdp["var"])
+
+
+@pytest.mark.e2e
+def test_a_sharded_checkpoint_of_2_replicas_restores_resharded_on_3(tmp_path: Path) -> None:
+    env = {"ADAPTDL_CHECKPOINT_PATH": str(tmp_path / "ck")}
+    torchrun("save", 2, tmp_path, **env)
+    files = sorted(os.listdir(tmp_path / "ck" / "ckpt-000001" / "adaptdl-fsdp"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one per replica
+    torchrun("load", 3, tmp_path, **env)
+    saved = results(tmp_path, "save")
+    for rank in range(3):
+        loaded = results(tmp_path, "load", rank)
+        assert loaded["restored"] == "ckpt-000001"
+        assert loaded["model"] == saved["model"]
+        assert loaded["optim"] == saved["optim"] and saved["optim"]
+        assert loaded["lr"] == saved["lr"] == [0.005]
