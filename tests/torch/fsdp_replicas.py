@@ -108,7 +108,7 @@ def checkpointed() -> None:
     net = shard(model())
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    wrapped = AdaptiveFSDP(net, optimizer, scheduler)
+    wrapped = AdaptiveFSDP(net, optimizer, lr_scheduler=scheduler)
     if MODE == "save":
         for _ in adl.remaining_epochs_until(1):
             for _idx, x, y in loader:

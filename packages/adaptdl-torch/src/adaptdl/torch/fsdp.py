@@ -57,9 +57,10 @@ class AdaptiveFSDP(AdaptiveSteps):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        *,
+        scaling_rule: ScalingRuleBase | None = None,
         lr_scheduler: Any = None,
         mp_scaler: Any = None,
-        scaling_rule: ScalingRuleBase | None = None,
         name: str = "adaptdl-fsdp",
     ) -> None:
         check_arguments(optimizer, scaling_rule)
