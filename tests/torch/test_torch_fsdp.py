@@ -3,6 +3,7 @@ resharded at another world size, and DCP metadata that would run code refused un
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -28,7 +29,7 @@ from adaptdl.torch import _context
 from adaptdl.torch.dcp import SafeLoadPlanner, read_metadata
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.launch import torchrun_command
-from adaptdl.torch.scaling_rules import AdamScale
+from adaptdl.torch.scaling_rules import AdamScale, LinearScale
 
 SCRIPT = Path(__file__).with_name("fsdp_replicas.py")
 
@@ -114,15 +115,17 @@ def test_non_tensor_values_load_with_weights_only(tmp_path: Path) -> None:
 # --------------------------------------------------------------------- one replica, in process
 
 
-def data() -> TensorDataset:
+def data(n: int = 24) -> TensorDataset:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(24, 3, generator=gen)
-    return TensorDataset(torch.arange(24), x, x.sum(1, keepdim=True))
+    x = torch.randn(n, 3, generator=gen)
+    return TensorDataset(torch.arange(n), x, x.sum(1, keepdim=True))
 
 
-def build() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, AdaptiveFSDP]:
-    adl.init_process_group("gloo")
-    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+def build(with_loader: bool = True) -> tuple[Any, torch.nn.Module, Any, AdaptiveFSDP]:
+    loader = None
+    if with_loader:
+        adl.init_process_group("gloo")
+        loader = adl.AdaptiveDataLoader(data(), batch_size=4)
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     fully_shard(model[0])
@@ -143,6 +146,61 @@ def test_bad_arguments_are_refused() -> None:
     fully_shard(plain)
     with pytest.raises(ValueError, match="AdamScale"):
         AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1), scaling_rule=AdamScale())
+
+
+def test_accumulated_micro_batches_take_one_full_batch_step() -> None:
+    adl.init_process_group("gloo")
+    dataset = data(32)
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=16)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    reference = copy.deepcopy(model)
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = AdaptiveFSDP(model, optimizer, scaling_rule=LinearScale())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    steps, batch = 0, []
+    for _ in adl.remaining_epochs_until(1):
+        for idx, x, y in loader:
+            batch.append(idx)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+            helper = adl.current_dataloader()
+            if helper is not None and helper.is_optim_step():
+                steps += 1
+                i = torch.cat(batch)
+                batch = []
+                ref_opt.zero_grad()
+                torch.nn.functional.mse_loss(reference(dataset[i][1]), dataset[i][2]).backward()
+                ref_opt.step()
+                for p, q in zip(full_params(model), reference.parameters(), strict=True):
+                    torch.testing.assert_close(p, q.detach())
+    assert steps == 2
+    assert wrapped.gns is not None and wrapped.gns.num_updates == 2
+
+
+def test_gradients_of_a_loop_left_mid_accumulation_belong_to_no_step() -> None:
+    adl.init_process_group("gloo")
+    loader = adl.AdaptiveDataLoader(data(32), batch_size=16)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    _, _, optimizer, wrapped = build(with_loader=False)
+    for epoch in adl.remaining_epochs_until(2):
+        for i, (_, x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            if epoch == 1:  # the new loop starts from clean gradients, unsharded ones too
+                assert wrapped._unsharded and all(p.grad is None for p in wrapped._unsharded)
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+            if epoch == 0 and i == 1:
+                assert any(p.grad is not None for p in wrapped._unsharded)
+                break  # two micro-batches accumulated, unreduced
+            if epoch == 1:
+                break
 
 
 def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:

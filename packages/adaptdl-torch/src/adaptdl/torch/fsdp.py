@@ -88,6 +88,7 @@ class AdaptiveFSDP(AdaptiveSteps):
             if id(p) in in_optimizer
         }
         self._hooked: set[int] = set()
+        self._unsharded: list[torch.Tensor] = []
         # Registered before the optimiser is patched: restoring may initialise its state.
         job.register(ShardedState(name, model, optimizer))
         job.register(
@@ -126,6 +127,19 @@ class AdaptiveFSDP(AdaptiveSteps):
                 continue
             param.register_hook(functools.partial(self._grad_hook, group, param))  # type: ignore[no-untyped-call]
             self._hooked.add(id(param))
+            self._unsharded.append(param)
+
+    def _drop_local_gradients(self) -> None:
+        # Accumulation without synchronisation leaves the gradients on the unsharded
+        # parameters (or, under a reduce dtype, in FSDP2's own accumulator), where
+        # the optimiser's zero_grad does not reach.
+        for param in self._unsharded:
+            param.grad = None
+        for module in self.module.modules():
+            state = getattr(module, "_get_fsdp_state", lambda: None)()
+            group = getattr(state, "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                fsdp_param.unsharded_accumulated_grad = None
 
     def _will_sync(self) -> bool:
         return self._sync

@@ -259,6 +259,9 @@ class AdaptiveSteps:
         """Whether the backward pass under way reduces the gradients across replicas."""
         raise NotImplementedError
 
+    def _drop_local_gradients(self) -> None:
+        """Forget gradients accumulated outside the parameters' ``.grad`` (none here)."""
+
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The part of ``grad`` this replica holds (all of it for a replicated model)."""
         return grad
@@ -292,6 +295,7 @@ class AdaptiveSteps:
             self._local_parts = [[] for _ in range(self._num_groups)]
             self._accum_loader = None
             self.adaptdl_optimizer.zero_grad(set_to_none=True)
+            self._drop_local_gradients()
 
     # -- optimiser and scaler ------------------------------------------------------------
     def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
