@@ -148,6 +148,12 @@ def test_bad_arguments_are_refused() -> None:
         AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1), scaling_rule=AdamScale())
 
 
+def train(net: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    optimizer.step()
+
+
 def test_accumulated_micro_batches_take_one_full_batch_step() -> None:
     adl.init_process_group("gloo")
     dataset = data(32)
@@ -166,17 +172,13 @@ def test_accumulated_micro_batches_take_one_full_batch_step() -> None:
     for _ in adl.remaining_epochs_until(1):
         for idx, x, y in loader:
             batch.append(idx)
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(wrapped(x), y).backward()
-            optimizer.step()
+            train(wrapped, optimizer, x, y)
             helper = adl.current_dataloader()
             if helper is not None and helper.is_optim_step():
                 steps += 1
-                i = torch.cat(batch)
+                _, whole_x, whole_y = dataset[torch.cat(batch)]
                 batch = []
-                ref_opt.zero_grad()
-                torch.nn.functional.mse_loss(reference(dataset[i][1]), dataset[i][2]).backward()
-                ref_opt.step()
+                train(reference, ref_opt, whole_x, whole_y)  # the whole batch at once
                 for p, q in zip(full_params(model), reference.parameters(), strict=True):
                     torch.testing.assert_close(p, q.detach())
     assert steps == 2
