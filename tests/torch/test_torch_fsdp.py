@@ -205,6 +205,30 @@ def test_gradients_of_a_loop_left_mid_accumulation_belong_to_no_step() -> None:
                 break
 
 
+def test_a_sharded_grad_scaler_scales_and_unscales_the_statistics() -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    adl.init_process_group("gloo")
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    wrapped = AdaptiveFSDP(model, optimizer, mp_scaler=scaler)
+    plain = copy.deepcopy(wrapped.gns)
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            optimizer.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(wrapped(x), y)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert scaler.get_scale() > 2.0**10 and wrapped.progress == 6
+    assert plain is None and wrapped.gns is not None
+    # Unscaled: the estimate is of the gradient, not of 2**10 times it.
+    assert 0 < wrapped.gns.var < 1e4
+
+
 def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ck"))
     loader, model, optimizer, wrapped = build()
