@@ -78,13 +78,48 @@ def worker(side: str, width: int, rounds: int) -> None:
         job.checkpoint()
         stalls.append(time.perf_counter() - start)
         written.append(_written_by(rank, os.path.join(root, sorted(_labels(root))[-1]), side))
+    staging = _staging_time(model, optimizer) if side == "fsdp" else 0.0
     slowest = [max(s) for s in zip(*_gather(stalls), strict=True)]
     per_rank = _gather(written[-1])
     rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
-        result = {"params": params, "stalls": slowest, "bytes": per_rank, "rss": rss}
+        result = {
+            "params": params,
+            "stalls": slowest,
+            "bytes": per_rank,
+            "rss": rss,
+            "staging": max(_gather(staging)),
+        }
         print("RESULT " + json.dumps(result), flush=True)
     job.drain()
+
+
+def _staging_time(model: Any, optimizer: Any) -> float:
+    """Seconds to copy this replica's shards aside: what an asynchronous save would stall."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import torch
+
+    start = time.perf_counter()
+    state = get_state_dict(model, optimizer)
+    local = [t.to_local() if isinstance(t, DTensor) else t for p in state for t in _tensors(p)]
+    copies = [t.clone() for t in local]
+    elapsed = time.perf_counter() - start
+    assert all(isinstance(c, torch.Tensor) for c in copies)
+    return elapsed
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _labels(root: str) -> list[str]:
@@ -163,7 +198,8 @@ def main() -> None:
         f"FSDP2 sharded checkpoint against DDP full checkpoint ({ddp['params'] / 1e6:.1f}M "
         f"parameters + AdamW state, 2 replicas, CPU, gloo): stall x{stall:.2f} (best rounds), "
         f"most bytes written by one replica x{most:.2f}, total bytes "
-        f"x{sum(fsdp['bytes']) / sum(ddp['bytes']):.2f}"
+        f"x{sum(fsdp['bytes']) / sum(ddp['bytes']):.2f}; copying the shards aside (the stall "
+        f"an asynchronous save would keep) {fsdp['staging']:.2f} s"
     )
 
 

@@ -90,6 +90,17 @@ def test_a_restore_at_another_size_sees_every_replicas_files(tmp_path: Path) -> 
     assert run(tmp_path, 2, []) == [values, values]
 
 
+def test_debris_under_the_next_name_moves_the_files_to_the_name_after(tmp_path: Path) -> None:
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "ckpt-000001").write_text("not a checkpoint")
+    run(tmp_path, 2, [1, 2, 3])
+    assert sorted(os.listdir(tmp_path / "ckpt-000002" / "shards")) == [
+        "part-0-of-2.json",
+        "part-1-of-2.json",
+    ]
+    assert run(tmp_path, 1, []) == [[1, 2, 3]]
+
+
 def test_two_checkpoints_are_kept(tmp_path: Path) -> None:
     run(tmp_path, 2, [1, 2, 3], saves=3)
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt-")) == [

@@ -184,10 +184,11 @@ class StagingStorage(LocalStorage):
         self._adopt = staged
 
     def write_directory(self, name: str, files: Mapping[str, bytes]) -> None:
-        staged, self._adopt = self._adopt, None
+        staged = self._adopt
         if staged is None:
             super().write_directory(name, files)
             return
+        # Kept until the rename: a name taken by debris makes the store try the next one.
         target = self.root / name
         if os.path.lexists(target):
             raise FileExistsError(errno.EEXIST, "name already taken", str(target))
@@ -199,6 +200,7 @@ class StagingStorage(LocalStorage):
         if os.path.lexists(target):
             raise FileExistsError(errno.EEXIST, "name already taken", str(target))
         os.rename(staged, target)
+        self._adopt = None
         self._fsync_dir(self.root)
 
     def digest(self, path: Path, limit: int | None = None) -> FileRecord:
