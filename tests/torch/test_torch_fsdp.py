@@ -229,6 +229,24 @@ def test_a_sharded_grad_scaler_scales_and_unscales_the_statistics() -> None:
     assert 0 < wrapped.gns.var < 1e4
 
 
+def test_a_checkpoint_of_an_optimizer_without_state_is_no_training_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP steps an optimiser that has no state, with zero gradients, to create it."""
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    loader, model, optimizer, wrapped = build()
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            train(wrapped, optimizer, x, y)
+            optimizer.zero_grad()
+            optimizer.state.clear()  # as a stateless optimiser has none
+            progress, params = wrapped.progress, full_params(model)
+            _context.current_job().checkpoint()
+            assert wrapped.progress == progress > 0
+            assert all(torch.equal(a, b) for a, b in zip(full_params(model), params, strict=True))
+            break
+
+
 def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ck"))
     loader, model, optimizer, wrapped = build()

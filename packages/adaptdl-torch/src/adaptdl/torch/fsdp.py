@@ -90,7 +90,7 @@ class AdaptiveFSDP(AdaptiveSteps):
         self._hooked: set[int] = set()
         self._unsharded: list[torch.Tensor] = []
         # Registered before the optimiser is patched: restoring may initialise its state.
-        job.register(ShardedState(name, model, optimizer))
+        job.register(ShardedState(name, model, optimizer, self.plain_optimizer))
         job.register(
             StateDictState(
                 f"{name}-extras", {"lr_scheduler": lr_scheduler, "mp_scaler": mp_scaler}

@@ -10,7 +10,10 @@ a crafted checkpoint cannot run code.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +57,22 @@ class ShardedState:
     The state dicts come from ``torch.distributed.checkpoint.state_dict``
     (``get_state_dict``/``set_state_dict``), which keep each tensor sharded as
     it is and name optimiser state by parameter name, so a restore at another
-    world size reshards both.
+    world size reshards both. ``plain`` is entered around them: they may step the
+    optimiser (with zero gradients) to create its state, which the adaptive
+    wrapper must not take for a training step.
     """
 
     def __init__(
-        self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plain: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         self._name = name
         self._model = model
         self._optimizer = optimizer
+        self._plain = plain
 
     @property
     def name(self) -> str:
@@ -80,7 +90,8 @@ class ShardedState:
             raise CheckpointError(f"state {self._name!r}: not a {_FORMAT!r} description")
 
     def _state_dict(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self._model, self._optimizer)
+        with self._plain():  # its zero-gradient step is no training step
+            model, optim = get_state_dict(self._model, self._optimizer)
         return {"model": model, "optim": optim}
 
     def write_files(self, directory: Path) -> list[str]:
@@ -94,12 +105,13 @@ class ShardedState:
         state = self._state_dict()
         dcp.load(state, directory)
         try:
-            set_state_dict(
-                self._model,
-                self._optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-            )
+            with self._plain():
+                set_state_dict(
+                    self._model,
+                    self._optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optim"],
+                )
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(
                 f"state {self._name!r}: the saved model and optimiser do not fit these "

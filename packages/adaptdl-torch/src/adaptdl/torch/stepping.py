@@ -17,8 +17,9 @@ commits the step's gain to the job's progress.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -121,6 +122,7 @@ class AdaptiveSteps:
         self._prev_bsz = 0
         self.last_lr_factor = 1.0
         self.last_gain = 1.0
+        self._plain = False
 
     # -- backward hooks ----------------------------------------------------------------
     def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -298,18 +300,36 @@ class AdaptiveSteps:
             self._drop_local_gradients()
 
     # -- optimiser and scaler ------------------------------------------------------------
+    @contextlib.contextmanager
+    def plain_optimizer(self) -> Iterator[None]:
+        """Within it, ``optimizer.step``/``zero_grad`` are the optimiser's own.
+
+        For torch code that steps the optimiser for its own ends (DCP initialises a
+        stateless optimiser's state with a zero-gradient step): no statistics,
+        no learning-rate factor, no progress.
+        """
+        self._plain = True
+        try:
+            yield
+        finally:
+            self._plain = False
+
     def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         step: Callable[..., Any] = optimizer.step
         zero_grad: Callable[..., Any] = optimizer.zero_grad
 
         @functools.wraps(step)
         def adaptive_step(*args: Any, **kwargs: Any) -> Any:
+            if self._plain:
+                return step(*args, **kwargs)
             if self._accumulating():
                 return None  # the step comes with the last micro-batch of the batch
             return self._step(step, *args, **kwargs)
 
         @functools.wraps(zero_grad)
         def adaptive_zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if self._plain:
+                return zero_grad(*args, **kwargs)
             self._drop_stale_accumulation()
             if self._micro:
                 return None  # keep the gradients being accumulated
