@@ -7,7 +7,9 @@ in one short go (about three minutes on one H200):
    bf16 autocast) that rank 0 stops with SIGTERM mid-epoch; every replica must
    checkpoint and exit 143; a second launch resumes from the checkpoint and
    finishes. Every sample of every epoch is checked consumed exactly once from
-   the indices the training loops received.
+   the indices the training loops received. The same again with the model
+   sharded by FSDP2 (``fully_shard``, bf16 parameters) under `AdaptiveFSDP`: its
+   checkpoint is DCP shards that every replica writes, resharded on resume.
 2. speed: `AdaptiveDataParallel` against ``DistributedDataParallel`` (step time of
    a ~50M-parameter MLP in bf16 autocast), and `AdaptiveDataLoader` against
    ``DataLoader`` (samples per second into GPU memory), in alternating rounds,
@@ -109,8 +111,20 @@ def worker_elastic(args: argparse.Namespace) -> None:
     )
     torch.manual_seed(0)
     model = _mlp(width, 64 if args.cpu else 1024, 2, 10).to(device)
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    adp = adl.AdaptiveDataParallel(model, optimizer)
+    adp: Any
+    if args.fsdp:
+        adp = adl.AdaptiveFSDP(model, optimizer)
+    else:
+        adp = adl.AdaptiveDataParallel(model, optimizer)
     record = Path(args.record) / f"run{args.attempt}-rank{rank}.jsonl"
 
     def train(out: Any) -> None:
@@ -258,8 +272,11 @@ def _fail(what: str, done: Any) -> None:
     raise SystemExit(f"accelerator check failed: {what} (torchrun exit {done.returncode})")
 
 
-def check_elastic(nproc: int, cpu: bool, tmp: Path) -> dict[str, Any]:
-    """Run 0 stopped by SIGTERM, run 1 resumes; exactly-once over every epoch."""
+def check_elastic(nproc: int, cpu: bool, tmp: Path, fsdp: bool = False) -> dict[str, Any]:
+    """Run 0 stopped by SIGTERM, run 1 resumes; exactly-once over every epoch.
+
+    With ``fsdp`` the model is sharded by FSDP2 and checkpointed as DCP shards.
+    """
     records = tmp / "records"
     records.mkdir()
     env = {**_sources_env(), "ADAPTDL_CHECKPOINT_PATH": str(tmp / "ckpt")}
@@ -267,6 +284,8 @@ def check_elastic(nproc: int, cpu: bool, tmp: Path) -> dict[str, Any]:
     common = ["--worker=elastic", f"--record={records}", f"--epochs={epochs}"]
     if cpu:
         common.append("--cpu")
+    if fsdp:
+        common.append("--fsdp")
     started = time.perf_counter()
     first = _torchrun(nproc, *common, "--attempt=0", "--stop-after=5", env=env, timeout=300)
     stop_s = time.perf_counter() - started
@@ -298,6 +317,7 @@ def check_elastic(nproc: int, cpu: bool, tmp: Path) -> dict[str, Any]:
     if lost:
         raise SystemExit(f"accelerator check failed: {lost} samples lost across the restart")
     return {
+        "model": "FSDP2" if fsdp else "DDP",
         "replicas": nproc,
         "samples_lost": lost,
         "samples_repeated_padding": repeated,
@@ -335,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--worker", choices=["elastic", "speed"], help=argparse.SUPPRESS)
     parser.add_argument("--record", help=argparse.SUPPRESS)
+    parser.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--stop-after", type=int, default=5, help=argparse.SUPPRESS)
@@ -356,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="adaptdl-accel-") as tmp:
         figures["elastic"] = check_elastic(nproc, args.cpu, Path(tmp))
     print("elastic:", json.dumps(figures["elastic"]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="adaptdl-accel-fsdp-") as tmp:
+        figures["elastic_fsdp"] = check_elastic(nproc, args.cpu, Path(tmp), fsdp=True)
+    print("elastic (FSDP2):", json.dumps(figures["elastic_fsdp"]), flush=True)
     figures["speed"] = check_speed(nproc, args.cpu, args.quick)
     speed = figures["speed"]
     print(

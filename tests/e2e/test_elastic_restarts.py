@@ -1,11 +1,12 @@
 """End to end: real torchrun jobs stopped by SIGTERM and restarted at other sizes.
 
-One job trains through three runs (on a map-style dataset, and again on
-JSON-lines shards read as a ShardedDataset): 2 replicas until SIGTERM in epoch 0, 3
-replicas (with a DataLoader worker) until SIGTERM in epoch 1, then 1 replica to
-the end. From the indices the training loops actually received we check that
-every sample of every epoch was consumed exactly once (padding aside), and from
-the losses that training went on where it stopped.
+One job trains through three runs (on a map-style dataset, again on JSON-lines
+shards read as a ShardedDataset, and again with the model sharded by FSDP2): 2
+replicas until SIGTERM in epoch 0, 3 replicas (with a DataLoader worker) until
+SIGTERM in epoch 1, then 1 replica to the end. From the indices the training
+loops actually received we check that every sample of every epoch was consumed
+exactly once (padding aside), and from the losses that training went on where it
+stopped.
 """
 
 from __future__ import annotations
@@ -112,17 +113,22 @@ def _reached(epoch: int, index: int) -> Callable[[list[dict[str, Any]]], bool]:
     return predicate
 
 
-@pytest.fixture(scope="module", params=["map", "sharded"])
+@pytest.fixture(scope="module", params=["map", "sharded", "fsdp"])
 def elastic_job(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Path]:
     """Run the job 2 -> SIGTERM -> 3 -> SIGTERM -> 1 replicas; yield its directory.
 
-    Once on the map-style dataset, once on JSON-lines shards read as a ShardedDataset.
+    Once on the map-style dataset, once on JSON-lines shards read as a ShardedDataset,
+    once with the model sharded by FSDP2 (its checkpoints DCP shards of every replica).
     """
     tmp = tmp_path_factory.mktemp(f"elastic-{request.param}")
     (tmp / "records").mkdir()
-    data = {"E2E_SHARDS": str(tmp / "shards")} if request.param == "sharded" else {}
+    data = {
+        "map": {},
+        "sharded": {"E2E_SHARDS": str(tmp / "shards")},
+        "fsdp": {"E2E_FSDP": "1"},
+    }[request.param]
     launches: list[Launch] = []
     try:
         for run, (nproc, stop_at, workers) in enumerate(

@@ -3,6 +3,8 @@
 With ``E2E_SHARDS`` set to a directory, the same samples are written there as
 JSON-lines shards of uneven sizes and read through a ``ShardedDataset`` instead of
 the map-style dataset (the expected indices then come from core's block order).
+With ``E2E_FSDP=1`` the model is sharded by FSDP2 and adapted by ``AdaptiveFSDP``
+(checkpointed as DCP shards that every replica writes).
 
 Every replica appends one JSON line per batch to ``$E2E_RECORD_DIR/run<R>-rank<k>.jsonl``:
 the dataset indices the training loop actually received, which of them the core
@@ -19,6 +21,8 @@ import os
 import time
 from typing import Any
 
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
@@ -27,6 +31,7 @@ from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.core.shards import BlockOrder, replica_chunk
 from adaptdl.torch._context import current_job
+from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.shards import JsonLinesReader, ShardedDataset
 
 N = int(os.environ.get("E2E_N", "120"))
@@ -37,6 +42,7 @@ STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
 RUN = int(os.environ.get("E2E_RUN", "0"))
 RECORD_DIR = os.environ["E2E_RECORD_DIR"]
 SHARDS = os.environ.get("E2E_SHARDS", "")
+FSDP = os.environ.get("E2E_FSDP") == "1"
 BLOCK_SIZE = 4
 SHARD_SIZES = (7, 30, 1, 45, 37)  # cycled until N samples are written
 
@@ -104,7 +110,8 @@ def digest(model: torch.nn.Module) -> str:
     """A fingerprint of the parameters' exact bits: replicas in step have the same."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        full = p.full_tensor() if isinstance(p, DTensor) else p  # collective for a shard
+        h.update(full.detach().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -124,9 +131,15 @@ def main() -> None:
         source, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS
     )
     model = torch.nn.Linear(8, 1)
+    if FSDP:
+        fully_shard(model)  # before the optimiser, which then holds the shards
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-    adp = adl.AdaptiveDataParallel(model, optimizer, scheduler)
+    adp: Any
+    if FSDP:
+        adp = AdaptiveFSDP(model, optimizer, lr_scheduler=scheduler)
+    else:
+        adp = adl.AdaptiveDataParallel(model, optimizer, scheduler)
     path = os.path.join(RECORD_DIR, f"run{RUN}-rank{topo.rank}.jsonl")
     with open(path, "a", encoding="utf-8") as out:
 
@@ -138,7 +151,7 @@ def main() -> None:
             out.flush()
 
         def full_loss() -> float:
-            with torch.no_grad():
+            with torch.no_grad():  # every replica calls it: a sharded forward is collective
                 return float(torch.nn.functional.mse_loss(model(dataset.x), dataset.y))
 
         record(

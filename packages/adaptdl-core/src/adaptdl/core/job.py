@@ -26,6 +26,7 @@ from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.journal import Journal, Mark
 from adaptdl.core.metrics import MetricsState
+from adaptdl.core.shardedfiles import FileState, ShardedCheckpointStore
 from adaptdl.core.topology import Topology
 
 if TYPE_CHECKING:
@@ -299,6 +300,10 @@ class Job:
         if self._loaded is not None and state.name in self._loaded.entries:
             try:
                 state.from_bytes(self._loaded.entries[state.name])
+                if isinstance(state, FileState):
+                    state.read_files(
+                        self._files_store(state).files_directory(self._loaded.label, state.name)
+                    )
             except (
                 CheckpointError,
                 ValueError,
@@ -318,6 +323,14 @@ class Job:
                     f"({type(exc).__name__}: {exc}). Remove that checkpoint directory to "
                     "resume from the one before it, or all of them to start from scratch."
                 ) from exc
+
+    def _files_store(self, state: FileState) -> ShardedCheckpointStore:
+        if not isinstance(self.store, ShardedCheckpointStore):
+            raise CheckpointError(
+                f"state {state.name!r} is saved as files each replica writes, which needs a "
+                f"checkpoint directory (a ShardedCheckpointStore), not {self.store!r}"
+            )
+        return self.store
 
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
@@ -392,6 +405,9 @@ class Job:
         for state in self._states.values():
             if isinstance(state, CollectiveState):
                 state.sync()
+        files = [state for state in self._states.values() if isinstance(state, FileState)]
+        if files and self.store is not None:
+            self._files_store(files[0]).write_files(files, self.collective)
         entries = {name: state.to_bytes() for name, state in self._states.items()}
         if self.store is not None and self.topology.rank == 0:
             saved = self.store.save(

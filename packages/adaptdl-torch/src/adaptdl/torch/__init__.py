@@ -1,7 +1,8 @@
 """AdaptDL for PyTorch: elastic, adaptive data-parallel training launched by torchrun.
 
 Replace ``DataLoader`` with `AdaptiveDataLoader` and ``DistributedDataParallel``
-with `AdaptiveDataParallel`, loop over ``remaining_epochs_until(N)``, and launch
+with `AdaptiveDataParallel` (or shard the model with FSDP2's ``fully_shard`` and
+adapt it with `AdaptiveFSDP`), loop over ``remaining_epochs_until(N)``, and launch
 with ``torchrun``: the job may be stopped (SIGTERM) and restarted on any number of
 replicas without losing or repeating data. Every decision is made by
 ``adaptdl.core``; this package is the glue to ``torch``.
@@ -16,6 +17,7 @@ from adaptdl.torch.data import (
     current_dataloader,
 )
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
+from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.state import register_state
 
@@ -24,6 +26,7 @@ __all__ = [
     "AdaptiveDataLoader",
     "AdaptiveDataLoaderMixin",
     "AdaptiveDataParallel",
+    "AdaptiveFSDP",
     "ElasticSampler",
     "current_dataloader",
     "current_epoch",

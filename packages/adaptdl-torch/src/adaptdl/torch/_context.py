@@ -21,6 +21,7 @@ from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
 from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal, journal_name
+from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
 from adaptdl.core.storage import LocalStorage, Storage
 from adaptdl.torch.collective import TorchCollective
 from adaptdl.torch.rng import RngState
@@ -104,13 +105,17 @@ def init_process_group(
     else:
         _gloo_group = dist.new_group(backend="gloo", timeout=timeout)
     collective = TorchCollective(_gloo_group)
-    store = None
+    store: CheckpointStore | None = None
     journal = None
     policy = CheckpointPolicy.from_config(config)
     if storage is None and config.checkpoint_path is not None:
-        storage = LocalStorage(config.checkpoint_path, owner=config.job_id or "")
+        # Staging lets sharded states (FSDP2) write their files into the checkpoint.
+        storage = StagingStorage(config.checkpoint_path, owner=config.job_id or "")
     if storage is not None:
-        store = CheckpointStore(storage, job_id=config.job_id)
+        if isinstance(storage, StagingStorage):
+            store = ShardedCheckpointStore(storage, job_id=config.job_id)
+        else:
+            store = CheckpointStore(storage, job_id=config.job_id)
         store.check_writable()
         if topology.rank == 0 and isinstance(storage, LocalStorage):
             # The other replicas wait for rank 0 in the restore's collective: give up on

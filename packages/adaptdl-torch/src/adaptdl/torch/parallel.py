@@ -1,91 +1,26 @@
 """`AdaptiveDataParallel`: DistributedDataParallel whose gradients feed core's step contract.
 
-Per micro-batch, a hook on every parameter adds the squared norm of the local
-gradient (before any all-reduce) to a per-group sum. After the optimiser-step
-micro-batch's backward pass, once DDP has averaged the gradients, the squared
-norm of the averaged gradient and the local sums go to core as a
-`StepMeasurement` (`adaptdl.core.step`); the time spent waiting for the
-all-reduce after the backward computation goes to the profiler. Accumulation
-micro-batches run under ``no_sync`` and leave the gradients summing in ``.grad``;
-on the step they are divided by the number of micro-batches, so the optimiser
-always sees the mean gradient of the whole batch. ``optimizer.step()`` asks core
-for the step's `StepDecision`, multiplies each group's learning rate by its
-factor for that step only, then commits the step's gain to the job's progress.
+What it shares with the sharded wrapper (gradient statistics, accumulation, the
+learning-rate factors, metrics) is `adaptdl.torch.stepping.AdaptiveSteps`; here is
+what is DDP's own: the hooks on every parameter, and accumulation micro-batches
+run under ``no_sync`` (DDP reads ``require_backward_grad_sync`` in forward).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from adaptdl.core.gns import GradientNoiseScale
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.step import PairedNorms, StepMeasurement, StepStatistics
 from adaptdl.torch._context import current_job
-from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
+from adaptdl.torch.scaling_rules import ScalingRuleBase
 from adaptdl.torch.state import StateDictState
+from adaptdl.torch.stepping import AdaptiveSteps, check_arguments, register_grad_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["AdaptiveDataParallel"]
 
 
-def _norm(grad: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of a gradient as a scalar tensor (no device sync)."""
-    grad = grad.detach()
-    if grad.is_sparse:
-        grad = grad.coalesce().values()
-    half = grad.dtype in (torch.float16, torch.bfloat16)
-    norm: torch.Tensor = torch.linalg.vector_norm(grad, dtype=torch.float32 if half else None)
-    return norm
-
-
-def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each gradient (one fused call for dense ones)."""
-    if grads and not any(g.is_sparse or g.dtype in (torch.float16, torch.bfloat16) for g in grads):
-        return list(torch._foreach_norm(grads))
-    return [_norm(g) for g in grads]
-
-
-def _same_shapes(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
-    return [[t.shape for t in g] for g in a] == [[t.shape for t in g] for g in b]
-
-
-def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squares of ``norms`` as a float64 scalar tensor on the CPU (0 for none)."""
-    if not norms:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack([n.double() for n in norms]).square().sum().cpu()
-
-
-class _Gain(float):
-    """A float that may also be called for its own value (``gain`` was once a method)."""
-
-    def __call__(self) -> float:
-        return float(self)
-
-
-def _check_mp_scaler(mp_scaler: Any) -> None:
-    """TypeError unless ``mp_scaler`` is None or a GradScaler (or quacks like one)."""
-    if mp_scaler is None or isinstance(mp_scaler, torch.amp.GradScaler):
-        return
-    needed = ("scale", "unscale_", "step", "update", "get_scale", "is_enabled", "state_dict")
-    if all(callable(getattr(mp_scaler, attr, None)) for attr in needed):
-        return
-    hint = (
-        f"; to name the model, pass name={mp_scaler!r} by keyword (the fourth positional "
-        "argument is mp_scaler)"
-        if isinstance(mp_scaler, str)
-        else ""
-    )
-    raise TypeError(
-        f"mp_scaler must be a torch.amp.GradScaler or None, got {mp_scaler!r} "
-        f"({type(mp_scaler).__name__}){hint}"
-    )
-
-
-class AdaptiveDataParallel(DistributedDataParallel):
+class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
     """A DistributedDataParallel that adapts to the job's batch size and survives restarts.
 
     ``optimizer`` must hold the model's parameters. ``lr_scheduler`` and
@@ -108,38 +43,10 @@ class AdaptiveDataParallel(DistributedDataParallel):
         name: str = "adaptdl-dataparallel",
         **kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-        _check_mp_scaler(mp_scaler)
-        if scaling_rule is not None and not isinstance(scaling_rule, ScalingRuleBase):
-            raise ValueError(
-                "scaling_rule must be one of adaptdl.torch.scaling_rules (AdaScale, AdamScale, "
-                f"LinearScale, SqrtScale, LEGWScale), got {scaling_rule!r}"
-            )
+        check_arguments(optimizer, scaling_rule, mp_scaler)
         job = current_job()
         super().__init__(model, **kwargs)
-        self._job = job
-        self.adaptdl_optimizer = optimizer
-        self.adaptdl_lr_scheduler = lr_scheduler
-        self.adaptdl_mp_scaler = mp_scaler
-        self.scaling_rule: ScalingRuleBase = scaling_rule or AdaScale()
-        self._num_groups = len(optimizer.param_groups)
-        # Per group, squared norms of the local micro-batch gradients since the last step.
-        self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
-        self._in_backward = False
-        # Loop positions of the micro-batches accumulated in .grad since the last step:
-        # several backward passes on one micro-batch add up, they are not averaged.
-        self._micro: set[int] = set()
-        self._accum_loader: LoaderHelper | None = None
-        self._accum_index = 0
-        self._loader: LoaderHelper | None = None
-        self._sync_start = 0.0
-        self._steps = StepStatistics(job.metrics, job.collective)
-        job.on_drain(self._steps.drain)
-        self._prev_grads: list[list[torch.Tensor]] | None = None
-        self._prev_bsz = 0
-        self.last_lr_factor = 1.0
-        self.last_gain = 1.0
+        self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule)
         self._state = StateDictState(
             name,
             {
@@ -150,10 +57,10 @@ class AdaptiveDataParallel(DistributedDataParallel):
             },
         )
         job.register(self._state)
-        for index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                if param.requires_grad:
-                    param.register_hook(functools.partial(self._grad_hook, index, param))
+        register_grad_hooks(
+            self,
+            [(i, p) for i, group in enumerate(optimizer.param_groups) for p in group["params"]],
+        )
         self._patch_optimizer(optimizer)
         if mp_scaler is not None:
             self._patch_scaler(mp_scaler)
@@ -165,271 +72,5 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.require_backward_grad_sync = not (loader is not None and loader.is_accum_step())
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
-    # -- backward hooks ----------------------------------------------------------------
-    def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
-        if not self._in_backward:
-            self._begin_backward()
-        precond = self._preconditioner(group, param)
-        self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
-
-    def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
-        """Adam's ``sqrt(v_hat) + eps`` for ``param`` under AdamScale, else None.
-
-        The statistics that govern an adaptive optimiser's progress are those of
-        the preconditioned gradient; the optimiser state changes only at the step,
-        so every norm of one step uses the same preconditioner.
-        """
-        if not isinstance(self.scaling_rule, AdamScale):
-            return None
-        state = self.adaptdl_optimizer.state.get(param)
-        if not state or "exp_avg_sq" not in state or "step" not in state:
-            return None
-        options = self.adaptdl_optimizer.param_groups[group]
-        beta2 = options.get("betas", (0.9, 0.999))[1]
-        correction = 1.0 - beta2 ** float(state["step"])
-        if correction <= 0.0:
-            return None
-        v_hat: torch.Tensor = state["exp_avg_sq"] / correction
-        return v_hat.sqrt().add_(options.get("eps", 1e-8))
-
-    def _begin_backward(self) -> None:
-        loader = self._job.current_loader
-        if loader is None:
-            raise RuntimeError(
-                "AdaptiveDataParallel: backward() called outside a dataloader loop. Compute "
-                "the loss on batches of an AdaptiveDataLoader, inside "
-                "`for epoch in remaining_epochs_until(N): for batch in loader: ...`"
-            )
-        self._drop_stale_accumulation()
-        self._in_backward = True
-        self._loader = loader
-        # Runs after the backward computation; it queues the step after DDP's own
-        # callback, which is queued later and waits for the all-reduce.
-        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-
-    def _after_backward(self) -> None:
-        self._in_backward = False
-        loader = self._loader
-        assert loader is not None
-        self._micro.add(loader.current_index or 0)
-        if not self.require_backward_grad_sync:
-            self._accum_loader = loader
-            self._accum_index = loader.current_index or 0
-            return
-        self._sync_start = self._job.clock()
-        torch.autograd.Variable._execution_engine.queue_callback(self._after_sync)
-
-    def _after_sync(self) -> None:
-        job = self._job
-        job.record_sync_time(job.clock() - self._sync_start)
-        loader = self._loader
-        assert loader is not None
-        micro, self._micro = max(len(self._micro), 1), set()
-        parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
-        groups = self._grad_groups()
-        if micro > 1:
-            for grads in groups:
-                torch._foreach_div_(grads, float(micro))
-        mp2 = self._mp_scale() ** 2
-        # One host transfer for every squared norm of the step.
-        sums = torch.stack(
-            [_sum_sqr_norms(p) for p in parts]
-            + [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
-        ).tolist()
-        local = [v / mp2 for v in sums[: self._num_groups]]
-        total = [v / mp2 for v in sums[self._num_groups :]]
-        training = job.training_loader or loader
-        bsz = max(loader.current_local_bsz, 1)
-        replicas = job.topology.num_replicas
-        single = replicas * micro == 1
-        current = [[g.detach() / mp2**0.5 for g in grads] for grads in groups] if single else None
-        measurement = StepMeasurement(
-            local_sqr=tuple(local),
-            total_sqr=tuple(total),
-            micro_batches=micro,
-            num_replicas=replicas,
-            batch_size=bsz,
-            pair=self._pair(current) if current is not None else None,
-        )
-        fold = self._steps.measure(measurement, training.batch_size)
-        if current is not None and fold.pairable:
-            self._prev_grads = current  # fresh tensors already (the division above)
-            self._prev_bsz = bsz
-        else:
-            self._prev_grads = None
-
-    def _pair(self, current: list[list[torch.Tensor]]) -> PairedNorms | None:
-        """The norms that pair this single-micro-batch step with the previous one, if any."""
-        prev = self._prev_grads
-        if prev is None or not _same_shapes(prev, current):
-            return None
-        # Both gradients with this step's preconditioner, as the estimator requires.
-        prev = self._preconditioned(prev)
-        pairs = zip(prev, self._preconditioned(current), strict=True)
-        mixed = tuple(
-            float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
-            for pg, cg in pairs
-        )
-        prev_sqr = tuple(float(_sum_sqr_norms(_norms(pg))) for pg in prev)
-        return PairedNorms(prev_sqr=prev_sqr, mixed_sqr=mixed, prev_batch_size=self._prev_bsz)
-
-    def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """``groups`` (gradients of the params with grads) divided by their preconditioners."""
-        if not isinstance(self.scaling_rule, AdamScale):
-            return groups
-        out = []
-        for index, (grads, params) in enumerate(zip(groups, self._grad_params(), strict=True)):
-            row = []
-            for grad, param in zip(grads, params, strict=True):
-                precond = self._preconditioner(index, param)
-                row.append(grad if precond is None else grad / precond)
-            out.append(row)
-        return out
-
-    def _grad_params(self) -> list[list[torch.Tensor]]:
-        return [
-            [p for p in group["params"] if p.grad is not None]
-            for group in self.adaptdl_optimizer.param_groups
-        ]
-
-    def _grad_groups(self) -> list[list[torch.Tensor]]:
-        return [
-            [p.grad for p in group["params"] if p.grad is not None]
-            for group in self.adaptdl_optimizer.param_groups
-        ]
-
-    def _mp_scale(self) -> float:
-        scaler = self.adaptdl_mp_scaler
-        if scaler is None or not scaler.is_enabled():
-            return 1.0
-        return float(scaler.get_scale())
-
-    def _accumulating(self) -> bool:
-        """Whether the current micro-batch only accumulates (no optimiser step)."""
-        loader = self._job.current_loader
-        return loader is not None and loader.is_accum_step()
-
-    def _drop_stale_accumulation(self) -> None:
-        # Gradients accumulated by a loop that ended before its step belong to no step.
-        if not self._micro:
-            return
-        loader = self._job.current_loader
-        index = loader.current_index if loader is not None else None
-        if loader is not self._accum_loader or index is None or index < self._accum_index:
-            self._micro = set()
-            self._local_parts = [[] for _ in range(self._num_groups)]
-            self._accum_loader = None
-            self.adaptdl_optimizer.zero_grad(set_to_none=True)
-
-    # -- optimiser and scaler ------------------------------------------------------------
-    def _patch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        step: Callable[..., Any] = optimizer.step
-        zero_grad: Callable[..., Any] = optimizer.zero_grad
-
-        @functools.wraps(step)
-        def adaptive_step(*args: Any, **kwargs: Any) -> Any:
-            if self._accumulating():
-                return None  # the step comes with the last micro-batch of the batch
-            return self._step(step, *args, **kwargs)
-
-        @functools.wraps(zero_grad)
-        def adaptive_zero_grad(*args: Any, **kwargs: Any) -> Any:
-            self._drop_stale_accumulation()
-            if self._micro:
-                return None  # keep the gradients being accumulated
-            return zero_grad(*args, **kwargs)
-
-        optimizer.step = adaptive_step  # type: ignore[method-assign]
-        optimizer.zero_grad = adaptive_zero_grad  # type: ignore[method-assign]
-
-    def _step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        job = self._job
-        loader = job.current_loader
-        gns = job.metrics.gns
-        if loader is None or gns is None:
-            return step(*args, **kwargs)
-        rule = self.scaling_rule.core_rule(gns.init_batch_size)
-        groups = self.adaptdl_optimizer.param_groups
-        decision = self._steps.decide(loader.current_batch_size, rule, len(groups))
-        assert decision is not None
-        base = [group["lr"] for group in groups]
-        for group, lr, factor in zip(groups, base, decision.lr_factors, strict=True):
-            group["lr"] = lr * factor
-        try:
-            result = step(*args, **kwargs)
-        finally:
-            for group, lr in zip(groups, base, strict=True):
-                group["lr"] = lr
-        # One step of progress per batch, however many models the job steps in it.
-        self._steps.commit(decision, step=job.boundaries)
-        self.last_lr_factor = decision.lr_factors[0]
-        self.last_gain = decision.gain
-        return result
-
-    def _patch_scaler(self, scaler: Any) -> None:
-        for method in ("unscale_", "step", "update"):
-            original = getattr(scaler, method)
-
-            def skip_on_accumulation(
-                *args: Any, _original: Callable[..., Any] = original, **kwargs: Any
-            ) -> Any:
-                if self._accumulating():
-                    return None  # gradients are still summing; scaling happens at the step
-                return _original(*args, **kwargs)
-
-            setattr(scaler, method, skip_on_accumulation)
-
-    # -- metrics --------------------------------------------------------------------------
-    @property
-    def gns(self) -> GradientNoiseScale | None:
-        """The job's gradient-noise estimator (None before the first synchronised step)."""
-        return self._job.metrics.gns
-
-    @property
-    def progress(self) -> float:
-        """Scale-invariant progress: optimiser steps, each weighted by its gain."""
-        return self._job.metrics.progress
-
-    @property
-    def gain(self) -> float:
-        """The AdaScale gain at the current loader's batch size (1 before any estimate).
-
-        A property, as in the seed; calling it (``model.gain()``, this package's
-        earlier form) still works and gives the same number.
-        """
-        gns = self.gns
-        loader = self._job.current_loader or self._job.training_loader
-        if gns is None or loader is None or loader.current_local_bsz == 0:
-            return _Gain(1.0)
-        return _Gain(gns.gain(loader.current_batch_size / gns.init_batch_size))
-
-    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
-        """Write gain, gradient statistics, progress and goodput to a SummaryWriter."""
-        prefix = f"{tag_prefix}/" if tag_prefix and not tag_prefix.endswith("/") else tag_prefix
-        writer.add_scalar(f"{prefix}Gradient/gain", float(self.gain), global_step)
-        writer.add_scalar(f"{prefix}Gradient/lr_factor", self.last_lr_factor, global_step)
-        writer.add_scalar(f"{prefix}Gradient/progress", self.progress, global_step)
-        gns = self.gns
-        if gns is not None and gns.has_estimate:
-            writer.add_scalar(f"{prefix}Gradient/sqr", gns.sqr, global_step)
-            writer.add_scalar(f"{prefix}Gradient/var", gns.var, global_step)
-        goodput = self.goodput()
-        if goodput is not None:
-            writer.add_scalar(f"{prefix}Performance/goodput", goodput, global_step)
-
-    def goodput(self) -> float | None:
-        """Goodput (useful samples per second) at the current configuration, if modelled."""
-        job = self._job
-        loader = job.training_loader
-        fn = job.goodput_fn()
-        if fn is None or loader is None or loader.current_local_bsz == 0:
-            return None
-        topo = job.topology
-        return float(
-            fn.evaluate(
-                topo.num_nodes,
-                topo.num_replicas,
-                loader.current_local_bsz,
-                loader.accumulation_steps,
-            )
-        )
+    def _will_sync(self) -> bool:
+        return bool(self.require_backward_grad_sync)

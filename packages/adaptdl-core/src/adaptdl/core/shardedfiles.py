@@ -1,0 +1,323 @@
+"""Checkpoint state that every replica writes as files of its own (sharded model state).
+
+A model too large for one device is saved shard by shard: each replica writes the
+files of its own shards (torch's distributed checkpoint, DCP), and none gathers
+the whole model. Such a state is a :class:`FileState`. At a checkpoint:
+
+1. every replica agrees on one staging directory, a leftover name of the
+   checkpoint directory's storage (:data:`~adaptdl.core.storage.TMP_PREFIX`, never
+   listed, removed by the next save's cleanup if the save dies);
+2. each :class:`FileState` writes, on every replica, into its own subdirectory
+   there, and each replica hashes the files it wrote itself (SHA-256, in parallel);
+3. the replicas gather the listings (names, sizes, hashes: a few bytes per file);
+4. rank 0 saves the checkpoint as usual, with one more entry, :data:`FILES_ENTRY`,
+   listing every file, and its manifest written into the staging directory, which
+   is then renamed into place.
+
+So the manifest's SHA-256 covers the listing and the listing's covers every shard
+file: the checkpoint is one atomic directory rename like any other, and
+:class:`ShardedCheckpointStore` verifies every file when loading, falling back to
+the older checkpoint when one is missing, truncated or altered.
+
+On disk::
+
+    ckpt-000012/  manifest.json  entry-0000.bin ...  adaptdl-fsdp/  .metadata  __0_0.distcp ...
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from adaptdl.core.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    State,
+    _Unusable,
+)
+from adaptdl.core.collective import Collective
+from adaptdl.core.collective import decode as _json_decode
+from adaptdl.core.collective import encode as _json_encode
+from adaptdl.core.storage import TMP_PREFIX, LocalStorage, open_regular
+
+__all__ = [
+    "FILES_ENTRY",
+    "FILES_SCHEMA",
+    "FileRecord",
+    "FileState",
+    "ShardedCheckpointStore",
+    "StagingStorage",
+    "decode_listing",
+    "encode_listing",
+]
+
+FILES_ENTRY = "adaptdl-files"
+"""The checkpoint entry listing every file the :class:`FileState` s wrote."""
+
+FILES_SCHEMA = "adaptdl.files/1"
+"""The schema of that entry."""
+
+# A file or state name inside a checkpoint: one path component, never "." or "..".
+_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,200}\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+_CHUNK = 1 << 20
+
+
+def check_name(what: str, name: Any) -> str:
+    """``name`` if it is one safe path component, else ValueError naming ``what``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"{what} must be 1-200 letters, digits, '_', '.' or '-' (not '.' or '..'), "
+            f"got {name!r}"
+        )
+    return name
+
+
+@runtime_checkable
+class FileState(State, Protocol):
+    """A state saved as files that every replica writes (and reads) itself.
+
+    Its :meth:`to_bytes` is a small description saved as an ordinary entry; the
+    bulk goes through the two collectives below, which every replica calls at the
+    same point.
+    """
+
+    def write_files(self, directory: Path) -> list[str]:
+        """Write this replica's files into ``directory`` (shared by every replica, existing).
+
+        Returns the names (relative to ``directory``) of the files this replica
+        wrote; every file there must be named by exactly one replica.
+        """
+        ...
+
+    def read_files(self, directory: Path) -> None:
+        """Replace the state with the one the files in ``directory`` hold (verified)."""
+        ...
+
+
+@attrs.frozen
+class FileRecord:
+    """The size and SHA-256 of one file."""
+
+    size: int
+    sha256: str
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ValueError(f"size must be an int >= 0, got {self.size!r}")
+        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+
+
+Listing = Mapping[str, Mapping[str, FileRecord]]
+"""Per state name, per file name, its record."""
+
+
+def encode_listing(listing: Listing) -> bytes:
+    """The :data:`FILES_ENTRY` bytes for ``listing``."""
+    files = {
+        check_name("state name", state): {
+            check_name("file name", name): [record.size, record.sha256]
+            for name, record in sorted(records.items())
+        }
+        for state, records in sorted(listing.items())
+    }
+    return _json_encode({"schema": FILES_SCHEMA, "files": files})
+
+
+def decode_listing(data: bytes) -> dict[str, dict[str, FileRecord]]:
+    """The listing :func:`encode_listing` wrote; ValueError saying what is malformed."""
+    value = _json_decode(data)
+    if not isinstance(value, dict) or value.get("schema") != FILES_SCHEMA:
+        raise ValueError(f"{FILES_ENTRY} is not a {FILES_SCHEMA!r} listing")
+    files = value.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{FILES_ENTRY} has no files object")
+    out: dict[str, dict[str, FileRecord]] = {}
+    for state, records in files.items():
+        check_name("state name", state)
+        if not isinstance(records, dict):
+            raise ValueError(f"{FILES_ENTRY}: the files of {state!r} are not an object")
+        row: dict[str, FileRecord] = {}
+        for name, record in records.items():
+            check_name("file name", name)
+            if not (isinstance(record, list) and len(record) == 2):
+                raise ValueError(f"{FILES_ENTRY}: malformed record for {state}/{name}")
+            row[name] = FileRecord(record[0], record[1])
+        out[state] = row
+    return out
+
+
+class StagingStorage(LocalStorage):
+    """A :class:`~adaptdl.core.storage.LocalStorage` whose next directory can adopt staged files.
+
+    :meth:`stage` makes a staging directory (a leftover name, cleaned up as any);
+    after :meth:`adopt`, the next :meth:`write_directory` writes its files into the
+    staged directory beside what the replicas put there, flushes every directory
+    in it, and renames it into place: all of it appears at once or none.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, owner: str | None = None) -> None:
+        super().__init__(root, owner=owner)
+        self._adopt: Path | None = None
+
+    def stage(self, token: str) -> Path:
+        """The staging directory for ``token`` (the same on every replica), created if absent."""
+        check_name("token", token)
+        tag = f"{self.tag}." if self.tag is not None else ""
+        path = self.root / f"{TMP_PREFIX}{tag}stage-{token}"
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def adopt(self, staged: Path | None) -> None:
+        """Have the next :meth:`write_directory` take ``staged`` (None: stop adopting)."""
+        self._adopt = staged
+
+    def write_directory(self, name: str, files: Mapping[str, bytes]) -> None:
+        staged = self._adopt
+        if staged is None:
+            super().write_directory(name, files)
+            return
+        # Kept until the rename: a name taken by debris makes the store try the next one.
+        target = self.root / name
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, "name already taken", str(target))
+        for file, data in files.items():
+            self.write_durably(staged / file, data)
+        for sub in sorted(p for p in staged.iterdir() if p.is_dir() and not p.is_symlink()):
+            self._fsync_dir(sub)
+        self._fsync_dir(staged)
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, "name already taken", str(target))
+        os.rename(staged, target)
+        self._adopt = None
+        self._fsync_dir(self.root)
+
+    def digest(self, path: Path, limit: int | None = None) -> FileRecord:
+        """Size and SHA-256 of the regular file ``path`` (reading at most ``limit`` + 1 bytes).
+
+        A symlink, FIFO or directory in its place raises OSError, never followed.
+        """
+        fd = open_regular(path, os.O_RDONLY)
+        sha = hashlib.sha256()
+        size = 0
+        try:
+            while limit is None or size <= limit:
+                chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit + 1 - size))
+                if not chunk:
+                    break
+                sha.update(chunk)
+                size += len(chunk)
+        finally:
+            os.close(fd)
+        return FileRecord(size, sha.hexdigest())
+
+
+def _merge_listings(parts: Sequence[Any]) -> dict[str, dict[str, FileRecord]]:
+    listing: dict[str, dict[str, FileRecord]] = {}
+    for part in parts:
+        for state, records in part.items():
+            row = listing.setdefault(state, {})
+            for name, (size, sha256) in records.items():
+                if name in row:
+                    raise CheckpointError(
+                        f"state {state!r}: two replicas both wrote the file {name!r}; each "
+                        "file of a sharded state must be written by one replica"
+                    )
+                row[name] = FileRecord(size, sha256)
+    return listing
+
+
+class ShardedCheckpointStore(CheckpointStore):
+    """A checkpoint store that also holds the files of :class:`FileState` s.
+
+    ``root`` is a directory or a :class:`StagingStorage`; ``options`` are
+    :class:`~adaptdl.core.checkpoint.CheckpointStore`'s. Every replica calls
+    :meth:`write_files` before rank 0 calls :meth:`save`; loading verifies every
+    listed file and falls back to the older checkpoint when one is damaged.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | StagingStorage, **options: Any) -> None:
+        if isinstance(root, (str, os.PathLike)):
+            root = StagingStorage(root, owner=options.get("job_id"))
+        if not isinstance(root, StagingStorage):
+            raise TypeError(f"root must be a path or a StagingStorage, got {root!r}")
+        super().__init__(root, **options)
+        self._staging: StagingStorage = root
+        self._staged: tuple[Path, bytes] | None = None
+
+    def write_files(self, states: Sequence[FileState], collective: Collective) -> None:
+        """Collective: every replica writes ``states``' files into one staging directory.
+
+        Rank 0 keeps the staging directory and the listing for its next :meth:`save`.
+        """
+        token = collective.broadcast(secrets.token_hex(8) if collective.rank == 0 else "")
+        staged = self._staging.stage(token)
+        mine: dict[str, dict[str, list[Any]]] = {}
+        for state in states:
+            name = check_name("state name", state.name)
+            directory = staged / name
+            os.makedirs(directory, exist_ok=True)
+            written = state.write_files(directory)
+            row = mine.setdefault(name, {})
+            for file in written:
+                record = self._staging.digest(directory / check_name("file name", file))
+                row[file] = [record.size, record.sha256]
+        listing = _merge_listings(collective.allgather(mine))
+        self._staged = (staged, encode_listing(listing)) if collective.rank == 0 else None
+
+    def save(
+        self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
+    ) -> Checkpoint:
+        """Save as the plain store does, with the staged files."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return super().save(entries, metadata)
+        if FILES_ENTRY in entries:
+            raise ValueError(f"{FILES_ENTRY!r} is a reserved entry name; rename that state")
+        self._staging.adopt(staged[0])
+        try:
+            return super().save({**entries, FILES_ENTRY: staged[1]}, metadata)
+        finally:
+            self._staging.adopt(None)
+
+    def files_directory(self, label: str, name: str) -> Path:
+        """Where checkpoint ``label`` keeps the files of state ``name``."""
+        return self._staging.root / label / check_name("state name", name)
+
+    def _load_one(self, label: str) -> Checkpoint:
+        checkpoint = super()._load_one(label)
+        data = checkpoint.entries.get(FILES_ENTRY)
+        if data is None:
+            return checkpoint
+        try:
+            listing = decode_listing(data)
+        except ValueError as exc:
+            raise _Unusable(str(exc)) from None
+        for state, records in listing.items():
+            directory = self.files_directory(label, state)
+            for name, record in records.items():
+                try:
+                    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                        raise OSError(errno.ENOTDIR, "not a directory", str(directory))
+                    found = self._staging.digest(directory / name, limit=record.size)
+                except OSError as exc:
+                    raise _Unusable(
+                        f"file {state}/{name} is missing or unreadable ({exc})"
+                    ) from None
+                if found != record:
+                    raise _Unusable(
+                        f"file {state}/{name} does not match its size and SHA-256 in "
+                        f"{FILES_ENTRY} (truncated, damaged or replaced)"
+                    )
+        return checkpoint

@@ -1,0 +1,120 @@
+"""A sharded model and its optimiser as a checkpoint state that every replica writes itself.
+
+`ShardedState` is a `adaptdl.core.shardedfiles.FileState`: at a checkpoint each
+replica saves the shards it holds with torch's distributed checkpoint (DCP) into
+the checkpoint's staging directory (no replica gathers the whole model), and on
+restore DCP reads them back at whatever world size the job now has, resharding
+the model and the optimiser's state. Reading goes through `adaptdl.torch.dcp`, so
+a crafted checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from adaptdl.core.checkpoint import CheckpointError
+from adaptdl.torch import dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+__all__ = ["ShardedState"]
+
+_FORMAT = "adaptdl.dcp/1"
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer that remembers the names of the files this replica wrote."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, overwrite=False)
+        self.written: list[str] = []
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future = super().write_data(plan, planner)
+        results = future.wait()  # the plain writer finishes before it returns
+        self.written.extend(sorted({r.storage_data.relative_path for r in results}))
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.written.append(dcp.METADATA_FILE)  # the coordinator's alone
+
+
+class ShardedState:
+    """``model`` (sharded by ``fully_shard``, or any module) and ``optimizer`` saved with DCP.
+
+    The state dicts come from ``torch.distributed.checkpoint.state_dict``
+    (``get_state_dict``/``set_state_dict``), which keep each tensor sharded as
+    it is and name optimiser state by parameter name, so a restore at another
+    world size reshards both. ``plain`` is entered around them: they may step the
+    optimiser (with zero gradients) to create its state, which the adaptive
+    wrapper must not take for a training step.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plain: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
+        self._name = name
+        self._model = model
+        self._optimizer = optimizer
+        self._plain = plain
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": _FORMAT}).encode("ascii")
+
+    def from_bytes(self, data: bytes) -> None:
+        try:
+            described = json.loads(data)
+        except ValueError:
+            described = None
+        if not isinstance(described, dict) or described.get("format") != _FORMAT:
+            raise CheckpointError(f"state {self._name!r}: not a {_FORMAT!r} description")
+
+    def _state_dict(self) -> dict[str, Any]:
+        with self._plain():  # its zero-gradient step is no training step
+            model, optim = get_state_dict(self._model, self._optimizer)
+        return {"model": model, "optim": optim}
+
+    def write_files(self, directory: Path) -> list[str]:
+        """Collective: DCP-save this replica's shards into ``directory``; their names."""
+        writer = _RecordingWriter(directory)
+        dcp_save(self._state_dict(), storage_writer=writer)
+        return writer.written
+
+    def read_files(self, directory: Path) -> None:
+        """Collective: load the shards in ``directory`` into the model and optimiser."""
+        state = self._state_dict()
+        dcp.load(state, directory)
+        try:
+            with self._plain():
+                set_state_dict(
+                    self._model,
+                    self._optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optim"],
+                )
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"state {self._name!r}: the saved model and optimiser do not fit these "
+                f"({type(exc).__name__}: {exc}); construct the same model and optimiser as "
+                "the run that saved the checkpoint"
+            ) from exc

@@ -1,0 +1,148 @@
+"""Run by test_torch_fsdp under torchrun: one model trained under DDP or FSDP2, or checkpointed.
+
+``python fsdp_replicas.py MODE OUT``:
+
+* ``ddp`` / ``fsdp``: the same two-layer model, data and seed, four micro-batches of
+  4 per step over the replicas (accumulation included), trained for one epoch
+  under `AdaptiveDataParallel` or `AdaptiveFSDP`; each replica writes the
+  gradient-noise statistics per group, the progress and the full parameters.
+* ``save``: FSDP2 with AdamW, a few steps, then a checkpoint; ``load``: restores it
+  (at whatever world size torchrun gives); both write the full parameters and the
+  full optimiser state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.torch import _context
+from adaptdl.torch.fsdp import AdaptiveFSDP
+from adaptdl.torch.scaling_rules import AdaScale
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+N = 64
+
+
+def data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 6, generator=gen)
+    return TensorDataset(torch.arange(N), x, torch.sin(x).sum(1, keepdim=True))
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+
+
+def shard(net: torch.nn.Module) -> torch.nn.Module:
+    bf16 = os.environ.get("FSDP_BF16") == "1"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    fully_shard(net[0], mp_policy=policy)
+    fully_shard(net[2], mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    return net
+
+
+def full(t: Any) -> Any:
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().double().flatten().tolist() if isinstance(t, torch.Tensor) else t
+
+
+def write(results: dict[str, Any]) -> None:
+    with open(os.path.join(OUT, f"{MODE}-rank{dist.get_rank()}.json"), "w") as out:
+        json.dump(results, out)
+
+
+def two_groups(net: torch.nn.Module) -> list[dict[str, Any]]:
+    return [
+        {"params": list(net[0].parameters())},
+        {"params": list(net[2].parameters()), "lr": 0.05},
+    ]
+
+
+def train_gns() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=16)
+    loader.autoscale_batch_size(64, (1, 16), gradient_accumulation=True)
+    # 2 replicas x 4 samples x 2 micro-batches: accumulation and the replicas' sum.
+    _context.current_job().batch_size_decision = lambda query: (4, 1)
+    net = model()
+    wrapped: Any
+    if MODE == "fsdp":
+        net = shard(net)
+        optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
+        wrapped = AdaptiveFSDP(net, optimizer, scaling_rule=AdaScale())
+    else:
+        optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
+        wrapped = adl.AdaptiveDataParallel(net, optimizer, scaling_rule=AdaScale())
+    for _ in adl.remaining_epochs_until(2):
+        for _idx, x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x).float(), y).backward()
+            optimizer.step()
+    gns = wrapped.gns
+    write(
+        {
+            "sqr": list(gns.group_sqr),
+            "var": list(gns.group_var),
+            "updates": gns.num_updates,
+            "progress": wrapped.progress,
+            "params": [full(p) for p in net.parameters()],
+        }
+    )
+
+
+def checkpointed() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    net = shard(model())
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    wrapped = AdaptiveFSDP(net, optimizer, lr_scheduler=scheduler)
+    if MODE == "save":
+        for _ in adl.remaining_epochs_until(1):
+            for _idx, x, y in loader:
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(wrapped(x), y).backward()
+                optimizer.step()
+            scheduler.step()
+        _context.current_job().checkpoint()
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
+    write(
+        {
+            "restored": _context.current_job().restored_from,
+            "model": {k: full(v) for k, v in model_sd.items()},
+            "optim": {
+                f"{k}.{s}": full(v)
+                for k, state in optim_sd["state"].items()
+                for s, v in state.items()
+            },
+            "lr": scheduler.get_last_lr(),
+            "files": sorted(os.listdir(os.environ["ADAPTDL_CHECKPOINT_PATH"])),
+        }
+    )
+
+
+def main() -> None:
+    adl.init_process_group("gloo")
+    if MODE in ("ddp", "fsdp"):
+        train_gns()
+    else:
+        checkpointed()
+    dist.barrier()
+    _context.current_job().drain()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""AdaptiveFSDP and sharded checkpoints (issue 15): statistics equal to DDP's, checkpoints
+resharded at another world size, and DCP metadata that would run code refused unrun."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import TensorDataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.core import checkpoint as core_checkpoint
+from adaptdl.core.checkpoint import MANIFEST, CheckpointError
+from adaptdl.core.collective import decode, encode
+from adaptdl.core.shardedfiles import FILES_ENTRY
+from adaptdl.torch import _context
+from adaptdl.torch.dcp import SafeLoadPlanner, read_metadata
+from adaptdl.torch.fsdp import AdaptiveFSDP
+from adaptdl.torch.launch import torchrun_command
+from adaptdl.torch.scaling_rules import AdamScale, LinearScale
+
+SCRIPT = Path(__file__).with_name("fsdp_replicas.py")
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+# --------------------------------------------------------------------- metadata, unit
+
+
+def test_a_metadata_file_with_a_reduce_payload_is_refused_unrun(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=r"\.metadata.*refused global posix\.system"):
+        read_metadata(path)
+    assert not marker.exists()
+
+
+def test_a_payload_nested_inside_real_metadata_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata({}, planner_data=Payload(marker))))
+    with pytest.raises(CheckpointError, match=r"refused global posix\.system"):
+        read_metadata(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (pickle.dumps({"not": "metadata"}), "holds a dict"),
+        (pickle.dumps(Metadata({}))[:-5], "cannot be read"),
+        (pickle.dumps(eval), r"refused global builtins\.eval"),
+    ],
+)
+def test_other_bad_metadata_is_a_checkpoint_error(
+    tmp_path: Path, data: bytes, problem: str
+) -> None:
+    path = tmp_path / ".metadata"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=problem):
+        read_metadata(path)
+
+
+def test_a_symlinked_metadata_file_is_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "real").write_bytes(pickle.dumps(Metadata({})))
+    (tmp_path / ".metadata").symlink_to(tmp_path / "real")
+    with pytest.raises(CheckpointError, match="missing or unreadable"):
+        read_metadata(tmp_path / ".metadata")
+
+
+def test_non_tensor_values_load_with_weights_only(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    planner = SafeLoadPlanner()
+    planner.set_up_planner({"lr": 0.0}, Metadata({}), is_coordinator=True)
+    item = ReadItem(
+        LoadItemType.BYTE_IO,
+        MetadataIndex("lr"),
+        torch.Size(),
+        MetadataIndex("lr"),
+        torch.Size(),
+        torch.Size(),
+    )
+    buffer = io.BytesIO()
+    torch.save(0.25, buffer)
+    buffer.seek(0)
+    planner.load_bytes(item, buffer)
+    assert planner.original_state_dict == {"lr": 0.25}
+    buffer = io.BytesIO(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        planner.load_bytes(item, buffer)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------- one replica, in process
+
+
+def data(n: int = 24) -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=gen)
+    return TensorDataset(torch.arange(n), x, x.sum(1, keepdim=True))
+
+
+def build(with_loader: bool = True) -> tuple[Any, torch.nn.Module, Any, AdaptiveFSDP]:
+    loader = None
+    if with_loader:
+        adl.init_process_group("gloo")
+        loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return loader, model, optimizer, AdaptiveFSDP(model, optimizer)
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+
+
+def test_bad_arguments_are_refused() -> None:
+    adl.init_process_group("gloo")
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="fully_shard"):
+        AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1))
+    fully_shard(plain)
+    with pytest.raises(ValueError, match="AdamScale"):
+        AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1), scaling_rule=AdamScale())
+
+
+def train(net: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    optimizer.step()
+
+
+def test_accumulated_micro_batches_take_one_full_batch_step() -> None:
+    adl.init_process_group("gloo")
+    dataset = data(32)
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=16)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    reference = copy.deepcopy(model)
+    fully_shard(model[0])
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = AdaptiveFSDP(model, optimizer, scaling_rule=LinearScale())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    steps, batch = 0, []
+    for _ in adl.remaining_epochs_until(1):
+        for idx, x, y in loader:
+            batch.append(idx)
+            train(wrapped, optimizer, x, y)
+            helper = adl.current_dataloader()
+            if helper is not None and helper.is_optim_step():
+                steps += 1
+                _, whole_x, whole_y = dataset[torch.cat(batch)]
+                batch = []
+                train(reference, ref_opt, whole_x, whole_y)  # the whole batch at once
+                for p, q in zip(full_params(model), reference.parameters(), strict=True):
+                    torch.testing.assert_close(p, q.detach())
+    assert steps == 2
+    assert wrapped.gns is not None and wrapped.gns.num_updates == 2
+
+
+def test_gradients_of_a_loop_left_mid_accumulation_belong_to_no_step() -> None:
+    adl.init_process_group("gloo")
+    loader = adl.AdaptiveDataLoader(data(32), batch_size=16)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    _, _, optimizer, wrapped = build(with_loader=False)
+    for epoch in adl.remaining_epochs_until(2):
+        for i, (_, x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            if epoch == 1:  # the new loop starts from clean gradients, unsharded ones too
+                assert wrapped._unsharded and all(p.grad is None for p in wrapped._unsharded)
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+            if epoch == 0 and i == 1:
+                assert any(p.grad is not None for p in wrapped._unsharded)
+                break  # two micro-batches accumulated, unreduced
+            if epoch == 1:
+                break
+
+
+def test_a_sharded_grad_scaler_scales_and_unscales_the_statistics() -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    adl.init_process_group("gloo")
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    wrapped = AdaptiveFSDP(model, optimizer, mp_scaler=scaler)
+    plain = copy.deepcopy(wrapped.gns)
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            optimizer.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(wrapped(x), y)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert scaler.get_scale() > 2.0**10 and wrapped.progress == 6
+    assert plain is None and wrapped.gns is not None
+    # Unscaled: the estimate is of the gradient, not of 2**10 times it.
+    assert 0 < wrapped.gns.var < 1e4
+
+
+def test_a_checkpoint_of_an_optimizer_without_state_is_no_training_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP steps an optimiser that has no state, with zero gradients, to create it."""
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    loader, model, optimizer, wrapped = build()
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            train(wrapped, optimizer, x, y)
+            optimizer.zero_grad()
+            optimizer.state.clear()  # as a stateless optimiser has none
+            progress, params = wrapped.progress, full_params(model)
+            _context.current_job().checkpoint()
+            assert wrapped.progress == progress > 0
+            assert all(torch.equal(a, b) for a, b in zip(full_params(model), params, strict=True))
+            break
+
+
+def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ck"))
+    loader, model, optimizer, wrapped = build()
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+    assert wrapped.gns is not None and wrapped.progress > 0
+    _context.current_job().checkpoint()
+    saved = full_params(model)
+    _context._reset()
+    return saved
+
+
+def test_a_restart_restores_the_sharded_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = checkpoint_one(tmp_path, monkeypatch)
+    _, model, optimizer, _ = build()
+    assert _context.current_job().restored_from == "ckpt-000001"
+    for a, b in zip(full_params(model), saved, strict=True):
+        assert torch.equal(a, b)
+    assert all(s["step"] > 0 for s in optimizer.state.values())
+
+
+def _rewrite(checkpoint: Path, file: str, data: bytes) -> None:
+    """Replace ``file`` and re-hash the listing and the manifest, as an attacker would."""
+    (checkpoint / file).write_bytes(data)
+    manifest = decode((checkpoint / MANIFEST).read_bytes())
+    record = manifest["entries"][FILES_ENTRY]
+    listing = decode((checkpoint / record["file"]).read_bytes())
+    state, name = file.split("/")
+    listing["files"][state][name] = [len(data), hashlib.sha256(data).hexdigest()]
+    raw = encode(listing)
+    (checkpoint / record["file"]).write_bytes(raw)
+    record.update(size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    del manifest["digest"]
+    manifest["digest"] = core_checkpoint._digest(manifest)
+    (checkpoint / MANIFEST).write_bytes(encode(manifest))
+
+
+def test_a_crafted_checkpoint_is_refused_without_running_its_payload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint_one(tmp_path, monkeypatch)
+    marker = tmp_path / "ran"
+    _rewrite(
+        tmp_path / "ck" / "ckpt-000001", "adaptdl-fsdp/.metadata", pickle.dumps(Payload(marker))
+    )
+    with pytest.raises(CheckpointError, match=r"\.metadata.*refused global posix\.system"):
+        build()
+    assert not marker.exists()
+
+
+def test_a_damaged_shard_is_detected_and_never_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint_one(tmp_path, monkeypatch)
+    shard = tmp_path / "ck" / "ckpt-000001" / "adaptdl-fsdp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
+        build()
+
+
+# --------------------------------------------------------------------- torchrun
+
+
+def torchrun(mode: str, nproc: int, out: Path, **env: str) -> None:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    command = torchrun_command(SCRIPT, nproc, args=[mode, str(out)])
+    done = subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def results(out: Path, mode: str, rank: int = 0) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((out / f"{mode}-rank{rank}.json").read_text())
+    return loaded
+
+
+@pytest.mark.e2e
+def test_noise_statistics_under_fsdp2_equal_those_under_ddp(tmp_path: Path) -> None:
+    torchrun("ddp", 2, tmp_path)
+    torchrun("fsdp", 2, tmp_path)
+    ddp, fsdp = results(tmp_path, "ddp"), results(tmp_path, "fsdp")
+    assert fsdp["updates"] == ddp["updates"] > 0
+    assert fsdp["progress"] == pytest.approx(ddp["progress"], rel=1e-6)
+    for key in ("sqr", "var"):
+        assert len(fsdp[key]) == 2  # per parameter group
+        assert fsdp[key] == pytest.approx(ddp[key], rel=1e-5), key
+    for a, b in zip(fsdp["params"], ddp["params"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    assert results(tmp_path, "fsdp", 1)["sqr"] == fsdp["sqr"]
+
+
+@pytest.mark.e2e
+def test_bf16_fsdp2_measures_finite_statistics(tmp_path: Path) -> None:
+    torchrun("fsdp", 2, tmp_path, FSDP_BF16="1")
+    fsdp = results(tmp_path, "fsdp")
+    assert fsdp["updates"] > 0 and all(v > 0 for v in fsdp["sqr"] + fsdp["var"])
+
+
+@pytest.mark.e2e
+def test_a_sharded_checkpoint_of_2_replicas_restores_resharded_on_3(tmp_path: Path) -> None:
+    env = {"ADAPTDL_CHECKPOINT_PATH": str(tmp_path / "ck")}
+    torchrun("save", 2, tmp_path, **env)
+    files = sorted(os.listdir(tmp_path / "ck" / "ckpt-000001" / "adaptdl-fsdp"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one per replica
+    torchrun("load", 3, tmp_path, **env)
+    saved = results(tmp_path, "save")
+    for rank in range(3):
+        loaded = results(tmp_path, "load", rank)
+        assert loaded["restored"] == "ckpt-000001"
+        assert loaded["model"] == saved["model"]
+        assert loaded["optim"] == saved["optim"] and saved["optim"]
+        assert loaded["lr"] == saved["lr"] == [0.005]
