@@ -11,6 +11,14 @@ fault, chosen from :data:`KINDS`:
 ``double_sigterm``  two SIGTERMs to torchrun, at a random step or while rank 0 is
                     inside a checkpoint write; every replica must checkpoint and
                     exit 143; the job is then relaunched at a random size.
+``double_sigterm_workers``
+                    the same, at a random step, with two DataLoader workers per
+                    replica (torchrun forwards each SIGTERM to a replica's whole
+                    process group, its workers included).
+``slurm_sigterm``   SIGTERM to every process of the job at once (torchrun, the
+                    replicas and their DataLoader workers, 0 or 2 each), as Slurm's
+                    ``scancel`` does; torchrun forwards it to the replicas again.
+                    Every replica must checkpoint and exit 143; then a relaunch.
 ``enospc``          the disk fills up during a checkpoint write (injected ENOSPC);
                     the job fails with a clear error, torchrun restarts it, and it
                     resumes from the previous complete checkpoint.
@@ -25,6 +33,12 @@ fault, chosen from :data:`KINDS`:
                     system that ignores the lock; a replica is then SIGKILLed so the
                     restart must resume past them from this job's own checkpoint.
                     None of the other job's files may be touched.
+``node``            a node joining and leaving through torchrun's c10d rendezvous
+                    (`faults.nodes`): node a trains alone; node b starts, and the
+                    job resumes at 2 replicas from the checkpoint a's replica wrote
+                    when torchrun stopped it; then node b is lost (its agent and its
+                    replica SIGKILLed, while standing at a step or while training),
+                    and a continues alone to the end from the newest checkpoint.
 
 After every torchrun launch the checkpoint directory must hold a loadable
 checkpoint. After every trial: the job finished all its epochs; every sample of
@@ -42,6 +56,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -63,9 +78,21 @@ from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
 from adaptdl.core.journal import Journal, Mark, journal_name
 from adaptdl.core.storage import TMP_PREFIX, LocalStorage, owner_tag
 from adaptdl.torch.launch import torchrun_command
+from faults.nodes import ElasticNodes, descendants
 
 SCRIPT = Path(__file__).with_name("train.py")
-KINDS = ("kill", "kill_in_save", "double_sigterm", "enospc", "resize", "hang", "second_job")
+KINDS = (
+    "kill",
+    "kill_in_save",
+    "double_sigterm",
+    "double_sigterm_workers",
+    "slurm_sigterm",
+    "enospc",
+    "resize",
+    "hang",
+    "second_job",
+    "node",
+)
 JOB_ID = "faults-job"
 OTHER_JOB = "faults-other-job"  # the job a `second_job` trial puts beside this one
 EPOCHS = 2
@@ -95,6 +122,8 @@ class Result:
     checkpoint_checks: int = 0
     foreign_touched: int | None = None  # files of another job changed (second_job trials)
     stop_seconds: float | None = None
+    join_seconds: float | None = None  # node trials: node b started -> a step at 2 replicas
+    loss_seconds: float | None = None  # node b lost -> a step at 1 replica
     seconds: float = 0.0
     error: str | None = None
     timings: list[dict[str, float]] = attrs.field(factory=list)
@@ -237,6 +266,56 @@ class Launch:
         except OSError:
             return False
         return f"FAULTS_RECORD_DIR={self.trial.records}".encode() in env
+
+
+class NodesLaunch(Launch):
+    """Two torchrun agents, nodes ``a`` and ``b``, of one elastic job: one launch of a trial.
+
+    Node ``a`` starts at once and hosts the rendezvous; `ElasticNodes` starts ``b``
+    and loses it. The launch's process (what it waits for) is node ``a``'s agent.
+    """
+
+    def __init__(self, trial: Trial, env: dict[str, str]) -> None:
+        self.trial = trial
+        self.run = len(trial.launches)
+        self.nproc = 1  # replicas per node
+        self.hold = trial.dir / f"hold-run{self.run}"
+        full_env = {
+            **trial.env,
+            "FAULTS_RUN": str(self.run),
+            "FAULTS_HOLD_FILE": str(self.hold),
+            **env,
+        }
+        self.nodes = ElasticNodes(SCRIPT, trial.dir, full_env, max_restarts=3)
+        self.hold.touch()
+        node = self.nodes.start("a")
+        self.proc = node.proc
+        self.log = node.log
+        trial.launches.append(self)
+
+    def output(self) -> str:
+        return "\n".join(
+            f"--- node {name}:\n{node.output(2000)}" for name, node in self.nodes.nodes.items()
+        )
+
+    def steps(self, replicas: int | None = None, after: float = 0.0) -> list[dict[str, Any]]:
+        """The steps taken (at ``replicas`` replicas) since time ``after``, oldest first."""
+        return sorted(
+            (
+                r
+                for r in self.records()
+                if "indices" in r and replicas in (None, r["replicas"]) and r["t"] > after
+            ),
+            key=lambda r: r["t"],
+        )
+
+    def sizes(self) -> list[int]:
+        """The numbers of replicas the job trained at, in order (each change once)."""
+        return [size for size, _ in itertools.groupby(r["replicas"] for r in self.steps())]
+
+    def kill(self) -> None:
+        self.nodes.kill()
+        super().kill()
 
 
 # --------------------------------------------------------------------------- trials
@@ -388,6 +467,62 @@ class Trial:
         self.signal_torchrun(first, 2)
         self.stopped(first)
         self.finish(Launch(self, self.procs(), max_restarts=0))
+
+    def double_sigterm_workers(self) -> None:
+        first = Launch(self, self.procs(), max_restarts=0, env={"FAULTS_WORKERS": "2"})
+        first.pids()
+        first.wait_steps(self.step_target(first.nproc))
+        self.result.detail += " 2xTERM, 2 loader workers"
+        self.signal_torchrun(first, 2)
+        self.stopped(first)
+        self.finish(Launch(self, self.procs(), max_restarts=0))
+
+    def slurm_sigterm(self) -> None:
+        workers = self.rng.choice([0, 2])
+        first = Launch(self, self.procs(), max_restarts=0, env={"FAULTS_WORKERS": str(workers)})
+        first.pids()
+        first.wait_steps(self.step_target(first.nproc))
+        everyone = [first.proc.pid, *descendants(first.proc.pid)]
+        self.rng.shuffle(everyone)  # scancel signals them all, in no particular order
+        for pid in everyone:
+            _kill(pid, signal.SIGTERM)
+        self.result.detail += f" TERM to all {len(everyone)} ({workers} loader workers)"
+        self.stopped(first)
+        self.finish(Launch(self, self.procs(), max_restarts=0))
+
+    def node(self) -> None:
+        # Each replica process stands before its step k+1 while the hold file exists.
+        hold_from = self.rng.randint(1, 3)
+        launch = NodesLaunch(self, {"FAULTS_HOLD_FROM": str(hold_from)})
+        launch.wait_steps(1)  # a trains alone before b joins
+        launch.nodes.start("b")
+        joined = time.time()
+        (first,) = launch.wait_for("a step at 2 replicas", lambda _: launch.steps(2)[:1])
+        self.result.join_seconds = first["t"] - joined
+        launch.wait_for("both standing", lambda _: len(launch.steps(2)) >= 2 * hold_from)
+        standing = self.rng.random() < 0.5
+        if not standing:  # lose b while training, a few steps on
+            launch.hold.unlink()
+            time.sleep(self.rng.uniform(0.0, 0.15))
+        lost = time.time()
+        launch.nodes.lose("b")
+        launch.hold.unlink(missing_ok=True)
+        self.result.detail += f" b joins, lost {'at' if standing else 'after'} step {hold_from}"
+
+        def resumed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            done = [r for r in records if r.get("exit") == 0 and r["t"] > lost]
+            return launch.steps(1, lost)[:1] or done
+
+        (after,) = launch.wait_for("a step at 1 replica after the loss", resumed)
+        if "indices" in after:
+            self.result.loss_seconds = after["t"] - lost
+        else:
+            self.result.detail += " (finished first)"
+        self.finish(launch)
+        sizes = launch.sizes()
+        expected = [1, 2, 1] if "indices" in after else [1, 2]
+        if sizes != expected:
+            raise launch.fail(f"the replicas went {sizes}, not {expected}")
 
     def enospc(self) -> None:
         at = self.rng.randint(1, 7)  # 1: the writability probe at start
@@ -748,6 +883,18 @@ def report(results: list[Result], seed: int) -> None:
     if stops:
         summary.add_row(
             f"slowest stop after a peer hung (timeout {HANG_TIMEOUT:.0f}s)", f"{max(stops):.1f}s"
+        )
+    joins = [r.join_seconds for r in results if r.join_seconds is not None]
+    if joins:
+        summary.add_row(
+            "node joined -> first step at 2 replicas, median / max",
+            f"{_median(joins):.1f}s / {max(joins):.1f}s",
+        )
+    losses = [r.loss_seconds for r in results if r.loss_seconds is not None]
+    if losses:
+        summary.add_row(
+            "node lost -> first step at 1 replica, median / max",
+            f"{_median(losses):.1f}s / {max(losses):.1f}s",
         )
     touched = [r.foreign_touched for r in results if r.foreign_touched is not None]
     if touched:
