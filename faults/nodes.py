@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from adaptdl.torch.launch import NODE_ENV, torchrun_node_command
+from adaptdl.torch.launch import NODE_ENV, Rendezvous, torchrun_command
 
 # Rendezvous settings that make membership changes quick on one machine (torchrun's
 # defaults in brackets): a round completes 1 s after its first node arrived [30 s],
@@ -42,6 +42,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def descendants(pid: int) -> set[int]:
@@ -88,7 +97,7 @@ class ElasticNodes:
     """The nodes of one elastic job of 1 to ``max_nodes`` nodes, started one by one.
 
     Every node runs ``script`` with ``nproc_per_node`` replicas under the same
-    command (`torchrun_node_command`) and ``env``, plus `NODE_ENV` and
+    command (`torchrun_command` with a `Rendezvous`) and ``env``, plus `NODE_ENV` and
     ``FAULTS_NODE=<name>``; its torchrun output goes to ``<log_dir>/node-<name>.log``.
     """
 
@@ -106,15 +115,13 @@ class ElasticNodes:
         run_id: str = "adaptdl-nodes",
     ) -> None:
         self.endpoint = f"127.0.0.1:{free_port()}"
-        self.command = torchrun_node_command(
+        rendezvous = Rendezvous(self.endpoint, max_nodes, run_id=run_id, conf=rdzv_conf)
+        self.command = torchrun_command(
             script,
             nproc_per_node,
-            endpoint=self.endpoint,
-            max_nodes=max_nodes,
-            run_id=run_id,
-            rdzv_conf=rdzv_conf,
             max_restarts=max_restarts,
             monitor_interval=monitor_interval,
+            rendezvous=rendezvous,
         )
         self.log_dir = log_dir
         self.env = {**env, **NODE_ENV}

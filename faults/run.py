@@ -85,7 +85,7 @@ from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
 from adaptdl.core.journal import Journal, Mark, journal_name
 from adaptdl.core.storage import TMP_PREFIX, LocalStorage, owner_tag
 from adaptdl.torch.launch import torchrun_command
-from faults.nodes import ElasticNodes, descendants
+from faults.nodes import ElasticNodes, alive, descendants
 
 SCRIPT = Path(__file__).with_name("train.py")
 KINDS = (
@@ -167,15 +167,6 @@ def read_records(record_dir: Path, run: int | None = None) -> list[dict[str, Any
             if run is None or entry["run"] == run:
                 out.append(entry)
     return out
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for torchrun to reap it does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class Launch:
@@ -278,7 +269,7 @@ class Launch:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         for r in self.records():
-            if r.get("start") and _alive(r["pid"]) and self._ours(r["pid"]):
+            if r.get("start") and alive(r["pid"]) and self._ours(r["pid"]):
                 _kill(r["pid"], signal.SIGKILL)
 
     def _ours(self, pid: int) -> bool:
@@ -477,8 +468,15 @@ class Trial:
         self.finish(launch)
 
     def double_sigterm(self) -> None:
-        in_save = self.occurrence % 2 == 0
-        env = {"FAULTS_SLOW_SAVE": "1.0"} if in_save else {}
+        self._double_sigterm(in_save=self.occurrence % 2 == 0, workers=0)
+
+    def double_sigterm_workers(self) -> None:
+        self._double_sigterm(in_save=False, workers=2)
+
+    def _double_sigterm(self, in_save: bool, workers: int) -> None:
+        env = {"FAULTS_WORKERS": str(workers)}
+        if in_save:
+            env["FAULTS_SLOW_SAVE"] = "1.0"
         first = Launch(self, self.procs(), max_restarts=0, env=env)
         first.pids()
         if in_save:
@@ -487,15 +485,8 @@ class Trial:
         else:
             first.wait_steps(self.step_target(first.nproc))
             self.result.detail += " 2xTERM"
-        self.signal_torchrun(first, 2)
-        self.stopped(first)
-        self.finish(Launch(self, self.procs(), max_restarts=0))
-
-    def double_sigterm_workers(self) -> None:
-        first = Launch(self, self.procs(), max_restarts=0, env={"FAULTS_WORKERS": "2"})
-        first.pids()
-        first.wait_steps(self.step_target(first.nproc))
-        self.result.detail += " 2xTERM, 2 loader workers"
+        if workers:
+            self.result.detail += f", {workers} loader workers"
         self.signal_torchrun(first, 2)
         self.stopped(first)
         self.finish(Launch(self, self.procs(), max_restarts=0))
@@ -582,7 +573,7 @@ class Trial:
         start = time.monotonic()
         survivors = [pid for r, pid in pids.items() if r != rank]
         try:
-            while any(_alive(pid) for pid in survivors):
+            while any(alive(pid) for pid in survivors):
                 if time.monotonic() - start > HANG_TIMEOUT + HANG_SLACK:
                     raise launch.fail(
                         f"survivors still running {HANG_TIMEOUT + HANG_SLACK}s after a peer "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults.nodes import ElasticNodes
+from faults.nodes import ElasticNodes, alive
 from faults.run import SCRIPT, read_records
 
 pytestmark = pytest.mark.e2e
@@ -114,14 +114,6 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         job.nodes.kill()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def test_the_job_trains_at_1_then_2_then_1_replicas(
     two_nodes: Job, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -177,4 +169,4 @@ def test_the_lost_node_left_no_process_behind(two_nodes: Job) -> None:
     records = read_records(two_nodes.records)
     (b_replica,) = [r["pid"] for r in records if r.get("start") and r["node"] == "b"]
     assert b_replica in two_nodes.lost_pids, "the lost node's replica was not among its processes"
-    assert not [pid for pid in two_nodes.lost_pids if _alive(pid)]
+    assert not [pid for pid in two_nodes.lost_pids if alive(pid)]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptdl.torch.launch import NODE_ENV, torchrun_command, torchrun_node_command
+from adaptdl.torch.launch import NODE_ENV, Rendezvous, torchrun_command
 
 RUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
@@ -49,25 +49,20 @@ def test_bad_arguments_are_named(kwargs: dict[str, float], message: str) -> None
 
 
 def test_a_node_of_an_elastic_multi_node_job() -> None:
-    command = torchrun_node_command(
-        "train.py",
-        2,
-        endpoint="head:29400",
-        max_nodes=4,
-        run_id="job-7",
-        rdzv_conf={"last_call_timeout": 1, "keep_alive_max_attempt": 5},
-        max_restarts=3,
+    rendezvous = Rendezvous(
+        "head:29400", 4, run_id="job-7", conf={"last_call_timeout": 1, "keep_alive_max_attempt": 5}
     )
+    command = torchrun_command("train.py", 2, max_restarts=3, rendezvous=rendezvous)
     assert command == [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes=1:4",
-        "--nproc-per-node=2",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",
         "--rdzv-id=job-7",
         "--rdzv-conf=last_call_timeout=1,keep_alive_max_attempt=5",
+        "--nproc-per-node=2",
         "--max-restarts=3",
         "train.py",
     ]
@@ -77,17 +72,17 @@ def test_a_node_of_an_elastic_multi_node_job() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"nproc_per_node": 0}, "nproc_per_node must be >= 1, got 0"),
         ({"min_nodes": 3}, "max_nodes must be >= 3, got 2"),
+        ({"min_nodes": 0}, "min_nodes must be >= 1, got 0"),
         ({"endpoint": "head"}, "endpoint must be 'host:port', got 'head'"),
         ({"endpoint": "head:http"}, "endpoint must be 'host:port'"),
         ({"run_id": "a b"}, "run_id must be a non-empty name without spaces, got 'a b'"),
-        ({"rdzv_conf": {"a,b": 1}}, "rdzv_conf keys must be option names, got 'a,b'"),
-        ({"rdzv_conf": {"join_timeout": -1}}, r"rdzv_conf\['join_timeout'\] must be >= 0"),
-        ({"rdzv_conf": {"join_timeout": 1.5}}, r"rdzv_conf\['join_timeout'\] must be an int"),
+        ({"conf": {"a,b": 1}}, "conf keys must be option names, got 'a,b'"),
+        ({"conf": {"join_timeout": -1}}, r"conf\['join_timeout'\] must be >= 0"),
+        ({"conf": {"join_timeout": 1.5}}, r"conf\['join_timeout'\] must be an int"),
     ],
 )
-def test_bad_node_arguments_are_named(kwargs: dict[str, object], message: str) -> None:
-    arguments: dict[str, object] = {"nproc_per_node": 1, "endpoint": "h:1", "max_nodes": 2}
+def test_bad_rendezvous_arguments_are_named(kwargs: dict[str, object], message: str) -> None:
+    arguments: dict[str, object] = {"endpoint": "h:1", "max_nodes": 2}
     with pytest.raises(ValueError, match=message):
-        torchrun_node_command("t.py", **{**arguments, **kwargs})  # type: ignore[arg-type]
+        Rendezvous(**{**arguments, **kwargs})  # type: ignore[arg-type]

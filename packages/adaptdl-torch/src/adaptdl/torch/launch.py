@@ -3,7 +3,7 @@
 One builder for every place that launches real replicas on one machine (the
 end-to-end tests, the fault-injection harness, the outcome experiments, the
 benchmarks and the demo), so that they all run torchrun the same way; and the
-command of one node of an elastic multi-node job (`torchrun_node_command`).
+command of one node of an elastic multi-node job (with a `Rendezvous`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+import attrs
+
 from adaptdl.core._validate import check_float, check_int
 
-__all__ = ["NODE_ENV", "torchrun_command", "torchrun_node_command"]
+__all__ = ["NODE_ENV", "Rendezvous", "torchrun_command"]
 
 # What every node of a multi-node elastic job needs in its environment. With
 # torchrun's default (the workers reuse the rendezvous TCP store), a node that
@@ -22,6 +24,51 @@ __all__ = ["NODE_ENV", "torchrun_command", "torchrun_node_command"]
 # for the new round: a node that joins a running job waits for it, and the
 # rendezvous fails after 60 s (DistStoreError ... MASTER_ADDR).
 NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@attrs.frozen
+class Rendezvous:
+    """torchrun's c10d rendezvous of an elastic job of ``min_nodes`` to ``max_nodes`` nodes.
+
+    Every node runs the same command. ``endpoint`` is ``host:port``: the node on
+    that host keeps the rendezvous store, so it must outlive the job. ``conf`` is
+    torchrun's ``--rdzv-conf``, in whole seconds or counts (for example
+    ``last_call_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``).
+    Run the nodes with `NODE_ENV` in their environment.
+    """
+
+    endpoint: str
+    max_nodes: int
+    min_nodes: int = 1
+    run_id: str = "adaptdl"
+    conf: Mapping[str, int] = attrs.field(factory=dict, converter=dict)
+
+    def __attrs_post_init__(self) -> None:
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"endpoint must be 'host:port', got {self.endpoint!r}")
+        check_int("min_nodes", self.min_nodes, min=1)
+        check_int("max_nodes", self.max_nodes, min=self.min_nodes)
+        if not self.run_id or any(c.isspace() for c in self.run_id):
+            raise ValueError(
+                f"run_id must be a non-empty name without spaces, got {self.run_id!r}"
+            )
+        for key, value in self.conf.items():
+            if not key.isidentifier():
+                raise ValueError(f"conf keys must be option names, got {key!r}")
+            check_int(f"conf[{key!r}]", value, min=0)
+
+    def arguments(self) -> list[str]:
+        """torchrun's options for this rendezvous."""
+        options = [
+            f"--nnodes={self.min_nodes}:{self.max_nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+        ]
+        if self.conf:
+            options.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in self.conf.items()))
+        return options
 
 
 def torchrun_command(
@@ -32,81 +79,28 @@ def torchrun_command(
     module: bool = False,
     max_restarts: int = 0,
     monitor_interval: float | None = None,
+    rendezvous: Rendezvous | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """``python -m torch.distributed.run --standalone`` running ``nproc`` replicas of ``target``.
+    """``python -m torch.distributed.run`` running ``nproc`` replicas of ``target`` on this node.
 
     ``target`` is a script path, or a module name when ``module`` (``-m``); ``args``
     follow it. torchrun restarts the whole group up to ``max_restarts`` times after
     a replica fails, checking the replicas every ``monitor_interval`` seconds
-    (torchrun's default when None).
+    (torchrun's default when None). Without ``rendezvous`` the job is this node
+    alone (``--standalone``); with it, this node is one node of an elastic job.
     """
     check_int("nproc", nproc, min=1)
-    launcher = ["--standalone", f"--nproc-per-node={nproc}"]
-    return _command(launcher, target, args, module, max_restarts, monitor_interval, python)
-
-
-def torchrun_node_command(
-    target: str | os.PathLike[str],
-    nproc_per_node: int,
-    *,
-    endpoint: str,
-    min_nodes: int = 1,
-    max_nodes: int,
-    run_id: str = "adaptdl",
-    rdzv_conf: Mapping[str, int] | None = None,
-    args: Sequence[str] = (),
-    module: bool = False,
-    max_restarts: int = 0,
-    monitor_interval: float | None = None,
-    python: str = sys.executable,
-) -> list[str]:
-    """The torchrun command of one node of an elastic job of ``min_nodes``..``max_nodes`` nodes.
-
-    Every node runs the same command: c10d rendezvous at ``endpoint`` (``host:port``;
-    the node on that host keeps the rendezvous store, so it must outlive the job),
-    ``nproc_per_node`` replicas of ``target`` each. ``rdzv_conf`` is torchrun's
-    ``--rdzv-conf``, whole seconds or counts (for example ``last_call_timeout``,
-    ``keep_alive_interval``, ``keep_alive_max_attempt``).
-    Run it with `NODE_ENV` in the environment. The other arguments are as in
-    `torchrun_command`.
-    """
-    check_int("nproc_per_node", nproc_per_node, min=1)
-    check_int("min_nodes", min_nodes, min=1)
-    check_int("max_nodes", max_nodes, min=min_nodes)
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint must be 'host:port', got {endpoint!r}")
-    if not run_id or any(c.isspace() for c in run_id):
-        raise ValueError(f"run_id must be a non-empty name without spaces, got {run_id!r}")
-    launcher = [
-        f"--nnodes={min_nodes}:{max_nodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={run_id}",
-    ]
-    if rdzv_conf:
-        options = []
-        for key, value in rdzv_conf.items():
-            if not key.isidentifier():
-                raise ValueError(f"rdzv_conf keys must be option names, got {key!r}")
-            options.append(f"{key}={check_int(f'rdzv_conf[{key!r}]', value, min=0)}")
-        launcher.append("--rdzv-conf=" + ",".join(options))
-    return _command(launcher, target, args, module, max_restarts, monitor_interval, python)
-
-
-def _command(
-    launcher: list[str],
-    target: str | os.PathLike[str],
-    args: Sequence[str],
-    module: bool,
-    max_restarts: int,
-    monitor_interval: float | None,
-    python: str,
-) -> list[str]:
     check_int("max_restarts", max_restarts, min=0)
-    command = [python, "-m", "torch.distributed.run", *launcher, f"--max-restarts={max_restarts}"]
+    launcher = ["--standalone"] if rendezvous is None else rendezvous.arguments()
+    command = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+    ]
     if monitor_interval is not None:
         seconds = check_float("monitor_interval", monitor_interval, min=0.0, min_exclusive=True)
         command.append(f"--monitor-interval={seconds:g}")
