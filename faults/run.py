@@ -119,7 +119,8 @@ KNOWN_LIBRARY_FAULTS = {
 JOB_ID = "faults-job"
 OTHER_JOB = "faults-other-job"  # the job a `second_job` trial puts beside this one
 EPOCHS = 2
-WAIT_TIMEOUT = 120.0  # seconds a launch may take to reach a point or to exit: a hang
+WAIT_TIMEOUT = 300.0  # seconds a launch may take to reach a point or to exit: a hang
+# (a restart took 55 s at load average 29 with three trials at a time; 120 s timed out)
 HANG_TIMEOUT = 5.0  # the collective timeout of a `hang` trial
 HANG_SLACK = 25.0  # survivors must stop within HANG_TIMEOUT + this (process teardown)
 
