@@ -108,9 +108,10 @@ def sim(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def faults(session: nox.Session) -> None:
-    """Fault-injection trials under real torchrun processes (30 by default, seed printed)."""
+    """Fault-injection trials under real torchrun processes (50, three at a time; seed printed)."""
     _install(session, "rich>=13")
-    session.run("python", "-m", "faults", *(session.posargs or ["--trials", "30"]), env=THREADS)
+    args = session.posargs or ["--trials", "50", "--jobs", "3"]
+    session.run("python", "-m", "faults", *args, env=THREADS)
 
 
 @nox.session(python=PYTHON)

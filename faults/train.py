@@ -16,6 +16,16 @@ library, by handing the library a faulty checkpoint storage (`FaultyStorage`):
     long inside every checkpoint write, after the entries and before the
     manifest, and creates ``in-save-run<R>`` in the record directory while it
     waits, so that the harness can kill or signal it there.
+``FAULTS_WORKERS=<k>``
+    DataLoader worker processes per replica (default 0).
+``FAULTS_NODE=<name>``
+    the replica runs on node ``name`` of a multi-node launch: its records go to
+    ``run<R>-restart<T>-rank<k>-node<name>-pid<p>.jsonl`` (ranks move between
+    nodes, and a node's restart count is its own) and name the node.
+``FAULTS_HOLD_FILE=<path>``, ``FAULTS_HOLD_FROM=<k>``
+    once a replica process took ``k`` steps (default 0), it waits before each
+    further step, with its batch in hand, while ``path`` exists and no stop was
+    requested: the harness changes the job's membership while it stands there.
 ``FAULTS_ENOSPC_AT=<k>``
     in the first attempt of a launch, the k-th file write into the checkpoint
     directory (1 is the writability probe at start) writes half of its bytes and
@@ -50,6 +60,10 @@ STEP_SLEEP = float(os.environ.get("FAULTS_STEP_SLEEP", "0"))
 RUN = int(os.environ.get("FAULTS_RUN", "0"))
 RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RECORD_DIR = Path(os.environ["FAULTS_RECORD_DIR"])
+WORKERS = int(os.environ.get("FAULTS_WORKERS", "0"))
+NODE = os.environ.get("FAULTS_NODE", "")
+HOLD_FILE = Path(os.environ["FAULTS_HOLD_FILE"]) if os.environ.get("FAULTS_HOLD_FILE") else None
+HOLD_FROM = int(os.environ.get("FAULTS_HOLD_FROM", "0"))
 SLOW_SAVE = float(os.environ.get("FAULTS_SLOW_SAVE", "0")) if RESTART == 0 else 0.0
 ENOSPC_AT = int(os.environ.get("FAULTS_ENOSPC_AT", "0")) if RESTART == 0 else 0
 
@@ -105,17 +119,22 @@ def main() -> None:
     topo = job.topology
     torch.manual_seed(0)
     dataset = Regression(N)
-    loader = adl.AdaptiveDataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
+    loader = adl.AdaptiveDataLoader(
+        dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS
+    )
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     adp = adl.AdaptiveDataParallel(model, optimizer)
-    path = RECORD_DIR / f"run{RUN}-restart{RESTART}-rank{topo.rank}.jsonl"
+    name = f"run{RUN}-restart{RESTART}-rank{topo.rank}"
+    path = RECORD_DIR / (f"{name}-node{NODE}-pid{os.getpid()}.jsonl" if NODE else f"{name}.jsonl")
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the OS on SIGKILL too)
 
     def record(**entry: Any) -> None:
         entry.update(
             run=RUN, restart=RESTART, rank=topo.rank, replicas=topo.num_replicas, t=time.time()
         )
+        if NODE:
+            entry["node"] = NODE
         out.write(json.dumps(entry) + "\n")
         out.flush()
 
@@ -174,9 +193,18 @@ def main() -> None:
         samples_consumed=job.state.samples_consumed,
         finished_epochs=adl.finished_epochs(),
     )
+    taken = 0
     try:
         for epoch in adl.remaining_epochs_until(EPOCHS):
             for idx, x, y in loader:
+                while (
+                    HOLD_FILE is not None
+                    and taken >= HOLD_FROM
+                    and HOLD_FILE.exists()
+                    and not job.stop_requested
+                ):
+                    time.sleep(0.02)
+                taken += 1
                 helper = adl.current_dataloader()
                 assert helper is not None
                 index = helper.current_index

@@ -1,7 +1,8 @@
 """The CI version of the fault-injection suite: one real torchrun trial of four fault kinds.
 
-The full suite (``python -m faults --trials 30``) runs every kind, several times,
-with random seeds; this one runs a fixed seed: SIGKILL of a replica, SIGKILL inside
+The full suite (``nox -s faults``: ``python -m faults --trials 50 --jobs 3``) runs every
+kind, several times, with random seeds (the node kind is ``tests/e2e/test_multinode.py``
+here); this one runs a fixed seed: SIGKILL of a replica, SIGKILL inside
 a checkpoint write, two SIGTERMs, a hung peer (the survivors must stop within
 the collective timeout), and a second job on the same checkpoint directory (refused;
 none of another job's files touched). Each trial checks that the job finishes its epochs, that
