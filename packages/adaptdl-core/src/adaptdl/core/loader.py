@@ -92,6 +92,8 @@ class LoaderJob(Protocol):
 
     def step_boundary(self, *, training: bool = True) -> Boundary: ...
 
+    def end_loop(self) -> None: ...
+
 
 class LoaderState(JsonState):
     """What a loader persists across restarts."""
@@ -357,7 +359,8 @@ class LoaderHelper:
                     local_bsz = self.sync_local_bsz()
                     progress, steps = self.job.metrics.progress, 0
                 decided = False
-                for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
+                start = self._state.current_index
+                for i, batch in enumerate(batches(epoch, start, local_bsz)):
                     index = self._state.current_index
                     # The pass's last batch may be short: count only real positions.
                     step = min(replicas * local_bsz, (index // n + 1) * n - index)
@@ -380,6 +383,8 @@ class LoaderHelper:
                             break
                 else:
                     # The pass ran to its end.
+                    if start % n == 0 and self._state.current_index == start:
+                        raise self._empty_pass(n, local_bsz)
                     if (
                         self._max_batch_size is not None
                         and steps > 0
@@ -392,6 +397,23 @@ class LoaderHelper:
                         )
                     # The next pass starts at the next multiple of n.
                     self._state.current_index = math.ceil(self._state.current_index / n) * n
+            # Every replica ends the loop here, at the same boundary.
+            self.job.end_loop()
+
+    def _empty_pass(self, n: int, local_bsz: int) -> ValueError:
+        """A whole pass yielded no batch: the loop would never end (nor see a SIGTERM)."""
+        replicas = self.job.topology.num_replicas
+        share = n // replicas
+        allowed = f"batch_size <= {share * replicas}"
+        if self._max_batch_size is not None:
+            allowed += f" and local_bsz_bounds min <= {max(share, 1)}"
+        return ValueError(
+            f"{self.name}: a whole pass of {n} samples yielded no batch at local batch size "
+            f"{local_bsz} on {replicas} replicas (batch_size={self.batch_size}): with "
+            f"drop_last=True every batch smaller than {local_bsz} is dropped, and a "
+            f"replica's share of the pass is {share} samples. Use {allowed}, or "
+            "drop_last=False."
+        )
 
     def _redecided(self) -> bool:
         """Ask the decision again mid-pass (the job said so); True if it changed."""
