@@ -17,11 +17,12 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.e2e.test_elastic_restarts import Launch, N, _reached, _records
+from tests.e2e.test_elastic_restarts import Launch, N, _consumed, _reached, _records
 
 pytestmark = pytest.mark.e2e
 
@@ -79,23 +80,58 @@ def finish_and_check_exactly_once(tmp: Path, run: int) -> None:
         last.kill()
     records = _records(tmp / "records")
     for epoch in range(EPOCHS):
-        seen = collections.Counter(
-            i
-            for r in records
-            if "indices" in r and r["epoch"] == epoch
-            for i, pad in zip(r["indices"], r["padding"], strict=True)
-            if not pad
-        )
-        assert seen == collections.Counter(range(N)), epoch
+        assert _consumed(records, epoch) == collections.Counter(range(N)), epoch
 
 
-def stop_and_check(tmp: Path, first: Launch, code: int) -> None:
-    """``first`` was signalled: every replica checkpointed and exited ``code``, cleanly."""
-    rc = first.wait()
-    assert rc != 0, first.output()
-    assert exits(tmp, 0) == {0: code, 1: code}, first.output()
-    assert_clean(first)
-    assert list((tmp / "checkpoints").glob("ckpt-*")), "no checkpoint was written"
+def stop(
+    tmp: Path,
+    send: Callable[[Launch], None],
+    code: int = 143,
+    until: Callable[[list[dict[str, Any]]], bool] | None = None,
+    **env: str,
+) -> None:
+    """Two replicas, signalled by ``send`` once ``until`` holds: all exit ``code`` promptly.
+
+    Promptly: within a minute (an evaluation or post-processing lasts two); with a
+    checkpoint written and no replica or DataLoader worker dead of a traceback.
+    """
+    first = launch(tmp, 0, 2, **env)
+    try:
+        first.wait_until(until or _reached(0, N // 3))  # default: a third into epoch 0
+        send(first)
+        try:
+            rc = first.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within 60 s of the signal:\n{first.output()}")
+        assert rc != 0, first.output()
+        assert exits(tmp, 0) == {0: code, 1: code}, first.output()
+        assert_clean(first)
+        assert list((tmp / "checkpoints").glob("ckpt-*")), "no checkpoint was written"
+    finally:
+        first.kill()
+
+
+def signal_agent(*signums: signal.Signals, gap: float = 0.0) -> Callable[[Launch], None]:
+    """Send ``signums`` to the torchrun agent, ``gap`` seconds apart."""
+
+    def send(run: Launch) -> None:
+        for i, signum in enumerate(signums):
+            if i:
+                time.sleep(gap)
+            run.proc.send_signal(signum)
+
+    return send
+
+
+def signal_everyone(run: Launch) -> None:
+    """scancel: SIGTERM to every process of the job, twice."""
+    everyone = [run.proc.pid, *descendants(run.proc.pid)]
+    assert len(everyone) >= 1 + 2 + 2 * 2, everyone  # agent, replicas, their workers
+    for _ in range(2):
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(pid, signal.SIGTERM)
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("gap", [0.0, 0.3])
@@ -104,15 +140,8 @@ def test_two_sigterms_to_torchrun_with_dataloader_workers_checkpoint_and_exit_14
 ) -> None:
     """torchrun forwards each SIGTERM to every process group of its replicas."""
     # Slow steps: the replicas still run when torchrun forwards the second SIGTERM.
-    first = launch(tmp_path, 0, 2, E2E_WORKERS="2", E2E_STEP_SLEEP="0.5")
-    try:
-        first.wait_until(_reached(0, N // 3))
-        first.proc.send_signal(signal.SIGTERM)
-        time.sleep(gap)
-        first.proc.send_signal(signal.SIGTERM)
-        stop_and_check(tmp_path, first, 143)
-    finally:
-        first.kill()
+    send = signal_agent(signal.SIGTERM, signal.SIGTERM, gap=gap)
+    stop(tmp_path, send, E2E_WORKERS="2", E2E_STEP_SLEEP="0.5")
     finish_and_check_exactly_once(tmp_path, 1)
 
 
@@ -120,53 +149,23 @@ def test_slurm_style_sigterm_to_every_process_twice_checkpoints_and_exits_143(
     tmp_path: Path,
 ) -> None:
     """scancel signals every process of the job: agent, replicas and DataLoader workers."""
-    first = launch(tmp_path, 0, 2, E2E_WORKERS="2")
-    try:
-        first.wait_until(_reached(0, N // 3))
-        everyone = [first.proc.pid, *descendants(first.proc.pid)]
-        assert len(everyone) >= 1 + 2 + 2 * 2, everyone  # agent, replicas, their workers
-        for _ in range(2):
-            for pid in everyone:
-                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
-                    os.kill(pid, signal.SIGTERM)
-            time.sleep(0.2)
-        stop_and_check(tmp_path, first, 143)
-    finally:
-        first.kill()
+    stop(tmp_path, signal_everyone, E2E_WORKERS="2")
     finish_and_check_exactly_once(tmp_path, 1)
 
 
 def test_sigint_checkpoints_and_exits_130(tmp_path: Path) -> None:
     """Ctrl-C: torchrun forwards SIGINT; every replica checkpoints and exits 130."""
-    first = launch(tmp_path, 0, 2, E2E_WORKERS="1")
-    try:
-        first.wait_until(_reached(0, N // 3))
-        first.proc.send_signal(signal.SIGINT)
-        stop_and_check(tmp_path, first, 130)
-    finally:
-        first.kill()
+    stop(tmp_path, signal_agent(signal.SIGINT), 130, E2E_WORKERS="1")
     finish_and_check_exactly_once(tmp_path, 1)
-
-
-def wait_prompt(run: Launch, seconds: float) -> int:
-    try:
-        return run.proc.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        run.kill()
-        pytest.fail(f"run {run.run} did not end within {seconds}s of SIGTERM:\n{run.output()}")
 
 
 def test_sigterm_during_evaluation_ends_promptly_with_143(tmp_path: Path) -> None:
     """Outside any training loop (an evaluation between epochs) SIGTERM is not swallowed."""
-    first = launch(tmp_path, 0, 2, E2E_EVAL_SLEEP="120")
-    try:
-        first.wait_until(lambda records: any("evaluating" in r for r in records))
-        first.proc.send_signal(signal.SIGTERM)
-        assert wait_prompt(first, 60) != 0, first.output()
-        assert exits(tmp_path, 0) == {0: 143, 1: 143}, first.output()
-        assert_clean(first)
-    finally:
-        first.kill()
+
+    def evaluating(records: list[dict[str, Any]]) -> bool:
+        return any("evaluating" in r for r in records)
+
+    stop(tmp_path, signal_agent(signal.SIGTERM), until=evaluating, E2E_EVAL_SLEEP="120")
     finish_and_check_exactly_once(tmp_path, 1)
 
 
@@ -174,15 +173,12 @@ def test_a_finished_training_writes_a_final_checkpoint_and_a_relaunch_trains_not
     tmp_path: Path,
 ) -> None:
     """SIGTERM in the post-processing after the last epoch, then a relaunch."""
-    first = launch(tmp_path, 0, 2, E2E_POST_SLEEP="120")
-    try:
-        first.wait_until(lambda records: any(r.get("post") for r in records))
-        assert newest_metadata(tmp_path)["finished_epochs"] == EPOCHS
-        first.proc.send_signal(signal.SIGTERM)
-        assert wait_prompt(first, 60) != 0, first.output()
-        assert exits(tmp_path, 0) == {0: 143, 1: 143}, first.output()
-    finally:
-        first.kill()
+
+    def post(records: list[dict[str, Any]]) -> bool:
+        return any(r.get("post") for r in records)
+
+    stop(tmp_path, signal_agent(signal.SIGTERM), until=post, E2E_POST_SLEEP="120")
+    assert newest_metadata(tmp_path)["finished_epochs"] == EPOCHS
     again = launch(tmp_path, 1, 2)
     try:
         assert again.wait() == 0, again.output()
@@ -200,7 +196,9 @@ def test_a_batch_larger_than_a_replicas_share_with_drop_last_is_an_error_not_a_h
     extra = {"E2E_SHARDS": str(tmp_path / "shards")} if data == "sharded" else {}
     run = launch(tmp_path, 0, 2, E2E_DROP_LAST="1", E2E_BATCH_SIZE=str(2 * N), **extra)
     try:
-        assert wait_prompt(run, 90) != 0, run.output()
+        assert run.proc.wait(timeout=90) != 0, run.output()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the loop never ended:\n{run.output()}")
     finally:
         run.kill()
     text = run.log.read_text(errors="replace")

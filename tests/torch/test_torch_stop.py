@@ -19,11 +19,15 @@ from adaptdl.core.job import Preempted
 from adaptdl.torch import _context
 
 
-def test_sigint_checkpoints_like_sigterm_and_exits_130(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def ckpt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A checkpoint directory for the process's job, initialised on it."""
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
     adl.init_process_group("gloo")
+    return tmp_path
+
+
+def test_sigint_checkpoints_like_sigterm_and_exits_130(ckpt: Path) -> None:
     loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(20)), batch_size=2)
     batches = 0
     with pytest.raises(Preempted) as stopped:
@@ -33,14 +37,10 @@ def test_sigint_checkpoints_like_sigterm_and_exits_130(
                 if batches == 2:
                     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt
     assert stopped.value.code == 130 and batches == 3  # acted on one boundary later
-    assert len(list(tmp_path.glob("ckpt-*"))) == 1
+    assert len(list(ckpt.glob("ckpt-*"))) == 1
 
 
-def test_sigterm_between_loops_checkpoints_and_ends_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
-    adl.init_process_group("gloo")
+def test_sigterm_between_loops_checkpoints_and_ends_at_once(ckpt: Path) -> None:
     loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=2)
     evaluated = []
     with pytest.raises(Preempted) as stopped:
@@ -56,11 +56,7 @@ def test_sigterm_between_loops_checkpoints_and_ends_at_once(
     assert sizes == [0, 4, 4]  # epoch 0's training loop is not redone
 
 
-def test_sigterm_after_training_exits_143_without_training_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
-    adl.init_process_group("gloo")
+def test_sigterm_after_training_exits_143_without_training_again(ckpt: Path) -> None:
     loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=2)
     for _ in adl.remaining_epochs_until(2):
         list(loader)
@@ -82,12 +78,8 @@ class Pids(Dataset[int]):
         return os.getpid()
 
 
-def test_dataloader_workers_ignore_a_schedulers_signals_and_obey_their_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_dataloader_workers_ignore_a_schedulers_signals_and_obey_their_process(ckpt: Path) -> None:
     """Every process gets SIGTERM and SIGINT twice (Slurm); the loop goes on to a stop."""
-    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
-    adl.init_process_group("gloo")
     loader = adl.AdaptiveDataLoader(Pids(), batch_size=2, num_workers=2)
     workers: set[int] = set()
     with pytest.raises(Preempted) as stopped:
@@ -101,7 +93,7 @@ def test_dataloader_workers_ignore_a_schedulers_signals_and_obey_their_process(
                         subprocess.run(["kill", f"-{signum}", *pids_text], check=True)
                     os.kill(os.getpid(), signal.SIGTERM)
     assert stopped.value.code == 143 and len(workers) == 2
-    assert len(list(tmp_path.glob("ckpt-*"))) == 1
+    assert len(list(ckpt.glob("ckpt-*"))) == 1
 
 
 def train_once(with_model: bool) -> None:

@@ -218,7 +218,7 @@ def _read_names(env: Mapping[str, str], name: str) -> frozenset[str]:
     if not all(names):
         raise ValueError(
             f"environment variable {name}={raw!r} must be state names separated by commas "
-            "(for example adaptdl-dataparallel-0,adaptdl-accumulator-0), or *"
+            "(for example adaptdl-dataparallel,adaptdl-accumulator-0), or *"
         )
     return frozenset(names)
 
