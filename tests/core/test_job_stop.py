@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from adaptdl.core.batchsize import GoodputDecision, batch_size_query
 from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
 from adaptdl.core.config import JobConfig
@@ -241,3 +242,29 @@ def test_a_loop_yields_a_batch_or_raises_and_a_stop_always_ends_it(
         pass
     else:
         pytest.fail("the loop neither stopped nor raised")
+
+
+@given(
+    n=st.integers(1, 500),
+    replicas=st.integers(1, 8),
+    batch_size=st.integers(1, 500),
+    extra=st.integers(0, 1000),
+    accumulation=st.booleans(),
+    previous=st.integers(0, 64),
+)
+def test_the_autoscaler_never_chooses_a_size_whose_pass_yields_nothing(
+    n, replicas, batch_size, extra, accumulation, previous
+):
+    """With a target within the dataset, every replica's micro-batch fits in its share."""
+    assume(batch_size <= n and replicas <= n)
+    query = batch_size_query(
+        1,
+        replicas,
+        batch_size,
+        max_batch_size=batch_size + extra,
+        gradient_accumulation=accumulation,
+        local_bsz=previous,
+        dataset_size=n,
+    )
+    local, accum = GoodputDecision(lambda: None)(query)
+    assert replicas * local * (accum + 1) <= n

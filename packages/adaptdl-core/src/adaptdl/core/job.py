@@ -417,8 +417,11 @@ class Job:
                     "replica to save it); the job resumes from the newest checkpoint"
                 )
             elif self.topology.rank == 0:
-                self._checkpointing = True
-                self._save({name: state.to_bytes() for name, state in self._states.items()})
+                self._checkpointing = True  # a second signal must not cut the write short
+                try:
+                    self._save({name: s.to_bytes() for name, s in self._states.items()})
+                finally:
+                    self._checkpointing = False
         raise Preempted(self._stop_code)
 
     def step_boundary(self, *, training: bool = True) -> Boundary:

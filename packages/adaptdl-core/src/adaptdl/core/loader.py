@@ -340,9 +340,12 @@ class LoaderHelper:
     def iterate(self, dataset_len: int, batches: BatchesFn[T]) -> Iterator[T]:
         """Drive one loop: yield the batches that ``batches`` makes, pass after pass.
 
-        Raises RuntimeError outside an epoch loop or while another loop runs. At
-        each optimiser-step boundary the job's stop flag is checked; when set, the
-        job checkpoints and raises `Preempted`.
+        Raises RuntimeError outside an epoch loop or while another loop runs, and
+        ValueError when a whole pass yields no batch (``batches`` drops a short
+        last batch, as ``drop_last=True`` does, and the local batch size exceeds a
+        replica's share): such a loop would never end. At each optimiser-step
+        boundary, and at the loop's end (`end_loop`), the job's stop flag is
+        checked; when set, the job checkpoints and raises `Preempted`.
         """
         n = check_int("dataset length", dataset_len, min=1)
         epoch = self._require_epoch()
