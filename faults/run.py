@@ -16,14 +16,11 @@ fault, chosen from :data:`KINDS`:
                     replica (torchrun forwards each SIGTERM to a replica's whole
                     process group, its workers included). Expected to fail, at
                     times, until the library keeps the workers alive through a
-                    second SIGTERM (issue 12, item 4): see `KNOWN_LIBRARY_FAULTS`.
+                    second SIGTERM (issue 12, item 4).
 ``slurm_sigterm``   SIGTERM to every process of the job at once (torchrun, the
                     replicas and their DataLoader workers, 0 or 2 each), as Slurm's
                     ``scancel`` does; torchrun forwards it to the replicas again.
                     Every replica must checkpoint and exit 143; then a relaunch.
-                    Expected to fail with loader workers until the library keeps
-                    them alive through a second SIGTERM (issue 12, item 4): see
-                    `KNOWN_LIBRARY_FAULTS`.
 ``enospc``          the disk fills up during a checkpoint write (injected ENOSPC);
                     the job fails with a clear error, torchrun restarts it, and it
                     resumes from the previous complete checkpoint.
@@ -103,19 +100,7 @@ KINDS = (
 # Kinds that find a fault of the library not fixed on this branch: the trial stays
 # honest (it fails, and the table says so); the report names the fault. Remove an
 # entry once its fix is merged.
-KNOWN_LIBRARY_FAULTS = {
-    "double_sigterm_workers": (
-        "the second SIGTERM, forwarded by torchrun to each replica's process group, kills "
-        "the DataLoader workers, and the replica fails ('DataLoader worker ... is killed by "
-        "signal: Terminated') without a checkpoint (issue 12, item 4; when the replica "
-        "stops before the second SIGTERM reaches its workers, the trial passes)"
-    ),
-    "slurm_sigterm": (
-        "with DataLoader workers, the SIGTERM torchrun forwards after scancel's is the "
-        "workers' second: it kills them, and the replica fails ('DataLoader worker ... is "
-        "killed by signal: Terminated') without a checkpoint (issue 12, item 4)"
-    ),
-}
+KNOWN_LIBRARY_FAULTS: dict[str, str] = {}
 JOB_ID = "faults-job"
 OTHER_JOB = "faults-other-job"  # the job a `second_job` trial puts beside this one
 EPOCHS = 2
@@ -615,6 +600,9 @@ class Trial:
             env={
                 **self.env,
                 "ADAPTDL_JOB_ID": OTHER_JOB,
+                # Let in (this job ended first), it resumes from the planted checkpoint,
+                # which holds none of the program's states: they start fresh.
+                "ADAPTDL_ALLOW_MISSING_STATE": "*",
                 "FAULTS_RUN": "99",
                 "FAULTS_RECORD_DIR": str(self.dir / "other-records"),
             },

@@ -102,6 +102,17 @@ class Launch:
             self.proc.wait()
 
 
+def _consumed(records: list[dict[str, Any]], epoch: int) -> collections.Counter[int]:
+    """How often each sample of ``epoch`` reached a training loop, padding aside."""
+    return collections.Counter(
+        i
+        for r in records
+        if "indices" in r and r["epoch"] == epoch
+        for i, pad in zip(r["indices"], r["padding"], strict=True)
+        if not pad
+    )
+
+
 def _reached(epoch: int, index: int) -> Callable[[list[dict[str, Any]]], bool]:
     def predicate(records: list[dict[str, Any]]) -> bool:
         return any(
@@ -219,11 +230,4 @@ def test_sigterm_to_one_replica_restarts_the_group_inside_torchrun(tmp_path: Pat
     restarted = [r for r in records if r.get("start") and r["attempt"] == 1]
     assert len(restarted) == 2 and all(r["restored"] is not None for r in restarted)
     for epoch in range(2):
-        seen = collections.Counter(
-            i
-            for r in records
-            if "indices" in r and r["epoch"] == epoch
-            for i, pad in zip(r["indices"], r["padding"], strict=True)
-            if not pad
-        )
-        assert seen == collections.Counter(range(N)), epoch
+        assert _consumed(records, epoch) == collections.Counter(range(N)), epoch

@@ -10,7 +10,9 @@ Every replica appends one JSON line per batch to ``$E2E_RECORD_DIR/run<R>-rank<k
 the dataset indices the training loop actually received, which of them the core
 sharding calls padding, and the loss. At the start of each run and at the end of
 each epoch rank 0 also records the loss over the whole dataset, and every replica
-records how it exited.
+records how it exited. ``E2E_EVAL_SLEEP`` and ``E2E_POST_SLEEP`` add an
+"evaluation" after each epoch's loop and "post-processing" after the epoch loop
+(each recorded as it starts), where no training loop runs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ RUN = int(os.environ.get("E2E_RUN", "0"))
 RECORD_DIR = os.environ["E2E_RECORD_DIR"]
 SHARDS = os.environ.get("E2E_SHARDS", "")
 FSDP = os.environ.get("E2E_FSDP") == "1"
+DROP_LAST = os.environ.get("E2E_DROP_LAST", "") == "1"
+EVAL_SLEEP = float(os.environ.get("E2E_EVAL_SLEEP", "0"))  # after each epoch's loop
+POST_SLEEP = float(os.environ.get("E2E_POST_SLEEP", "0"))  # after the epoch loop
 BLOCK_SIZE = 4
 SHARD_SIZES = (7, 30, 1, 45, 37)  # cycled until N samples are written
 
@@ -128,7 +133,7 @@ def main() -> None:
             paths, JsonLinesReader(), block_size=BLOCK_SIZE, transform=as_tensors
         )
     loader = adl.AdaptiveDataLoader(
-        source, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS
+        source, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS, drop_last=DROP_LAST
     )
     model = torch.nn.Linear(8, 1)
     if FSDP:
@@ -189,6 +194,12 @@ def main() -> None:
                         time.sleep(STEP_SLEEP)
                 scheduler.step()
                 record(epoch_end=epoch, full_loss=full_loss())
+                if EVAL_SLEEP:
+                    record(evaluating=epoch)
+                    time.sleep(EVAL_SLEEP)
+            record(post=True, finished_epochs=adl.finished_epochs())
+            if POST_SLEEP:
+                time.sleep(POST_SLEEP)
         except SystemExit as exc:
             record(exit=exc.code, digest=digest(model))
             raise

@@ -84,7 +84,7 @@ def _entry(state: State) -> _Entry:
     entry = state._adaptdl_entry
     if entry is None or entry.job is not job:
         entry = _Entry(state, job)
-        job.register(entry)
+        job.register(entry, allow_missing=True)  # load_state says whether it was there
         state._adaptdl_entry = entry
     return entry
 

@@ -24,16 +24,16 @@ restarts             ``ADAPTDL_NUM_RESTARTS``  ``TORCHELASTIC_RESTART_COUNT``
 nodes variable, nodes are ``ceil(replicas / LOCAL_WORLD_SIZE)``. The rest are
 AdaptDL's alone: ``ADAPTDL_CHECKPOINT_PATH``, ``ADAPTDL_SHARE_PATH``,
 ``ADAPTDL_JOB_ID``, ``ADAPTDL_CHECKPOINT_INTERVAL``, ``ADAPTDL_CHECKPOINT_STEPS``,
-``ADAPTDL_COLLECTIVE_TIMEOUT``; and torchrun's rendezvous: ``MASTER_ADDR``,
-``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``. An empty variable counts as
-unset.
+``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_ALLOW_MISSING_STATE``; and torchrun's
+rendezvous: ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``. An
+empty variable counts as unset.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -57,6 +57,7 @@ JOB_ID_VAR = "ADAPTDL_JOB_ID"
 CHECKPOINT_INTERVAL_VAR = "ADAPTDL_CHECKPOINT_INTERVAL"
 CHECKPOINT_STEPS_VAR = "ADAPTDL_CHECKPOINT_STEPS"
 COLLECTIVE_TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
+ALLOW_MISSING_STATE_VAR = "ADAPTDL_ALLOW_MISSING_STATE"
 MASTER_ADDR_VAR = "MASTER_ADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
 ELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
@@ -74,6 +75,7 @@ ENV_VARS: tuple[str, ...] = (
     CHECKPOINT_INTERVAL_VAR,
     CHECKPOINT_STEPS_VAR,
     COLLECTIVE_TIMEOUT_VAR,
+    ALLOW_MISSING_STATE_VAR,
     MASTER_ADDR_VAR,
     MASTER_PORT_VAR,
     AGENT_STORE_VAR,
@@ -92,6 +94,10 @@ MIN_COLLECTIVE_TIMEOUT = 0.001
 MAX_COLLECTIVE_TIMEOUT = 365 * 86400.0
 
 
+def _frozen(names: Iterable[str]) -> frozenset[str]:
+    return frozenset(names)
+
+
 @attrs.frozen
 class JobConfig:
     """What the environment says about this process's job; see the module docstring.
@@ -100,7 +106,9 @@ class JobConfig:
     checkpoint trigger off. ``master_port`` is set whenever ``master_addr`` is;
     ``elastic_restart`` is torchrun's own restart count (None outside torchrun),
     which names the rendezvous keys of one attempt even when a scheduler
-    overrides the topology's ``num_restarts``.
+    overrides the topology's ``num_restarts``. ``allow_missing_state`` names the
+    registered states that may start fresh when the restored checkpoint lacks
+    them (``"*"``: any); every other missing state is an error.
     """
 
     topology: Topology = attrs.field(factory=Topology)
@@ -114,6 +122,16 @@ class JobConfig:
     master_port: int | None = attrs.field(default=None)
     elastic_restart: int | None = attrs.field(default=None)
     use_agent_store: bool = False
+    allow_missing_state: frozenset[str] = attrs.field(default=frozenset(), converter=_frozen)
+
+    @allow_missing_state.validator
+    def _check_allowed(self, attribute: attrs.Attribute[frozenset[str]], value: Any) -> None:
+        for name in value:
+            if not isinstance(name, str) or not name or name != name.strip():
+                raise ValueError(
+                    f"allow_missing_state must hold state names (non-empty, without "
+                    f"surrounding whitespace) or '*', got {sorted(map(repr, value))}"
+                )
 
     @checkpoint_every_seconds.validator
     def _check_seconds(self, attribute: attrs.Attribute[float | None], value: Any) -> None:
@@ -172,6 +190,7 @@ class JobConfig:
             master_port=_read_port(env) if master_addr is not None else None,
             elastic_restart=_read_elastic_restart(env),
             use_agent_store=env.get(AGENT_STORE_VAR) == "True",
+            allow_missing_state=_read_names(env, ALLOW_MISSING_STATE_VAR),
         )
 
 
@@ -188,6 +207,20 @@ def _read_path(env: Mapping[str, str], name: str) -> str | None:
             "(a directory name is taken exactly as written)"
         )
     return raw
+
+
+def _read_names(env: Mapping[str, str], name: str) -> frozenset[str]:
+    """Comma-separated names (spaces around them ignored); an empty name is an error."""
+    raw = env.get(name) or ""
+    if not raw.strip():
+        return frozenset()
+    names = [part.strip() for part in raw.split(",")]
+    if not all(names):
+        raise ValueError(
+            f"environment variable {name}={raw!r} must be state names separated by commas "
+            "(for example adaptdl-dataparallel,adaptdl-accumulator-0), or *"
+        )
+    return frozenset(names)
 
 
 def _read_topology(env: Mapping[str, str]) -> Topology:

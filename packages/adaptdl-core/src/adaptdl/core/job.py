@@ -5,14 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from adaptdl.core._validate import check_bool, check_float, check_int
+from adaptdl.core._validate import check_bool, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
+from adaptdl.core.boundary import (
+    EXIT_CODE_INTERRUPTED,
+    EXIT_CODE_PREEMPTED,
+    Boundary,
+    CheckpointPolicy,
+    Preempted,
+)
 from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -21,7 +28,6 @@ from adaptdl.core.checkpoint import (
     State,
 )
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
-from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.journal import Journal, Mark
@@ -32,54 +38,22 @@ from adaptdl.core.topology import Topology
 if TYPE_CHECKING:
     from adaptdl.core.loader import LoaderHelper
 
+__all__ = [
+    "ALL_STATES",
+    "EXIT_CODE_INTERRUPTED",
+    "EXIT_CODE_PREEMPTED",
+    "Boundary",
+    "CheckpointPolicy",
+    "Job",
+    "JobState",
+    "Preempted",
+    "Store",
+]
+
 LOG = logging.getLogger("adaptdl.core.job")
 
-EXIT_CODE_PREEMPTED = 143  # 128 + SIGTERM, what a scheduler expects of a stopped job
-
-
-class Preempted(SystemExit):
-    """Raised after the job checkpointed because a stop was requested (exit 143)."""
-
-    def __init__(self) -> None:
-        super().__init__(EXIT_CODE_PREEMPTED)
-
-
-@attrs.frozen
-class CheckpointPolicy:
-    """When to checkpoint besides a requested stop: every so many seconds or steps.
-
-    Both None turns periodic checkpoints off. The default, every 10 minutes,
-    bounds what a SIGKILL loses to 10 minutes of work at the cost of one state
-    write per 10 minutes.
-    """
-
-    every_seconds: float | None = attrs.field(default=600.0)
-    every_steps: int | None = attrs.field(default=None)
-
-    @every_seconds.validator
-    def _check_seconds(self, attribute: attrs.Attribute[float | None], value: Any) -> None:
-        if value is not None:
-            check_float("every_seconds", value, min=0.0, min_exclusive=True)
-
-    @every_steps.validator
-    def _check_steps(self, attribute: attrs.Attribute[int | None], value: Any) -> None:
-        if value is not None:
-            check_int("every_steps", value, min=1)
-
-    @classmethod
-    def from_config(cls, config: JobConfig) -> CheckpointPolicy:
-        """The policy a job configuration asks for (``ADAPTDL_CHECKPOINT_INTERVAL`` and
-        ``ADAPTDL_CHECKPOINT_STEPS``, read and checked by `JobConfig.from_env`)."""
-        return cls(
-            every_seconds=config.checkpoint_every_seconds,
-            every_steps=config.checkpoint_every_steps,
-        )
-
-    def due(self, steps: int, seconds: float) -> bool:
-        """Whether ``steps`` optimiser steps or ``seconds`` since the last checkpoint are due."""
-        if self.every_steps is not None and steps >= self.every_steps:
-            return True
-        return self.every_seconds is not None and seconds >= self.every_seconds
+ALL_STATES = "*"
+"""In ``allow_missing_state``: every state may be missing from the restored checkpoint."""
 
 
 class Store(Protocol):
@@ -99,30 +73,6 @@ class Store(Protocol):
     def labels(self) -> list[str]: ...
 
     def load_label(self, label: str) -> Checkpoint: ...
-
-
-@attrs.frozen
-class Boundary:
-    """What every replica agreed at one step boundary (see `Job.step_boundary`).
-
-    ``stop``: checkpoint and exit; ``checkpoint``: write a periodic checkpoint and
-    go on; ``redecide``: the training loop decides its batch size again. A value
-    that `Job.step_boundary` returns never has ``stop``: it raised `Preempted`.
-    """
-
-    stop: bool = False
-    checkpoint: bool = False
-    redecide: bool = False
-
-    def to_wire(self) -> list[bool]:
-        """The three flags as a collective carries them (reduced with ``logical_or``)."""
-        return [self.stop, self.checkpoint, self.redecide]
-
-    @classmethod
-    def from_wire(cls, flags: Any) -> Boundary:
-        """The value of :meth:`to_wire`'s list (after the reduction)."""
-        stop, checkpoint, redecide = flags
-        return cls(bool(stop), bool(checkpoint), bool(redecide))
 
 
 class JobState(JsonState):
@@ -173,8 +123,10 @@ class Job:
         batch_size_decision: BatchSizeDecision | None = None,
         checkpoint_policy: CheckpointPolicy | None = None,
         journal: Journal | None = None,
+        allow_missing_state: Collection[str] = (),
     ) -> None:
         self.topology = topology or Topology()
+        self.allow_missing_state = frozenset(allow_missing_state)
         self.collective: Collective = collective or LocalCollective()
         if self.collective.num_replicas != self.topology.num_replicas:
             raise ValueError(
@@ -196,6 +148,9 @@ class Job:
         self.training_loader: LoaderHelper | None = None
         self._sync_time = 0.0
         self._stop_requested = False
+        self._stop_code = EXIT_CODE_PREEMPTED
+        self._checkpointing = False
+        self._finishing = False
         self._boundary_future: Future[Any] | None = None
         self._drains: list[Callable[[], None]] = []
         self.redecide_schedule = RedecideSchedule()
@@ -285,17 +240,26 @@ class Job:
         """Label of the checkpoint this job resumed from, or None for a fresh start."""
         return self._loaded.label if self._loaded is not None else None
 
-    def register(self, state: State, *, epoch: int | None = None) -> None:
-        """Add ``state`` to every checkpoint, restoring it now if the checkpoint has it.
+    def register(
+        self, state: State, *, epoch: int | None = None, allow_missing: bool = False
+    ) -> None:
+        """Add ``state`` to every checkpoint, restoring it now from the restored checkpoint.
 
-        A state of an ``epoch`` (an accumulator made inside it) leaves the job, and
-        its checkpoints, once that epoch has finished: finished epochs never run
-        again, so nothing would ever restore it.
+        A state the restored checkpoint lacks (a renamed model wrapper, an object
+        added since, a dropped entry) raises CheckpointError naming the state and
+        the checkpoint, unless ``allow_missing`` or the job's ``allow_missing_state``
+        (``ADAPTDL_ALLOW_MISSING_STATE``) names it or holds ``"*"``: then it starts
+        fresh, with a warning. A state of an ``epoch`` (an accumulator made inside
+        it) may always be missing (it may belong to an epoch the checkpoint never
+        reached), and leaves the job, and its checkpoints, once that epoch has
+        finished: finished epochs never run again, so nothing would ever restore it.
         """
         if state.name in self._states:
             raise ValueError(f"a state named {state.name!r} is already registered")
         if epoch is not None:
             self._epoch_scoped[state.name] = check_int("epoch", epoch, min=0)
+        elif self._loaded is not None and state.name not in self._loaded.entries:
+            self._missing(state.name, allow_missing)
         self._states[state.name] = state
         if self._loaded is not None and state.name in self._loaded.entries:
             try:
@@ -331,6 +295,25 @@ class Job:
                 f"checkpoint directory (a ShardedCheckpointStore), not {self.store!r}"
             )
         return self.store
+
+    def _missing(self, name: str, allow_missing: bool) -> None:
+        assert self._loaded is not None
+        where = self._where(self._loaded.label)
+        allowed = self.allow_missing_state
+        if allow_missing:  # the program's own choice (e.g. a loader made after training)
+            LOG.debug("checkpoint %s has no entry %r: it starts fresh", where, name)
+            return
+        if name in allowed or ALL_STATES in allowed:
+            LOG.warning("checkpoint %s has no entry %r: it starts fresh, as allowed", where, name)
+            return
+        held = ", ".join(repr(n) for n in sorted(self._loaded.entries))
+        raise CheckpointError(
+            f"checkpoint {where} has no entry {name!r} (it holds {held}): restoring the "
+            f"rest would resume training with {name!r} fresh. Create the same objects, "
+            "with the same names, as the run that saved it; or, to start that state "
+            f"afresh on purpose, set ADAPTDL_ALLOW_MISSING_STATE={name} (names separated "
+            "by commas, or * for any)."
+        )
 
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
@@ -395,21 +378,34 @@ class Job:
         synchronised first, on every replica, in registration order; the
         reductions that adapters keep in flight (`on_drain`) are folded in before.
         """
-        for name, epoch in list(self._epoch_scoped.items()):
-            if epoch < self.epoch.finished_epochs:
-                del self._epoch_scoped[name]
-                del self._states[name]
-        for drain in self._drains:
-            drain()
-        self.state.in_loop = self.current_loader is not None
-        for state in self._states.values():
-            if isinstance(state, CollectiveState):
-                state.sync()
-        files = [state for state in self._states.values() if isinstance(state, FileState)]
-        if files and self.store is not None:
-            self._files_store(files[0]).write_files(files, self.collective)
-        entries = {name: state.to_bytes() for name, state in self._states.items()}
-        if self.store is not None and self.topology.rank == 0:
+        self._checkpointing = True
+        try:
+            for name, epoch in list(self._epoch_scoped.items()):
+                if epoch < self.epoch.finished_epochs:
+                    del self._epoch_scoped[name]
+                    del self._states[name]
+            for drain in self._drains:
+                drain()
+            for state in self._states.values():
+                if isinstance(state, CollectiveState):
+                    state.sync()
+            files = [state for state in self._states.values() if isinstance(state, FileState)]
+            if files and self.store is not None:
+                self._files_store(files[0]).write_files(files, self.collective)
+            self.state.in_loop = self.current_loader is not None
+            # Every replica serialises: some states' bytes are made by collectives.
+            entries = {name: state.to_bytes() for name, state in self._states.items()}
+            if self.topology.rank == 0:
+                self._save(entries)
+            self.collective.barrier()
+        finally:
+            self._checkpointing = False
+        self.checkpoints_written += 1
+        self._steps_since_checkpoint = 0
+        self._last_checkpoint_time = self.clock()
+
+    def _save(self, entries: Mapping[str, bytes]) -> None:
+        if self.store is not None:
             saved = self.store.save(
                 entries,
                 {
@@ -420,19 +416,60 @@ class Job:
             )
             LOG.info("checkpoint %s written", saved.label)
             self._base = saved.sequence
-        self.collective.barrier()
-        self.checkpoints_written += 1
-        self._steps_since_checkpoint = 0
-        self._last_checkpoint_time = self.clock()
 
     # -- stopping at a batch boundary ----------------------------------------------------
-    def request_stop(self) -> None:
-        """Ask the job to checkpoint and exit at the next step boundary (signal-safe)."""
+    def request_stop(self, code: int = EXIT_CODE_PREEMPTED) -> None:
+        """Ask the job to checkpoint and exit at the next step boundary (signal-safe).
+
+        ``code`` is the exit status of the `Preempted` that follows; the first
+        request's code wins.
+        """
+        if not self._stop_requested:
+            self._stop_code = code
         self._stop_requested = True
 
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
+
+    @property
+    def stop_code(self) -> int:
+        """The exit status a stop ends the process with (143 unless asked otherwise)."""
+        return self._stop_code
+
+    @property
+    def stop_deferred(self) -> bool:
+        """Whether a checkpoint is being written (a stop must let it finish first)."""
+        return self._checkpointing or self._finishing
+
+    def stop_outside_loop(self) -> None:
+        """Act on a stop requested where no loop runs: checkpoint if it is meaningful, exit.
+
+        Inside an epoch, between its loops (an evaluation), every loop that ran
+        ended at a boundary all replicas agreed (`end_loop`), so the states are
+        complete and alike: one replica checkpoints as usual; of several, which
+        are not at one agreed point here, rank 0 writes the checkpoint alone,
+        without a collective, unless a state needs one (`CollectiveState`: then
+        the job resumes from its newest checkpoint). Before the first epoch and
+        after the last (a finished training wrote its own, see
+        `remaining_epochs_until`) nothing is written. Raises `Preempted`.
+        """
+        if self.store is not None and self.epoch.current_epoch is not None:
+            if self.topology.num_replicas == 1:
+                self.checkpoint()
+            elif any(isinstance(s, (CollectiveState, FileState)) for s in self._states.values()):
+                LOG.warning(
+                    "stopped outside a training loop: no checkpoint (a state needs every "
+                    "replica to save it); the job resumes from the newest checkpoint"
+                )
+            elif self.topology.rank == 0:
+                self._checkpointing = True  # a second signal must not cut the write short
+                try:
+                    self.state.in_loop = False
+                    self._save({name: s.to_bytes() for name, s in self._states.items()})
+                finally:
+                    self._checkpointing = False
+        raise Preempted(self._stop_code)
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
         """Called after every optimiser step, on every replica, at the same points.
@@ -456,7 +493,7 @@ class Job:
         agreed = Boundary.from_wire(previous.result()) if previous is not None else Boundary()
         if agreed.stop:
             self.checkpoint()
-            raise Preempted()
+            raise Preempted(self._stop_code)
         if agreed.checkpoint:
             self.checkpoint()
         # A decision waits for the next training boundary (a validation loop may run
@@ -480,6 +517,52 @@ class Job:
             Boundary(self._stop_requested, due_now, redecide_now).to_wire(), logical_or
         )
         return attrs.evolve(agreed, redecide=redecide and training)
+
+    def end_loop(self) -> None:
+        """At the normal end of a loop, on every replica: settle its last step boundary.
+
+        Waits for the reduction the last boundary started and agrees once more on a
+        stop (one blocking reduction per loop), so that a SIGTERM which arrived
+        after the last boundary still checkpoints and exits here, at a point every
+        replica reaches together, rather than being left for a loop that may never
+        come. A due checkpoint is written; a due decision waits for the next
+        training boundary. Raises `Preempted` after checkpointing on a stop.
+        """
+        pending, self._boundary_future = self._boundary_future, None
+        agreed = Boundary.from_wire(pending.result()) if pending is not None else Boundary()
+        stop = self.collective.allreduce([agreed.stop or self._stop_requested], logical_or)[0]
+        if stop:
+            self.checkpoint()
+            raise Preempted(self._stop_code)
+        if agreed.checkpoint:
+            self.checkpoint()
+        self._redecide_pending = self._redecide_pending or agreed.redecide
+
+    def remaining_epochs_until(self, epoch: int) -> Iterator[int]:
+        """The epoch loop (`EpochState.remaining_epochs_until`) that ends training well.
+
+        When it runs to its end, having run an epoch, the reductions in flight are
+        waited for (`drain`) and a final checkpoint is written, so that a relaunch
+        of the finished job, or a stop during what the program does afterwards,
+        trains nothing again; a stop requested meanwhile then raises `Preempted`.
+        Raises ValueError for a bad ``epoch``, RuntimeError inside another epoch loop.
+        """
+        return self._epochs(self.epoch.remaining_epochs_until(epoch))
+
+    def _epochs(self, epochs: Iterator[int]) -> Iterator[int]:
+        ran = False
+        for current in epochs:
+            ran = True
+            yield current
+        self._finishing = True  # a stop now waits for the final checkpoint
+        try:
+            self.drain()
+            if ran and self.store is not None:
+                self.checkpoint()
+        finally:
+            self._finishing = False
+        if self._stop_requested:
+            raise Preempted(self._stop_code)
 
     def on_drain(self, drain: Callable[[], None]) -> None:
         """Have `drain` also wait for a reduction an adapter keeps in flight."""

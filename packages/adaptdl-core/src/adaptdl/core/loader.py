@@ -75,7 +75,7 @@ class LoaderJob(Protocol):
     @property
     def training_loader(self) -> LoaderHelper | None: ...
 
-    def register(self, state: State) -> None: ...
+    def register(self, state: State, *, allow_missing: bool = False) -> None: ...
 
     def unique_name(self, prefix: str) -> str: ...
 
@@ -94,6 +94,8 @@ class LoaderJob(Protocol):
     def step_boundary(self, *, training: bool = True) -> Boundary: ...
 
     def loop_resumes(self) -> None: ...
+
+    def end_loop(self) -> None: ...
 
 
 class LoaderState(JsonState):
@@ -160,7 +162,9 @@ class LoaderHelper:
         self.job = job
         self.batch_size = check_int("batch_size", batch_size, min=1)
         self._state = LoaderState(name or job.unique_name("adaptdl-dataloader"))
-        job.register(self._state)
+        # A loader the checkpoint lacks was made after it (a test loader after
+        # training): its loops have not run, so it starts at their beginning.
+        job.register(self._state, allow_missing=True)
         self._decision = decision
         self._max_batch_size: int | None = None
         self._local_bsz_bounds: tuple[int | None, int | None] | None = None
@@ -433,7 +437,11 @@ class LoaderHelper:
         Inside an epoch loop the epoch keys the passes' permutations; outside one
         (the seed allows it, e.g. a test pass after training), ``free_epoch`` does
         (an adaptive loop then stops after one pass). Raises RuntimeError while
-        another loop runs. At each optimiser-step boundary the job's stop flag is
+        another loop runs, and ValueError when a whole pass yields no batch
+        (``batches`` drops a short last batch, as ``drop_last=True`` does, and the
+        local batch size exceeds a replica's share): such a loop would never end.
+        At each optimiser-step boundary, and at the loop's end (`end_loop`), the
+        job's stop flag is
         checked; when set, the job checkpoints and raises `Preempted`.
         """
         n = check_int("dataset length", dataset_len, min=1)
@@ -466,7 +474,8 @@ class LoaderHelper:
                     local_bsz = self.sync_local_bsz()
                     progress, steps = self.job.metrics.progress, 0
                 decided = False
-                for i, batch in enumerate(batches(epoch, self._state.current_index, local_bsz)):
+                start = self._state.current_index
+                for i, batch in enumerate(batches(epoch, start, local_bsz)):
                     index = self._state.current_index
                     # The pass's last batch may be short: count only real positions.
                     step = min(replicas * local_bsz, (index // n + 1) * n - index)
@@ -491,6 +500,8 @@ class LoaderHelper:
                             break
                 else:
                     # The pass ran to its end.
+                    if start % n == 0 and self._state.current_index == start:
+                        raise self._empty_pass(n, local_bsz)
                     if (
                         self._max_batch_size is not None
                         and steps > 0
@@ -503,6 +514,23 @@ class LoaderHelper:
                         )
                     # The next pass starts at the next multiple of n.
                     self._state.current_index = math.ceil(self._state.current_index / n) * n
+            # Every replica ends the loop here, at the same boundary.
+            self.job.end_loop()
+
+    def _empty_pass(self, n: int, local_bsz: int) -> ValueError:
+        """A whole pass yielded no batch: the loop would never end (nor see a SIGTERM)."""
+        replicas = self.job.topology.num_replicas
+        share = n // replicas
+        allowed = f"batch_size <= {share * replicas}"
+        if self._max_batch_size is not None:
+            allowed += f" and local_bsz_bounds min <= {max(share, 1)}"
+        return ValueError(
+            f"{self.name}: a whole pass of {n} samples yielded no batch at local batch size "
+            f"{local_bsz} on {replicas} replicas (batch_size={self.batch_size}): with "
+            f"drop_last=True every batch smaller than {local_bsz} is dropped, and a "
+            f"replica's share of the pass is {share} samples. Use {allowed}, or "
+            "drop_last=False."
+        )
 
     def _redecided(self) -> bool:
         """Ask the decision again mid-pass (the job said so); True if it changed."""

@@ -1,4 +1,4 @@
-"""The process's default job: process groups, checkpoint store, SIGTERM handling.
+"""The process's default job: process groups, checkpoint store, stop signals.
 
 Core keeps no module-level state; a training process has exactly one job, and the
 torch adapter holds it here so that the seed's free functions
@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import torch
@@ -23,6 +20,7 @@ from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
 from adaptdl.core.storage import LocalStorage, Storage
+from adaptdl.torch import _signals
 from adaptdl.torch.collective import TorchCollective
 from adaptdl.torch.rng import RngState
 
@@ -33,7 +31,6 @@ LOG = logging.getLogger("adaptdl.torch")
 _job: Job | None = None
 _gloo_group: Any = None
 _owns_process_group = False
-_previous_handler: Any = None
 _locked: LocalStorage | None = None  # the checkpoint directory rank 0 holds for the job
 _implicit_backend: str | None = None  # set when current_job() initialised the job itself
 
@@ -67,7 +64,9 @@ def init_process_group(
     same job waits up to ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds for its previous run
     to let go. Every environment variable is read here, once, by
     `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
-    replica checkpoint at the next optimiser step and exit with status 143.
+    replica checkpoint at the next optimiser step and exit with status 143, SIGINT
+    likewise with 130; outside a training loop they end the process at once
+    (see `adaptdl.torch._signals`).
 
     When an adaptdl.torch object made before this call (an `AdaptiveDataLoader`,
     the seed tutorial's order) already initialised the job with the default
@@ -127,7 +126,12 @@ def init_process_group(
         journal = Journal(storage, journal_name(config.job_id))
     try:
         _job = Job(
-            topology, collective=collective, store=store, checkpoint_policy=policy, journal=journal
+            topology,
+            collective=collective,
+            store=store,
+            checkpoint_policy=policy,
+            journal=journal,
+            allow_missing_state=config.allow_missing_state,
         )
     except BaseException:
         # A failed restore must not leave this process holding the directory: a retry
@@ -136,7 +140,7 @@ def init_process_group(
             _locked.unlock()
             _locked = None
         raise
-    _job.register(RngState(_job))
+    _job.register(RngState(_job), allow_missing=True)  # checkpoints older than RNG states
     if _job.restored_from is not None:
         LOG.info(
             "rank %d of %d resumed from checkpoint %s (restart %d)",
@@ -145,7 +149,7 @@ def init_process_group(
             _job.restored_from,
             topology.num_restarts,
         )
-    _install_signal_handler()
+    _signals.install(lambda: _job)
 
 
 def _accept_after_implicit(
@@ -218,20 +222,6 @@ def _init_default_group(
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # Only set a flag: the next optimiser step makes every replica checkpoint and exit.
-    if _job is not None:
-        _job.request_stop()
-
-
-def _install_signal_handler() -> None:
-    global _previous_handler
-    if threading.current_thread() is not threading.main_thread():
-        LOG.warning("not in the main thread: SIGTERM will not trigger a checkpoint")
-        return
-    _previous_handler = signal.signal(signal.SIGTERM, _on_sigterm)
-
-
 def current_job() -> Job:
     """The process's job; initialises it (`init_process_group` with its defaults) if needed.
 
@@ -250,14 +240,12 @@ def current_job() -> Job:
 
 def _reset() -> None:
     """Forget the default job and tear down what `init_process_group` set up (for tests)."""
-    global _job, _gloo_group, _owns_process_group, _previous_handler, _locked, _implicit_backend
+    global _job, _gloo_group, _owns_process_group, _locked, _implicit_backend
     _implicit_backend = None
     if _locked is not None:
         _locked.unlock()
         _locked = None
-    if _previous_handler is not None:
-        signal.signal(signal.SIGTERM, _previous_handler)
-        _previous_handler = None
+    _signals.restore()
     if _gloo_group is not None and dist.is_initialized():
         dist.destroy_process_group(_gloo_group)
     if _owns_process_group and dist.is_initialized():

@@ -57,4 +57,5 @@ class Accumulator(core.Accumulator):
             initial=dict(*args, **kwargs),
             position=lambda: _position(job),
         )
-        job.register(self, epoch=epoch)
+        # One the checkpoint lacks was made after it: it starts empty, as it did then.
+        job.register(self, epoch=epoch, allow_missing=True)

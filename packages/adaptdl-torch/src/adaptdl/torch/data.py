@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
-import signal
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -23,6 +21,7 @@ from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
+from adaptdl.torch._signals import shield_worker
 from adaptdl.torch.shards import ShardedStream
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
@@ -197,17 +196,11 @@ class AdaptiveDataLoaderMixin:
         self._elastic.load_position(state_dict)
 
 
-def _first_sigterm(signum: int, frame: FrameType | None) -> None:
-    # torchrun signals the worker's whole process group. A DataLoader worker that died
-    # of it would fail the training process before it can checkpoint; the training
-    # process ends its workers itself, so the first SIGTERM only re-arms the default.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 class _WorkerInit:
     """Seeds ``random`` and numpy in each worker from torch's per-worker seed.
 
-    Also makes the worker survive the first SIGTERM sent to its process group.
+    Also makes the worker survive the SIGTERMs and SIGINTs sent to its process
+    group or to every process (`adaptdl.torch._signals.shield_worker`).
     """
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
@@ -216,7 +209,7 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> None:
         # torch seeds each worker with base_seed + worker_id; the base seed is drawn
         # from the loader's generator, which the loader seeds deterministically.
-        signal.signal(signal.SIGTERM, _first_sigterm)
+        shield_worker()
         seed = torch.initial_seed()
         random.seed(seed)
         np.random.seed(seed % 2**32)

@@ -2,14 +2,13 @@
 
 After a restart the program runs from the top again; finished epochs are skipped
 and the interrupted one runs again, its loaders resuming where they stopped. The
-state machine is core's `EpochState`.
+state machine is core's `EpochState`, driven by the job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from adaptdl.core.job import Job
 from adaptdl.torch._context import current_job
 
 __all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until"]
@@ -18,17 +17,13 @@ __all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until"]
 def remaining_epochs_until(epoch: int) -> Iterator[int]:
     """Yield the epochs from the first unfinished one up to ``epoch`` (exclusive).
 
+    Once the last epoch finished, a final checkpoint is written (see
+    `adaptdl.core.job.Job.remaining_epochs_until`): a relaunch of the finished job
+    yields no epoch and goes on with what the program does after the loop.
     Raises ValueError for a negative or non-integer ``epoch`` and RuntimeError when
     called inside another epoch loop.
     """
-    job = current_job()
-    return _drained(job, job.epoch.remaining_epochs_until(epoch))
-
-
-def _drained(job: Job, epochs: Iterator[int]) -> Iterator[int]:
-    yield from epochs
-    # A normal end on every replica: nothing of the collective may stay in flight.
-    job.drain()
+    return current_job().remaining_epochs_until(epoch)
 
 
 def current_epoch() -> int | None:

@@ -1,0 +1,106 @@
+"""What SIGTERM and SIGINT do to a training process and to its DataLoader workers.
+
+A scheduler stops a job with SIGTERM, possibly several times and to every process
+at once (torchrun forwards each one it gets to its replicas' process groups;
+Slurm's ``scancel`` signals every process of the step); an operator presses
+Ctrl-C (SIGINT). In the training process the signal asks the job to stop: inside
+a loop at the next step boundary, after a checkpoint; outside any loop at once
+(`adaptdl.core.job.Job.stop_outside_loop`); never in the middle of a checkpoint.
+The exit status is 128 + the signal: 143 for SIGTERM, 130 for SIGINT.
+
+A DataLoader worker ignores both unless they come from its training process
+(which ends its workers itself) or that process is gone: a worker killed by the
+scheduler's signal would make the training process fail before it checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from adaptdl.core.job import Job
+
+__all__ = ["STOP_SIGNALS", "install", "restore", "shield_worker"]
+
+LOG = logging.getLogger("adaptdl.torch")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""The signals that stop a job (checkpoint, then exit 128 + the signal)."""
+
+
+class _Handler:
+    """The training process's handler; the job is looked up when a signal arrives."""
+
+    def __init__(self, job: Callable[[], Job | None]) -> None:
+        self.job = job
+        self.pid = os.getpid()
+        self.previous: dict[int, Any] = {}
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:
+            # A child forked before it set its own handlers (a DataLoader worker sets
+            # them at once): the default, as it would have without AdaptDL.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        job = self.job()
+        if job is None:
+            return
+        job.request_stop(128 + signum)
+        if job.current_loader is None and not job.stop_deferred:
+            # No loop will reach a step boundary to act on it: act now.
+            LOG.warning("%s outside a training loop: stopping", signal.Signals(signum).name)
+            job.stop_outside_loop()
+
+
+_installed: _Handler | None = None
+
+
+def install(job: Callable[[], Job | None]) -> None:
+    """Make SIGTERM and SIGINT stop ``job()`` (main thread only; elsewhere a warning)."""
+    global _installed
+    if threading.current_thread() is not threading.main_thread():
+        LOG.warning("not in the main thread: SIGTERM and SIGINT will not trigger a checkpoint")
+        return
+    handler = _Handler(job)
+    for signum in STOP_SIGNALS:
+        handler.previous[signum] = signal.signal(signum, handler)
+    _installed = handler
+
+
+def restore() -> None:
+    """Put back the handlers `install` replaced."""
+    global _installed
+    if _installed is not None:
+        for signum, previous in _installed.previous.items():
+            signal.signal(signum, previous)
+        _installed = None
+
+
+def shield_worker() -> None:
+    """In a DataLoader worker: obey SIGTERM and SIGINT only from the training process.
+
+    The signals are blocked and a thread waits for them, because only
+    ``sigwaitinfo`` tells who sent one: the training process ends its workers
+    with SIGTERM when it shuts a loader down, and then the worker exits at once
+    (status 0, as torch's own handler does); one that outlived its training
+    process exits too. Any other sender (a scheduler signalling every process)
+    is ignored.
+    """
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    threading.Thread(
+        target=_answer, args=(parent,), name="adaptdl-worker-signals", daemon=True
+    ).start()
+
+
+def _answer(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_pid == parent or os.getppid() != parent:
+            os._exit(0)

@@ -1,0 +1,270 @@
+"""Stopping and finishing a job: exit codes, loop ends, the final checkpoint, missing states,
+and a pass that can yield no batch."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from adaptdl.core.batchsize import GoodputDecision, batch_size_query
+from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
+from adaptdl.core.collective import run_replicas
+from adaptdl.core.config import JobConfig
+from adaptdl.core.epoch import EpochState
+from adaptdl.core.job import Job, Preempted
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.sampling import Shard
+from adaptdl.core.topology import Topology
+
+
+def drop_last_batches(n, rank, replicas):
+    """A DataLoader over this replica's share with drop_last=True: short batches dropped."""
+
+    passes = iter(range(10_000))
+
+    def batches(epoch, index, local_bsz):
+        assert next(passes, None) is not None, "the loop never ends"
+        shard = Shard(n, index, replicas, rank, epoch=epoch)
+        for lo in range(0, shard.count - local_bsz + 1, local_bsz):
+            yield shard.indices(lo, lo + local_bsz).tolist()
+
+    return batches
+
+
+# -- a state missing from the checkpoint ------------------------------------------------
+
+
+def saved_store() -> MemoryCheckpointStore:
+    store = MemoryCheckpointStore()
+    Job(store=store).checkpoint()
+    return store
+
+
+def test_a_state_missing_from_the_checkpoint_is_an_error_naming_it_and_the_checkpoint():
+    job = Job(store=saved_store())
+    with pytest.raises(CheckpointError) as info:
+        job.register(EpochState("adaptdl-dataparallel-0"))
+    message = str(info.value)
+    assert "'adaptdl-dataparallel-0'" in message and "ckpt-000001" in message, message
+    assert "ADAPTDL_ALLOW_MISSING_STATE" in message, message
+    # Not registered: a retry with the right name still works.
+    assert "adaptdl-dataparallel-0" not in {s.name for s in job.states()}
+
+
+@pytest.mark.parametrize("allowed", [{"extra"}, {"*"}, {"other", "extra"}])
+def test_an_allowed_missing_state_starts_fresh(allowed):
+    job = Job(store=saved_store(), allow_missing_state=allowed)
+    state = EpochState("extra")
+    job.register(state)
+    assert state.finished_epochs == 0
+
+
+def test_a_registration_may_accept_a_fresh_start():
+    job = Job(store=saved_store(), allow_missing_state={"something-else"})
+    with pytest.raises(CheckpointError, match="'extra'"):
+        job.register(EpochState("extra"))
+    job.register(EpochState("extra"), allow_missing=True)
+
+
+def test_a_fresh_job_accepts_any_state():
+    Job(store=MemoryCheckpointStore()).register(EpochState("extra"))
+
+
+@pytest.mark.parametrize(
+    ("raw", "names"),
+    [("", set()), ("a", {"a"}), (" a , b ", {"a", "b"}), ("*", {"*"})],
+)
+def test_allow_missing_state_is_read_from_the_environment(raw, names):
+    config = JobConfig.from_env({"ADAPTDL_ALLOW_MISSING_STATE": raw})
+    assert config.allow_missing_state == names
+
+
+@pytest.mark.parametrize("raw", ["a,,b", ",", "a,"])
+def test_an_empty_name_in_allow_missing_state_is_refused(raw):
+    with pytest.raises(ValueError, match="ADAPTDL_ALLOW_MISSING_STATE"):
+        JobConfig.from_env({"ADAPTDL_ALLOW_MISSING_STATE": raw})
+
+
+# -- exit codes and the end of a loop ---------------------------------------------------
+
+
+def test_the_first_stop_requests_code_is_the_exit_status():
+    job = Job(store=MemoryCheckpointStore())
+    job.request_stop(130)
+    job.request_stop(143)
+    job.step_boundary()
+    with pytest.raises(Preempted) as stopped:
+        job.step_boundary()
+    assert stopped.value.code == 130
+
+
+def test_a_stop_after_the_last_boundary_checkpoints_at_the_loop_end_on_every_replica():
+    store = MemoryCheckpointStore()
+
+    def replica(collective):
+        job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        loader = LoaderHelper(job, batch_size=4)
+        for _ in job.remaining_epochs_until(2):
+            for step, _ in enumerate(loader.iterate(8, drop_last_batches(8, collective.rank, 2))):
+                if step == 1 and collective.rank == 1:  # the loop's last batch
+                    job.request_stop()
+        return job.epoch.finished_epochs
+
+    with pytest.raises(Preempted):
+        run_replicas(2, replica)
+    assert store.labels() == ["ckpt-000001"]
+    again = Job(store=store)
+    loader = LoaderHelper(again, batch_size=4)
+    for _ in again.remaining_epochs_until(1):
+        assert list(loader.iterate(8, drop_last_batches(8, 0, 1))) == []  # the loop had ended
+
+
+# -- the final checkpoint ---------------------------------------------------------------
+
+
+def test_a_finished_epoch_loop_writes_a_final_checkpoint_and_a_relaunch_trains_nothing():
+    store = MemoryCheckpointStore()
+    job = Job(store=store)
+    loader = LoaderHelper(job, batch_size=2)
+    for _ in job.remaining_epochs_until(2):
+        list(loader.iterate(4, drop_last_batches(4, 0, 1)))
+    assert store.load().metadata["finished_epochs"] == 2
+    again = Job(store=store)
+    LoaderHelper(again, batch_size=2)
+    assert list(again.remaining_epochs_until(2)) == []
+    assert len(store.labels()) == 1  # nothing ran: nothing written
+
+
+def test_a_stop_during_the_final_checkpoint_exits_after_it():
+    store = MemoryCheckpointStore()
+    job = Job(store=store)
+    epochs = job.remaining_epochs_until(1)
+    next(epochs)
+    job.request_stop()
+    with pytest.raises(Preempted):
+        next(epochs)
+    assert store.load().metadata["finished_epochs"] == 1
+
+
+# -- a stop outside any loop ------------------------------------------------------------
+
+
+def test_a_stop_between_loops_checkpoints_one_replica_and_exits():
+    store = MemoryCheckpointStore()
+    job = Job(store=store)
+    loader = LoaderHelper(job, batch_size=2)
+    with pytest.raises(Preempted):
+        for _ in job.remaining_epochs_until(3):
+            list(loader.iterate(4, drop_last_batches(4, 0, 1)))
+            job.request_stop()
+            job.stop_outside_loop()  # what the signal handler does outside a loop
+    again = Job(store=store)
+    loader = LoaderHelper(again, batch_size=2)
+    seen = []
+    for _ in again.remaining_epochs_until(3):
+        seen.append(list(loader.iterate(4, drop_last_batches(4, 0, 1))))
+    assert [len(batches) for batches in seen] == [0, 2, 2]  # epoch 0's loop is not redone
+
+
+def test_a_stop_between_loops_of_several_replicas_is_written_by_rank_0_alone():
+    store = MemoryCheckpointStore()
+    saved = threading.Event()
+
+    def replica(collective):
+        job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        loader = LoaderHelper(job, batch_size=4)
+        for _ in job.remaining_epochs_until(2):
+            list(loader.iterate(8, drop_last_batches(8, collective.rank, 2)))
+            job.request_stop()
+            if collective.rank == 0:
+                try:
+                    job.stop_outside_loop()  # no collective: rank 1 does not take part
+                finally:
+                    saved.set()
+            assert saved.wait(30)
+            job.stop_outside_loop()
+
+    with pytest.raises(Preempted):
+        run_replicas(2, replica)
+    assert store.load().entries["adaptdl-dataloader-0"]
+
+
+def test_a_stop_before_any_epoch_writes_nothing():
+    store = MemoryCheckpointStore()
+    job = Job(store=store)
+    job.request_stop(130)
+    with pytest.raises(Preempted) as stopped:
+        job.stop_outside_loop()
+    assert stopped.value.code == 130 and store.labels() == []
+
+
+# -- a pass that can yield no batch -----------------------------------------------------
+
+
+@given(
+    n=st.integers(1, 40),
+    replicas=st.integers(1, 4),
+    batch_size=st.integers(1, 64),
+    stop_at=st.integers(0, 5),
+)
+def test_a_loop_yields_a_batch_or_raises_and_a_stop_always_ends_it(
+    n, replicas, batch_size, stop_at
+):
+    """drop_last with a batch larger than a replica's share: ValueError, never an endless loop."""
+    store = MemoryCheckpointStore()
+
+    def replica(collective):
+        rank = collective.rank
+        job = Job(Topology(rank, replicas), collective=collective, store=store)
+        loader = LoaderHelper(job, batch_size=batch_size)
+        taken = 0
+        for _ in job.remaining_epochs_until(1000):
+            for _ in loader.iterate(n, drop_last_batches(n, rank, replicas)):
+                taken += 1
+                if taken == stop_at + 1:
+                    job.request_stop()
+                assert taken < stop_at + 4, "a stop did not end the loop"
+        return taken
+
+    try:
+        run_replicas(replicas, replica)
+    except ValueError as exc:
+        local = -(-batch_size // replicas)
+        assert local > n // replicas  # raised only when a replica's share holds no batch
+        message = str(exc)
+        assert "drop_last=True" in message and f"{n} samples" in message, message
+        assert f"local batch size {local}" in message, message
+        assert f"share of the pass is {n // replicas} samples" in message, message
+    except Preempted:
+        pass
+    else:
+        pytest.fail("the loop neither stopped nor raised")
+
+
+@given(
+    n=st.integers(1, 500),
+    replicas=st.integers(1, 8),
+    batch_size=st.integers(1, 500),
+    extra=st.integers(0, 1000),
+    accumulation=st.booleans(),
+    previous=st.integers(0, 64),
+)
+def test_the_autoscaler_never_chooses_a_size_whose_pass_yields_nothing(
+    n, replicas, batch_size, extra, accumulation, previous
+):
+    """With a target within the dataset, every replica's micro-batch fits in its share."""
+    assume(batch_size <= n and replicas <= n)
+    query = batch_size_query(
+        1,
+        replicas,
+        batch_size,
+        max_batch_size=batch_size + extra,
+        gradient_accumulation=accumulation,
+        local_bsz=previous,
+        dataset_size=n,
+    )
+    local, accum = GoodputDecision(lambda: None)(query)
+    assert replicas * local * (accum + 1) <= n
