@@ -14,9 +14,8 @@ fault, chosen from :data:`KINDS`:
 ``double_sigterm_workers``
                     the same, at a random step, with two DataLoader workers per
                     replica (torchrun forwards each SIGTERM to a replica's whole
-                    process group, its workers included). Expected to fail, at
-                    times, until the library keeps the workers alive through a
-                    second SIGTERM (issue 12, item 4).
+                    process group, its workers included): the workers must live
+                    through the second signal (issue 12, item 4).
 ``slurm_sigterm``   SIGTERM to every process of the job at once (torchrun, the
                     replicas and their DataLoader workers, 0 or 2 each), as Slurm's
                     ``scancel`` does; torchrun forwards it to the replicas again.
