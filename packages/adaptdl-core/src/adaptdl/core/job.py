@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -32,6 +30,7 @@ from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.journal import Journal, Mark
 from adaptdl.core.metrics import MetricsState
+from adaptdl.core.restore import Store, restore_agreed, where
 from adaptdl.core.shardedfiles import FileState, ShardedCheckpointStore
 from adaptdl.core.topology import Topology
 
@@ -54,25 +53,6 @@ LOG = logging.getLogger("adaptdl.core.job")
 
 ALL_STATES = "*"
 """In ``allow_missing_state``: every state may be missing from the restored checkpoint."""
-
-
-class Store(Protocol):
-    """What the job and its loaders need of a checkpoint store (directory or memory)."""
-
-    @property
-    def root(self) -> Path | None:
-        """The checkpoint directory, for messages; None for a store without one."""
-        ...
-
-    def save(
-        self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
-    ) -> Checkpoint: ...
-
-    def load(self) -> Checkpoint | None: ...
-
-    def labels(self) -> list[str]: ...
-
-    def load_label(self, label: str) -> Checkpoint: ...
 
 
 class JobState(JsonState):
@@ -98,11 +78,6 @@ class JobState(JsonState):
         self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
         # Absent from checkpoints written before it was recorded, all taken in loops.
         self.in_loop = check_bool("in_loop", data.get("in_loop", True))
-
-
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """The union of two replicas' views (keyed by rank)."""
-    return {**a, **b}
 
 
 class Job:
@@ -142,7 +117,9 @@ class Job:
         # name -> the epoch a state belongs to (see `register`).
         self._epoch_scoped: dict[str, int] = {}
         self._names: dict[str, int] = {}
-        self._loaded: Checkpoint | None = self._restore(store) if store is not None else None
+        self._loaded: Checkpoint | None = None
+        if store is not None:
+            self._loaded = restore_agreed(store, self.collective, self.topology.rank)
         self._base = self._loaded.sequence if self._loaded is not None else 0
         self.current_loader: LoaderHelper | None = None
         self.training_loader: LoaderHelper | None = None
@@ -174,66 +151,8 @@ class Job:
         self.register(self.metrics)
 
     # -- states and checkpoints ---------------------------------------------------------
-    def _restore(self, store: Store) -> Checkpoint | None:
-        """The checkpoint rank 0 chooses, loaded by every replica; CheckpointError on all if not.
-
-        One collective: every replica contributes the labels it sees, rank 0 also
-        its choice (label and manifest digest) or why it has none. A replica that
-        does not see rank 0's choice (a stale directory listing, a path not shared
-        across nodes) makes every replica raise, naming it, its newest and rank 0's
-        choice, so that none waits for a peer that stopped. A replica that sees the
-        label but reads other bytes raises on its own.
-        """
-        rank = self.topology.rank
-        view: dict[str, Any] = {}
-        loaded: Checkpoint | None = None
-        error: CheckpointError | None = None
-        try:
-            if rank == 0:
-                loaded = store.load()
-                view["choice"] = None if loaded is None else [loaded.label, loaded.digest]
-            view["labels"] = store.labels()
-        except CheckpointError as exc:
-            error = exc
-            view = {"error": str(exc)}
-        views: dict[str, Any] = self.collective.allreduce({str(rank): view}, _merge)
-        where = self._where
-        for r in sorted(views, key=int):
-            if "error" in views[r]:
-                if error is not None:
-                    raise error
-                raise CheckpointError(
-                    f"replica {r} could not read the checkpoints: {views[r]['error']}"
-                )
-        choice = views["0"]["choice"]
-        if choice is None:
-            return None
-        label, digest = choice
-        for r in sorted(views, key=int):
-            labels = views[r]["labels"]
-            if label not in labels:
-                # Labels are ckpt-NNNNNN with 6 or more digits: longer is newer.
-                newest = max(labels, key=lambda name: (len(name), name), default=None)
-                raise CheckpointError(
-                    f"replica {r} does not see checkpoint {where(label)} that rank 0 restores "
-                    f"(the newest it sees is {newest or 'none'}); every replica must see one "
-                    "shared checkpoint directory alike (check that the path is shared by every "
-                    "node and not served from a stale cache)"
-                )
-        if rank == 0:
-            return loaded
-        mine = store.load_label(label)
-        if mine.digest != digest:
-            raise CheckpointError(
-                f"replica {rank} reads checkpoint {where(label)} with manifest digest "
-                f"{mine.digest} but rank 0 restores it with {digest}: the replicas see "
-                "different checkpoint directories"
-            )
-        return mine
-
     def _where(self, label: str) -> str:
-        root = self.store.root if self.store is not None else None
-        return f"'{os.path.join(root, label)}'" if root is not None else label
+        return where(self.store, label)
 
     @property
     def restored_from(self) -> str | None:
