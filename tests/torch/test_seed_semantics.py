@@ -98,8 +98,12 @@ def test_finished_epochs_accumulators_leave_the_checkpoints(
     assert [n for n in saved.entries if "accumulator" in n] == []  # epochs 0, 1 finished
     _context._reset()
     assert _validation_program(stop_epoch=2)(None) == [N]
+    # The final checkpoint (training finished) holds no epoch's accumulator either.
     names = [s.name for s in _context.current_job().states() if "accumulator" in s.name]
-    assert names == ["adaptdl-accumulator-epoch2-0"]
+    assert names == []
+    final = CheckpointStore(LocalStorage(tmp_path / "ckpt")).load()
+    assert final is not None and final.label != saved.label
+    assert [n for n in final.entries if "accumulator" in n] == []
 
 
 def test_contributions_replayed_outside_loops_count_once(
@@ -362,3 +366,20 @@ def test_random_states_resume_where_the_stopped_run_left_them(
     whole = uninterrupted(program)
     resumed = restarted(tmp_path, monkeypatch, program)
     assert resumed == whole[5:]
+
+
+def test_init_process_group_takes_the_seeds_positional_parameters() -> None:
+    # Fault: init_method was keyword-only and world_size/rank did not exist, so the
+    # seed's init_process_group("gloo", None, 1, 0) raised TypeError.
+    with pytest.raises(ValueError, match=r"world_size=2.*says 1"):
+        adl.init_process_group("gloo", None, 2, 0)
+    assert not adl.is_initialized()
+    adl.init_process_group("gloo", None, 1, 0)
+    assert adl.is_initialized()
+
+
+def test_init_process_group_after_a_loader_checks_world_size_and_rank() -> None:
+    AdaptiveDataLoader(indexed(), batch_size=4)
+    with pytest.raises(ValueError, match=r"rank=1\).*says 0"):
+        adl.init_process_group("gloo", rank=1)
+    adl.init_process_group("gloo", world_size=1, rank=0)

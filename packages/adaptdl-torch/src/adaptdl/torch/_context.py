@@ -20,6 +20,7 @@ from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
 from adaptdl.core.storage import LocalStorage, Storage
+from adaptdl.core.topology import Topology
 from adaptdl.torch import _signals
 from adaptdl.torch.collective import TorchCollective
 from adaptdl.torch.rng import RngState
@@ -42,9 +43,11 @@ def is_initialized() -> bool:
 
 def init_process_group(
     backend: str | None = None,
+    init_method: str | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
     *,
     timeout: timedelta | None = None,
-    init_method: str | None = None,
     storage: Storage | None = None,
 ) -> None:
     """Join the job: set up ``torch.distributed``, the default job and its checkpoints.
@@ -53,7 +56,10 @@ def init_process_group(
     ``torchrun`` the rendezvous comes from its environment variables; ``python
     train.py`` runs as one replica with an in-process store. If the default process
     group already exists it is used as is. Small values travel over a separate gloo
-    group (the default group when it is gloo). ``timeout`` (default
+    group (the default group when it is gloo). ``init_method``, ``world_size`` and
+    ``rank`` are the original AdaptDL's positional parameters: ``init_method`` names
+    a rendezvous (e.g. ``tcp://host:port``) when torchrun's variables are absent;
+    ``world_size`` and ``rank``, if given, must agree with the environment. ``timeout`` (default
     ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, 300) bounds every collective.
 
     Checkpoints go to ``storage``, by default a directory named by
@@ -78,10 +84,12 @@ def init_process_group(
     """
     global _job, _gloo_group, _owns_process_group, _locked
     if _job is not None:
+        _check_placement(_job.topology, world_size, rank)
         _accept_after_implicit(backend, timeout, init_method, storage)
         return
     config = JobConfig.from_env(os.environ)  # the one read of the environment
     topology = config.topology
+    _check_placement(topology, world_size, rank)
     if timeout is None:
         timeout = timedelta(seconds=config.collective_timeout)
     if backend is None:
@@ -150,6 +158,20 @@ def init_process_group(
             topology.num_restarts,
         )
     _signals.install(lambda: _job)
+
+
+def _check_placement(topology: Topology, world_size: int | None, rank: int | None) -> None:
+    """ValueError unless the seed's ``world_size``/``rank`` agree with the environment."""
+    for name, given, actual in (
+        ("world_size", world_size, topology.num_replicas),
+        ("rank", rank, topology.rank),
+    ):
+        if given is not None and given != actual:
+            raise ValueError(
+                f"init_process_group({name}={given!r}) disagrees with the environment, which "
+                f"says {actual} (torchrun's RANK/WORLD_SIZE or ADAPTDL_REPLICA_RANK/"
+                f"ADAPTDL_NUM_REPLICAS); omit {name} or launch with matching settings"
+            )
 
 
 def _accept_after_implicit(
