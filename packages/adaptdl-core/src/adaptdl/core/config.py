@@ -24,7 +24,7 @@ restarts             ``ADAPTDL_NUM_RESTARTS``  ``TORCHELASTIC_RESTART_COUNT``
 nodes variable, nodes are ``ceil(replicas / LOCAL_WORLD_SIZE)``. The rest are
 AdaptDL's alone: ``ADAPTDL_CHECKPOINT_PATH``, ``ADAPTDL_SHARE_PATH``,
 ``ADAPTDL_JOB_ID``, ``ADAPTDL_CHECKPOINT_INTERVAL``, ``ADAPTDL_CHECKPOINT_STEPS``,
-``ADAPTDL_COLLECTIVE_TIMEOUT``; and torchrun's rendezvous: ``MASTER_ADDR``,
+``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_LOG_LEVEL``; and torchrun's rendezvous: ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``. An empty variable counts as
 unset.
 """
@@ -41,7 +41,14 @@ import attrs
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.topology import Topology
 
-__all__ = ["DEFAULT_CHECKPOINT_INTERVAL", "DEFAULT_COLLECTIVE_TIMEOUT", "ENV_VARS", "JobConfig"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_INTERVAL",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_LOG_LEVEL",
+    "ENV_VARS",
+    "LOG_LEVELS",
+    "JobConfig",
+]
 
 T = TypeVar("T")
 
@@ -61,6 +68,7 @@ MASTER_ADDR_VAR = "MASTER_ADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
 ELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+LOG_LEVEL_VAR = "ADAPTDL_LOG_LEVEL"
 
 ENV_VARS: tuple[str, ...] = (
     *RANK_VARS,
@@ -74,6 +82,7 @@ ENV_VARS: tuple[str, ...] = (
     CHECKPOINT_INTERVAL_VAR,
     CHECKPOINT_STEPS_VAR,
     COLLECTIVE_TIMEOUT_VAR,
+    LOG_LEVEL_VAR,
     MASTER_ADDR_VAR,
     MASTER_PORT_VAR,
     AGENT_STORE_VAR,
@@ -85,6 +94,12 @@ DEFAULT_CHECKPOINT_INTERVAL = 600.0
 
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 """Seconds a collective waits for a peer when ``ADAPTDL_COLLECTIVE_TIMEOUT`` is unset."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The values ``ADAPTDL_LOG_LEVEL`` takes (in any case): the level of the ``adaptdl`` logger."""
+
+DEFAULT_LOG_LEVEL = "INFO"
+"""The ``adaptdl`` logger's level when ``ADAPTDL_LOG_LEVEL`` is unset: lifecycle lines show."""
 
 # torch takes the timeout in milliseconds (so less is 0, no timeout at all) and as a
 # timedelta (so 1e15 s overflows); a year is longer than any collective may wait.
@@ -100,7 +115,8 @@ class JobConfig:
     checkpoint trigger off. ``master_port`` is set whenever ``master_addr`` is;
     ``elastic_restart`` is torchrun's own restart count (None outside torchrun),
     which names the rendezvous keys of one attempt even when a scheduler
-    overrides the topology's ``num_restarts``.
+    overrides the topology's ``num_restarts``. ``log_level`` is the ``adaptdl``
+    logger's level (one of `LOG_LEVELS`), None when ``ADAPTDL_LOG_LEVEL`` is unset.
     """
 
     topology: Topology = attrs.field(factory=Topology)
@@ -114,6 +130,12 @@ class JobConfig:
     master_port: int | None = attrs.field(default=None)
     elastic_restart: int | None = attrs.field(default=None)
     use_agent_store: bool = False
+    log_level: str | None = attrs.field(default=None)
+
+    @log_level.validator
+    def _check_log_level(self, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+        if value is not None and value not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
 
     @checkpoint_every_seconds.validator
     def _check_seconds(self, attribute: attrs.Attribute[float | None], value: Any) -> None:
@@ -172,6 +194,7 @@ class JobConfig:
             master_port=_read_port(env) if master_addr is not None else None,
             elastic_restart=_read_elastic_restart(env),
             use_agent_store=env.get(AGENT_STORE_VAR) == "True",
+            log_level=_read_log_level(env),
         )
 
 
@@ -293,3 +316,13 @@ def _read_port(env: Mapping[str, str]) -> int:
         raw = env.get(MASTER_PORT_VAR, "")
         raise ValueError(f"environment variable {MASTER_PORT_VAR}={raw!r} must be {rule}")
     return port
+
+
+def _read_log_level(env: Mapping[str, str]) -> str | None:
+    return _read(
+        env,
+        LOG_LEVEL_VAR,
+        str.upper,
+        lambda name: name in LOG_LEVELS,
+        f"one of {', '.join(LOG_LEVELS)} (in any case)",
+    )

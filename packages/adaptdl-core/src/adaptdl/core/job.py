@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from adaptdl.core import lifecycle
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.checkpoint import (
@@ -24,7 +25,7 @@ from adaptdl.core.collective import Collective, Future, LocalCollective, logical
 from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
-from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.journal import Journal
 from adaptdl.core.metrics import MetricsState
 from adaptdl.core.topology import Topology
 
@@ -121,7 +122,19 @@ class Boundary:
     def from_wire(cls, flags: Any) -> Boundary:
         """The value of :meth:`to_wire`'s list (after the reduction)."""
         stop, checkpoint, redecide = flags
+        if cls is Boundary:  # every boundary of every step: one of eight shared values
+            return _BOUNDARIES[bool(stop), bool(checkpoint), bool(redecide)]
         return cls(bool(stop), bool(checkpoint), bool(redecide))
+
+
+_NONE = (False, False, False)
+# The eight Boundary values, built once: step_boundary runs after every optimiser step.
+_BOUNDARIES = {
+    (stop, checkpoint, redecide): Boundary(stop, checkpoint, redecide)
+    for stop in (False, True)
+    for checkpoint in (False, True)
+    for redecide in (False, True)
+}
 
 
 class JobState(JsonState):
@@ -131,16 +144,20 @@ class JobState(JsonState):
         self.name = name
         self.samples_consumed = 0  # by all replicas in all loops, at step boundaries
         self.replayed_samples = 0  # consumed again after crashes (see journal.py)
+        self.steps = 0  # optimiser steps of the training loop, across restarts
 
     def to_json(self) -> dict[str, Any]:
         return {
             "samples_consumed": self.samples_consumed,
             "replayed_samples": self.replayed_samples,
+            "steps": self.steps,
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
         self.samples_consumed = check_int("samples_consumed", data["samples_consumed"], min=0)
         self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
+        # Absent from checkpoints written before it was recorded.
+        self.steps = check_int("steps", data.get("steps", 0), min=0)
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +204,10 @@ class Job:
         self.training_loader: LoaderHelper | None = None
         self._sync_time = 0.0
         self._stop_requested = False
-        self._boundary_future: Future[Any] | None = None
+        # The reduction started at the last step boundary; with one replica, its result.
+        self._boundary_future: Future[Any] | tuple[bool, bool, bool] | None = None
+        self._one_replica = getattr(self.collective, "in_process", False) is True
+        self._rank0 = self.topology.rank == 0
         self._drains: list[Callable[[], None]] = []
         self.redecide_schedule = RedecideSchedule()
         self._redecide_interval: float | None = None
@@ -205,6 +225,16 @@ class Job:
         self.register(self.epoch)
         self.metrics = MetricsState()
         self.register(self.metrics)
+        self.started_at = clock()
+        if self._loaded is not None and self.topology.rank == 0:
+            before = self._loaded.metadata.get("num_replicas")
+            lifecycle.resumed(
+                self._where(self._loaded.label),
+                epoch=self.epoch.finished_epochs,
+                replicas=self.topology.num_replicas,
+                replicas_before=before if isinstance(before, int) else None,
+                restart=self.topology.num_restarts,
+            )
 
     # -- states and checkpoints ---------------------------------------------------------
     def _restore(self, store: Store) -> Checkpoint | None:
@@ -324,11 +354,19 @@ class Job:
                 self.state.replayed_samples,
             )
 
-    def _mark(self, samples: int) -> None:
-        if self.journal is not None:
-            self.journal.write(
-                Mark(samples=samples, replayed=self.state.replayed_samples, checkpoint=self._base)
-            )
+    @property
+    def global_step(self) -> int:
+        """Optimiser steps the training loop took, counting those before restarts.
+
+        Restored from the checkpoint, so that a curve plotted against it continues
+        where the previous run left off instead of starting again at 0.
+        """
+        return self.state.steps
+
+    @property
+    def samples_consumed(self) -> int:
+        """Samples all replicas consumed in all loops, counting those before restarts."""
+        return self.state.samples_consumed
 
     @property
     def replayed_samples(self) -> int:
@@ -346,7 +384,13 @@ class Job:
         killed while training on them, or just after, has them counted as replayed
         when the job resumes from an earlier checkpoint.
         """
-        self._mark(self.state.samples_consumed + samples)
+        # Called for every batch: the journal's write, without another call in between.
+        journal = self.journal
+        if journal is not None:
+            state = self.state
+            journal.write_counts(
+                state.samples_consumed + samples, state.replayed_samples, self._base
+            )
 
     def unique_name(self, prefix: str) -> str:
         """``prefix-0``, ``prefix-1``, ...: the same names in the same creation order."""
@@ -363,10 +407,12 @@ class Job:
         States whose contents live partly on other replicas (accumulators) are
         synchronised first, on every replica, in registration order.
         """
+        started = self.clock()
         for state in self._states.values():
             if isinstance(state, CollectiveState):
                 state.sync()
         entries = {name: state.to_bytes() for name, state in self._states.items()}
+        saved: Checkpoint | None = None
         if self.store is not None and self.topology.rank == 0:
             saved = self.store.save(
                 entries,
@@ -376,12 +422,18 @@ class Job:
                     "finished_epochs": self.epoch.finished_epochs,
                 },
             )
-            LOG.info("checkpoint %s written", saved.label)
             self._base = saved.sequence
         self.collective.barrier()
         self.checkpoints_written += 1
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = self.clock()
+        if saved is not None:
+            lifecycle.checkpoint_written(
+                self._where(saved.label),
+                seconds=self._last_checkpoint_time - started,
+                epoch=self.epoch.current_epoch,
+                steps=self.state.steps,
+            )
 
     # -- stopping at a batch boundary ----------------------------------------------------
     def request_stop(self) -> None:
@@ -408,10 +460,22 @@ class Job:
         """
         if training:
             self._steps_since_checkpoint += 1
+            self.state.steps += 1
         previous = self._boundary_future
         self._boundary_future = None
-        agreed = Boundary.from_wire(previous.result()) if previous is not None else Boundary()
+        if previous is None:
+            agreed = _BOUNDARIES[_NONE]
+        elif isinstance(previous, tuple):
+            agreed = _BOUNDARIES[previous]
+        else:
+            agreed = Boundary.from_wire(previous.result())
         if agreed.stop:
+            if self._rank0:
+                lifecycle.stopping(
+                    epoch=self.epoch.current_epoch,
+                    steps=self.state.steps,
+                    exit_code=EXIT_CODE_PREEMPTED,
+                )
             self.checkpoint()
             raise Preempted()
         if agreed.checkpoint:
@@ -421,22 +485,27 @@ class Job:
         redecide = self._redecide_pending or agreed.redecide
         self._redecide_pending = redecide and not training
         now = self.clock()
+        rank0 = self._rank0
         due_now = (
-            self.store is not None
-            and self.topology.rank == 0
+            rank0
+            and self.store is not None
             # +1: what is found due now is written at the next boundary.
             and self.checkpoint_policy.due(
                 self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
         )
-        redecide_now = training and self.topology.rank == 0 and now >= self._next_redecide
+        redecide_now = training and rank0 and now >= self._next_redecide
         if redecide_now:
             self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
             self._next_redecide = now + self._redecide_interval
-        self._boundary_future = self.collective.allreduce_async(
-            Boundary(self._stop_requested, due_now, redecide_now).to_wire(), logical_or
+        flags = (self._stop_requested, due_now, redecide_now)
+        # One replica's reduction is its own flags: no future to build every step.
+        self._boundary_future = (
+            flags
+            if self._one_replica
+            else self.collective.allreduce_async(list(flags), logical_or)
         )
-        return attrs.evolve(agreed, redecide=redecide and training)
+        return _BOUNDARIES[agreed.stop, agreed.checkpoint, redecide and training]
 
     def on_drain(self, drain: Callable[[], None]) -> None:
         """Have `drain` also wait for a reduction an adapter keeps in flight."""
@@ -456,7 +525,7 @@ class Job:
         for drain in self._drains:
             drain()
         pending, self._boundary_future = self._boundary_future, None
-        if pending is not None:
+        if pending is not None and not isinstance(pending, tuple):
             pending.result()
 
     # -- loops ------------------------------------------------------------------------
@@ -492,6 +561,25 @@ class Job:
     def take_sync_time(self) -> float:
         seconds, self._sync_time = self._sync_time, 0.0
         return seconds
+
+    def goodput(self) -> float | None:
+        """Goodput (useful samples per second) of the training loader's configuration now.
+
+        None before the model is fitted or the training loader decided its batch size.
+        """
+        loader = self.training_loader
+        fn = self.goodput_fn()
+        if fn is None or loader is None or loader.current_local_bsz == 0:
+            return None
+        topo = self.topology
+        return float(
+            fn.evaluate(
+                topo.num_nodes,
+                topo.num_replicas,
+                loader.current_local_bsz,
+                loader.accumulation_steps,
+            )
+        )
 
     def goodput_fn(self) -> GoodputFunction | None:
         """The goodput model fitted so far, or None before enough has been profiled."""

@@ -12,6 +12,7 @@ from adaptdl.torch.accumulator import Accumulator
 from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.progress import global_step
 
 __all__ = [
     "Accumulator",
@@ -20,6 +21,7 @@ __all__ = [
     "current_dataloader",
     "current_epoch",
     "finished_epochs",
+    "global_step",
     "init_process_group",
     "is_initialized",
     "remaining_epochs_until",

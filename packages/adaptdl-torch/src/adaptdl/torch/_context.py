@@ -22,6 +22,7 @@ from adaptdl.core.config import JobConfig
 from adaptdl.core.job import CheckpointPolicy, Job
 from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.storage import LocalStorage, Storage
+from adaptdl.torch import _log
 from adaptdl.torch.collective import TorchCollective
 
 __all__ = ["current_job", "init_process_group", "is_initialized"]
@@ -73,6 +74,7 @@ def init_process_group(
     if _job is not None:
         raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
     config = JobConfig.from_env(os.environ)  # the one read of the environment
+    _log.configure(config.log_level)
     topology = config.topology
     if timeout is None:
         timeout = timedelta(seconds=config.collective_timeout)
@@ -123,14 +125,6 @@ def init_process_group(
             _locked.unlock()
             _locked = None
         raise
-    if _job.restored_from is not None:
-        LOG.info(
-            "rank %d of %d resumed from checkpoint %s (restart %d)",
-            topology.rank,
-            topology.num_replicas,
-            _job.restored_from,
-            topology.num_restarts,
-        )
     _install_signal_handler()
 
 
@@ -206,7 +200,7 @@ def current_job() -> Job:
                 "call adaptdl.torch.init_process_group() before creating adaptdl.torch "
                 f"objects: this process is one of {topology.num_replicas} replicas"
             )
-        LOG.info("adaptdl.torch.init_process_group() not called: initialising it now")
+        LOG.debug("adaptdl.torch.init_process_group() not called: initialising it now")
         init_process_group()
     assert _job is not None
     return _job
