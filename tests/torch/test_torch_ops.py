@@ -132,3 +132,33 @@ def test_tensorboard_gets_job_figures_and_the_step_continues_after_a_restart(
     assert writer.scalars["Data/total_batch_size"] == (2.0, 10)
     loader.to_tensorboard(writer, 3, "t")  # an explicit step still wins
     assert writer.scalars["t/Job/global_step"] == (10.0, 3)
+
+
+class _Starts:
+    """A worker_init_fn counting worker starts in a counter shared with the workers."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.count = multiprocessing.get_context("fork").Value("i", 0)
+
+    def __call__(self, worker_id: int) -> None:
+        with self.count.get_lock():
+            self.count.value += 1
+
+
+def test_persistent_workers_start_once_for_all_passes() -> None:
+    """persistent_workers=True is honoured: passes reuse the workers (and exactly once holds)."""
+    starts = _Starts()
+    loader = adl.AdaptiveDataLoader(
+        TensorDataset(torch.arange(30)),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        worker_init_fn=starts,
+    )
+    for _ in adl.remaining_epochs_until(3):
+        seen = sorted(int(i) for (batch,) in loader for i in batch)
+        assert seen == list(range(30))
+    assert starts.count.value == 2
