@@ -50,14 +50,9 @@ def run_program(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedP
     environ.update(
         ADAPTDL_CHECKPOINT_PATH=str(tmp_path / "ckpt"), ADAPTDL_CHECKPOINT_STEPS="4", **env
     )
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        env=environ,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    command = [sys.executable, str(script), *args]
+    options: dict[str, Any] = {"env": environ, "cwd": ROOT, "capture_output": True, "text": True}
+    return subprocess.run(command, timeout=240, **options)
 
 
 def lifecycle(stderr: str) -> list[str]:
@@ -134,22 +129,11 @@ def test_tensorboard_gets_job_figures_and_the_step_continues_after_a_restart(
     assert writer.scalars["t/Job/global_step"] == (10.0, 3)
 
 
-class _Starts:
-    """A worker_init_fn counting worker starts in a counter shared with the workers."""
-
-    def __init__(self) -> None:
-        import multiprocessing
-
-        self.count = multiprocessing.get_context("fork").Value("i", 0)
-
-    def __call__(self, worker_id: int) -> None:
-        with self.count.get_lock():
-            self.count.value += 1
-
-
 def test_persistent_workers_start_once_for_all_passes() -> None:
     """persistent_workers=True is honoured: passes reuse the workers (and exactly once holds)."""
-    starts = _Starts()
+    from tests.torch.test_bench_loader import _load_benchmark
+
+    starts = _load_benchmark().WorkerStarts()  # the benchmark's own counter of worker starts
     loader = adl.AdaptiveDataLoader(
         TensorDataset(torch.arange(30)),
         batch_size=4,
@@ -161,4 +145,4 @@ def test_persistent_workers_start_once_for_all_passes() -> None:
     for _ in adl.remaining_epochs_until(3):
         seen = sorted(int(i) for (batch,) in loader for i in batch)
         assert seen == list(range(30))
-    assert starts.count.value == 2
+    assert starts.value == 2
