@@ -187,3 +187,26 @@ def test_any_collective_timeout_is_in_range_or_refused(value: float) -> None:
 
 def _policy_from_env(env):
     return CheckpointPolicy.from_config(JobConfig.from_env(env))
+
+
+@given(st.sampled_from(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]), st.booleans())
+def test_the_log_level_is_read_in_any_case(level: str, lower: bool) -> None:
+    raw = level.lower() if lower else level
+    assert JobConfig.from_env({"ADAPTDL_LOG_LEVEL": f" {raw} "}).log_level == level
+
+
+@given(st.text(max_size=12))
+def test_a_log_level_is_a_level_name_or_refused_naming_the_variable(raw: str) -> None:
+    try:
+        level = JobConfig.from_env({"ADAPTDL_LOG_LEVEL": raw}).log_level
+    except ValueError as exc:
+        assert f"ADAPTDL_LOG_LEVEL={raw!r}" in str(exc)
+        assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in str(exc)
+        return
+    assert level is None if not raw.strip() else level == raw.strip().upper()
+
+
+def test_an_unset_log_level_is_none_and_a_bad_field_is_refused() -> None:
+    assert JobConfig.from_env({}).log_level is None
+    with pytest.raises(ValueError, match="log_level must be one of"):
+        JobConfig(log_level="info")

@@ -96,4 +96,20 @@ class Boundary:
     def from_wire(cls, flags: Any) -> Boundary:
         """The value of :meth:`to_wire`'s list (after the reduction)."""
         stop, checkpoint, redecide = flags
-        return cls(bool(stop), bool(checkpoint), bool(redecide))
+        return cls.of(bool(stop), bool(checkpoint), bool(redecide))
+
+    @classmethod
+    def of(cls, stop: bool, checkpoint: bool, redecide: bool) -> Boundary:
+        """The boundary with these flags: one of eight values built once (a boundary
+        follows every optimiser step, so none is built per step)."""
+        if cls is Boundary:
+            return _BOUNDARIES[stop, checkpoint, redecide]
+        return cls(stop, checkpoint, redecide)
+
+
+_BOUNDARIES = {
+    (stop, checkpoint, redecide): Boundary(stop, checkpoint, redecide)
+    for stop in (False, True)
+    for checkpoint in (False, True)
+    for redecide in (False, True)
+}

@@ -326,6 +326,10 @@ class LocalCollective(GroupMember):
     them and a value that could not travel fails here as it would on many replicas.
     """
 
+    #: Every operation completes in this process, at once (no peer, nothing in flight):
+    #: the job then skips the futures of its per-step reduction.
+    in_process = True
+
     def __init__(self) -> None:
         super().__init__(0, 1)
 

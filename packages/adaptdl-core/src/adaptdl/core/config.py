@@ -24,9 +24,9 @@ restarts             ``ADAPTDL_NUM_RESTARTS``  ``TORCHELASTIC_RESTART_COUNT``
 nodes variable, nodes are ``ceil(replicas / LOCAL_WORLD_SIZE)``. The rest are
 AdaptDL's alone: ``ADAPTDL_CHECKPOINT_PATH``, ``ADAPTDL_SHARE_PATH``,
 ``ADAPTDL_JOB_ID``, ``ADAPTDL_CHECKPOINT_INTERVAL``, ``ADAPTDL_CHECKPOINT_STEPS``,
-``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_ALLOW_MISSING_STATE``; and torchrun's
-rendezvous: ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``. An
-empty variable counts as unset.
+``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_ALLOW_MISSING_STATE``, ``ADAPTDL_LOG_LEVEL``;
+and torchrun's rendezvous: ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_USE_AGENT_STORE``. An empty variable counts as unset.
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ import attrs
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.topology import Topology
 
-__all__ = ["DEFAULT_CHECKPOINT_INTERVAL", "DEFAULT_COLLECTIVE_TIMEOUT", "ENV_VARS", "JobConfig"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_INTERVAL",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_LOG_LEVEL",
+    "ENV_VARS",
+    "LOG_LEVELS",
+    "JobConfig",
+]
 
 T = TypeVar("T")
 
@@ -62,6 +69,7 @@ MASTER_ADDR_VAR = "MASTER_ADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
 ELASTIC_RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+LOG_LEVEL_VAR = "ADAPTDL_LOG_LEVEL"
 
 ENV_VARS: tuple[str, ...] = (
     *RANK_VARS,
@@ -76,6 +84,7 @@ ENV_VARS: tuple[str, ...] = (
     CHECKPOINT_STEPS_VAR,
     COLLECTIVE_TIMEOUT_VAR,
     ALLOW_MISSING_STATE_VAR,
+    LOG_LEVEL_VAR,
     MASTER_ADDR_VAR,
     MASTER_PORT_VAR,
     AGENT_STORE_VAR,
@@ -87,6 +96,12 @@ DEFAULT_CHECKPOINT_INTERVAL = 600.0
 
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 """Seconds a collective waits for a peer when ``ADAPTDL_COLLECTIVE_TIMEOUT`` is unset."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The values ``ADAPTDL_LOG_LEVEL`` takes (in any case): the level of the ``adaptdl`` logger."""
+
+DEFAULT_LOG_LEVEL = "INFO"
+"""The ``adaptdl`` logger's level when ``ADAPTDL_LOG_LEVEL`` is unset: lifecycle lines show."""
 
 # torch takes the timeout in milliseconds (so less is 0, no timeout at all) and as a
 # timedelta (so 1e15 s overflows); a year is longer than any collective may wait.
@@ -109,6 +124,8 @@ class JobConfig:
     overrides the topology's ``num_restarts``. ``allow_missing_state`` names the
     registered states that may start fresh when the restored checkpoint lacks
     them (``"*"``: any); every other missing state is an error.
+    ``log_level`` is the ``adaptdl`` logger's level (one of `LOG_LEVELS`), None
+    when ``ADAPTDL_LOG_LEVEL`` is unset.
     """
 
     topology: Topology = attrs.field(factory=Topology)
@@ -132,6 +149,13 @@ class JobConfig:
                     f"allow_missing_state must hold state names (non-empty, without "
                     f"surrounding whitespace) or '*', got {sorted(map(repr, value))}"
                 )
+
+    log_level: str | None = attrs.field(default=None)
+
+    @log_level.validator
+    def _check_log_level(self, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+        if value is not None and value not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
 
     @checkpoint_every_seconds.validator
     def _check_seconds(self, attribute: attrs.Attribute[float | None], value: Any) -> None:
@@ -191,6 +215,7 @@ class JobConfig:
             elastic_restart=_read_elastic_restart(env),
             use_agent_store=env.get(AGENT_STORE_VAR) == "True",
             allow_missing_state=_read_names(env, ALLOW_MISSING_STATE_VAR),
+            log_level=_read_log_level(env),
         )
 
 
@@ -326,3 +351,13 @@ def _read_port(env: Mapping[str, str]) -> int:
         raw = env.get(MASTER_PORT_VAR, "")
         raise ValueError(f"environment variable {MASTER_PORT_VAR}={raw!r} must be {rule}")
     return port
+
+
+def _read_log_level(env: Mapping[str, str]) -> str | None:
+    return _read(
+        env,
+        LOG_LEVEL_VAR,
+        str.upper,
+        lambda name: name in LOG_LEVELS,
+        f"one of {', '.join(LOG_LEVELS)} (in any case)",
+    )

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import attrs
-
+from adaptdl.core import lifecycle
 from adaptdl.core._validate import check_bool, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.boundary import (
@@ -28,7 +27,7 @@ from adaptdl.core.checkpoint import (
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
-from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.journal import Journal
 from adaptdl.core.metrics import MetricsState
 from adaptdl.core.restore import Store, restore_agreed, where
 from adaptdl.core.shardedfiles import FileState, ShardedCheckpointStore
@@ -65,12 +64,14 @@ class JobState(JsonState):
         # Whether the checkpoint was taken inside a dataloader loop: then a restart
         # replays the program up to that loop's resumption (see `Job.replaying`).
         self.in_loop = True
+        self.steps = 0  # optimiser steps of the training loop, across restarts
 
     def to_json(self) -> dict[str, Any]:
         return {
             "samples_consumed": self.samples_consumed,
             "replayed_samples": self.replayed_samples,
             "in_loop": self.in_loop,
+            "steps": self.steps,
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
@@ -78,6 +79,8 @@ class JobState(JsonState):
         self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
         # Absent from checkpoints written before it was recorded, all taken in loops.
         self.in_loop = check_bool("in_loop", data.get("in_loop", True))
+        # Absent from checkpoints written before it was recorded.
+        self.steps = check_int("steps", data.get("steps", 0), min=0)
 
 
 class Job:
@@ -128,7 +131,10 @@ class Job:
         self._stop_code = EXIT_CODE_PREEMPTED
         self._checkpointing = False
         self._finishing = False
-        self._boundary_future: Future[Any] | None = None
+        # The reduction started at the last step boundary; with one replica, its result.
+        self._boundary_future: Future[Any] | tuple[bool, bool, bool] | None = None
+        self._one_replica = getattr(self.collective, "in_process", False) is True
+        self._rank0 = self.topology.rank == 0
         self._drains: list[Callable[[], None]] = []
         self.redecide_schedule = RedecideSchedule()
         self._redecide_interval: float | None = None
@@ -149,6 +155,16 @@ class Job:
         self.register(self.epoch)
         self.metrics = MetricsState()
         self.register(self.metrics)
+        self.started_at = clock()
+        if self._loaded is not None and self._rank0:
+            before = self._loaded.metadata.get("num_replicas")
+            lifecycle.resumed(
+                self._where(self._loaded.label),
+                epoch=self.epoch.finished_epochs,
+                replicas=self.topology.num_replicas,
+                replicas_before=before if isinstance(before, int) else None,
+                restart=self.topology.num_restarts,
+            )
 
     # -- states and checkpoints ---------------------------------------------------------
     def _where(self, label: str) -> str:
@@ -257,11 +273,19 @@ class Job:
                 self.state.replayed_samples,
             )
 
-    def _mark(self, samples: int) -> None:
-        if self.journal is not None:
-            self.journal.write(
-                Mark(samples=samples, replayed=self.state.replayed_samples, checkpoint=self._base)
-            )
+    @property
+    def global_step(self) -> int:
+        """Optimiser steps the training loop took, counting those before restarts.
+
+        Restored from the checkpoint, so that a curve plotted against it continues
+        where the previous run left off instead of starting again at 0.
+        """
+        return self.state.steps
+
+    @property
+    def samples_consumed(self) -> int:
+        """Samples all replicas consumed in all loops, counting those before restarts."""
+        return self.state.samples_consumed
 
     @property
     def replayed_samples(self) -> int:
@@ -279,7 +303,13 @@ class Job:
         killed while training on them, or just after, has them counted as replayed
         when the job resumes from an earlier checkpoint.
         """
-        self._mark(self.state.samples_consumed + samples)
+        # Called for every batch: the journal's write, without another call in between.
+        journal = self.journal
+        if journal is not None:
+            state = self.state
+            journal.write_counts(
+                state.samples_consumed + samples, state.replayed_samples, self._base
+            )
 
     def unique_name(self, prefix: str) -> str:
         """``prefix-0``, ``prefix-1``, ...: the same names in the same creation order."""
@@ -297,6 +327,7 @@ class Job:
         synchronised first, on every replica, in registration order; the
         reductions that adapters keep in flight (`on_drain`) are folded in before.
         """
+        started = self.clock()
         self._checkpointing = True
         try:
             for name, epoch in list(self._epoch_scoped.items()):
@@ -314,16 +345,23 @@ class Job:
             self.state.in_loop = self.current_loader is not None
             # Every replica serialises: some states' bytes are made by collectives.
             entries = {name: state.to_bytes() for name, state in self._states.items()}
-            if self.topology.rank == 0:
-                self._save(entries)
+            saved = self._save(entries) if self._rank0 else None
             self.collective.barrier()
         finally:
             self._checkpointing = False
         self.checkpoints_written += 1
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = self.clock()
+        if saved is not None:
+            lifecycle.checkpoint_written(
+                self._where(saved.label),
+                seconds=self._last_checkpoint_time - started,
+                epoch=self.epoch.current_epoch,
+                steps=self.state.steps,
+            )
 
-    def _save(self, entries: Mapping[str, bytes]) -> None:
+    def _save(self, entries: Mapping[str, bytes]) -> Checkpoint | None:
+        saved = None
         if self.store is not None:
             saved = self.store.save(
                 entries,
@@ -333,8 +371,8 @@ class Job:
                     "finished_epochs": self.epoch.finished_epochs,
                 },
             )
-            LOG.info("checkpoint %s written", saved.label)
             self._base = saved.sequence
+        return saved
 
     # -- stopping at a batch boundary ----------------------------------------------------
     def request_stop(self, code: int = EXIT_CODE_PREEMPTED) -> None:
@@ -373,6 +411,10 @@ class Job:
         after the last (a finished training wrote its own, see
         `remaining_epochs_until`) nothing is written. Raises `Preempted`.
         """
+        if self._rank0:
+            lifecycle.stopping(
+                epoch=self.epoch.current_epoch, steps=self.state.steps, exit_code=self._stop_code
+            )
         if self.store is not None and self.epoch.current_epoch is not None:
             if self.topology.num_replicas == 1:
                 self.checkpoint()
@@ -407,12 +449,10 @@ class Job:
         self.boundaries += 1
         if training:
             self._steps_since_checkpoint += 1
-        previous = self._boundary_future
-        self._boundary_future = None
-        agreed = Boundary.from_wire(previous.result()) if previous is not None else Boundary()
+            self.state.steps += 1
+        agreed = self._settle()
         if agreed.stop:
-            self.checkpoint()
-            raise Preempted(self._stop_code)
+            self._stop_here()
         if agreed.checkpoint:
             self.checkpoint()
         # A decision waits for the next training boundary (a validation loop may run
@@ -420,22 +460,45 @@ class Job:
         redecide = self._redecide_pending or agreed.redecide
         self._redecide_pending = redecide and not training
         now = self.clock()
+        rank0 = self._rank0
         due_now = (
-            self.store is not None
-            and self.topology.rank == 0
+            rank0
+            and self.store is not None
             # +1: what is found due now is written at the next boundary.
             and self.checkpoint_policy.due(
                 self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
         )
-        redecide_now = training and self.topology.rank == 0 and now >= self._next_redecide
+        redecide_now = training and rank0 and now >= self._next_redecide
         if redecide_now:
             self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
             self._next_redecide = now + self._redecide_interval
-        self._boundary_future = self.collective.allreduce_async(
-            Boundary(self._stop_requested, due_now, redecide_now).to_wire(), logical_or
+        flags = (self._stop_requested, due_now, redecide_now)
+        # One replica's reduction is its own flags: no future to build every step.
+        self._boundary_future = (
+            flags
+            if self._one_replica
+            else self.collective.allreduce_async(list(flags), logical_or)
         )
-        return attrs.evolve(agreed, redecide=redecide and training)
+        return Boundary.of(agreed.stop, agreed.checkpoint, redecide and training)
+
+    def _settle(self) -> Boundary:
+        """What the replicas agreed at the last step boundary (nothing if none is pending)."""
+        pending, self._boundary_future = self._boundary_future, None
+        if pending is None:
+            return Boundary.of(False, False, False)
+        if isinstance(pending, tuple):
+            return Boundary.of(*pending)
+        return Boundary.from_wire(pending.result())
+
+    def _stop_here(self) -> NoReturn:
+        """Every replica at one boundary: checkpoint and raise `Preempted`."""
+        if self._rank0:
+            lifecycle.stopping(
+                epoch=self.epoch.current_epoch, steps=self.state.steps, exit_code=self._stop_code
+            )
+        self.checkpoint()
+        raise Preempted(self._stop_code)
 
     def end_loop(self) -> None:
         """At the normal end of a loop, on every replica: settle its last step boundary.
@@ -447,12 +510,10 @@ class Job:
         come. A due checkpoint is written; a due decision waits for the next
         training boundary. Raises `Preempted` after checkpointing on a stop.
         """
-        pending, self._boundary_future = self._boundary_future, None
-        agreed = Boundary.from_wire(pending.result()) if pending is not None else Boundary()
+        agreed = self._settle()
         stop = self.collective.allreduce([agreed.stop or self._stop_requested], logical_or)[0]
         if stop:
-            self.checkpoint()
-            raise Preempted(self._stop_code)
+            self._stop_here()
         if agreed.checkpoint:
             self.checkpoint()
         self._redecide_pending = self._redecide_pending or agreed.redecide
@@ -500,9 +561,7 @@ class Job:
         """
         for drain in self._drains:
             drain()
-        pending, self._boundary_future = self._boundary_future, None
-        if pending is not None:
-            pending.result()
+        self._settle()
 
     # -- replay ----------------------------------------------------------------------
     @property
@@ -562,6 +621,25 @@ class Job:
     def take_sync_time(self) -> float:
         seconds, self._sync_time = self._sync_time, 0.0
         return seconds
+
+    def goodput(self) -> float | None:
+        """Goodput (useful samples per second) of the training loader's configuration now.
+
+        None before the model is fitted or the training loader decided its batch size.
+        """
+        loader = self.training_loader
+        fn = self.goodput_fn()
+        if fn is None or loader is None or loader.current_local_bsz == 0:
+            return None
+        topo = self.topology
+        return float(
+            fn.evaluate(
+                topo.num_nodes,
+                topo.num_replicas,
+                loader.current_local_bsz,
+                loader.accumulation_steps,
+            )
+        )
 
     def goodput_fn(self) -> GoodputFunction | None:
         """The goodput model fitted so far, or None before enough has been profiled."""

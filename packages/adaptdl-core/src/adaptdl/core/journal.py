@@ -68,6 +68,14 @@ def _count(data: dict[str, Any], key: str) -> int:
     return value
 
 
+def encode_record(samples: int, replayed: int, checkpoint: int) -> bytes:
+    """The record of a mark: its fields as sorted JSON, padded with spaces to the record size."""
+    return (_RECORD_FORMAT % (checkpoint, replayed, samples)).ljust(_RECORD_SIZE)
+
+
+_RECORD_FORMAT = b'{"checkpoint": %d, "replayed": %d, "samples": %d}'
+
+
 class Journal:
     """One fixed-size record, overwritten in place.
 
@@ -114,8 +122,17 @@ class Journal:
 
     def write(self, mark: Mark) -> None:
         """Overwrite the record with ``mark`` (no fsync: see the module docstring)."""
-        record = json.dumps(attrs.asdict(mark), sort_keys=True).encode("utf-8")
-        self.storage.overwrite(self.name, record.ljust(_RECORD_SIZE))
+        self.write_counts(mark.samples, mark.replayed, mark.checkpoint)
+
+    def write_counts(self, samples: int, replayed: int, checkpoint: int) -> None:
+        """`write` of ``Mark(samples, replayed, checkpoint)``, without building one.
+
+        The job calls this for every batch it hands out, so the record is formatted
+        directly (the same bytes as ``json.dumps(..., sort_keys=True)`` of the mark's
+        fields, a fraction of its cost).
+        """
+        record = (_RECORD_FORMAT % (checkpoint, replayed, samples)).ljust(_RECORD_SIZE)
+        self.storage.overwrite(self.name, record)  # encode_record, inlined: once per batch
 
     def close(self) -> None:
         self.storage.close()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from adaptdl.core import lifecycle
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, batch_size_query
 from adaptdl.core.checkpoint import CheckpointError, JsonState, State
@@ -312,7 +313,7 @@ class LoaderHelper:
         position = self._position[epoch]
         if position <= self._state.last_position.get(epoch, -1):
             where = "outside epoch loops" if epoch is None else f"of epoch {epoch}"
-            LOG.info("skipping %s loop %d %s: done before restart", self.name, position, where)
+            LOG.debug("skipping %s loop %d %s: done before restart", self.name, position, where)
             self._skipped = True
             return True
         return False
@@ -400,34 +401,46 @@ class LoaderHelper:
         local, accum = self.job.collective.broadcast([int(local), int(accum)])
         self._state.current_local_bsz = local
         self._state.accumulation_steps = accum
-        if (local, accum) != (previous, query.current[1] if query.current else 0):
-            LOG.info(
-                "%s: local batch size %d, accumulation steps %d, total %d",
+        changed = (local, accum) != (previous, query.current[1] if query.current else 0)
+        if changed and topo.rank == 0:
+            lifecycle.batch_size_changed(
                 self.name,
-                local,
-                accum,
-                self.current_batch_size,
+                local=local,
+                micro_batches=accum + 1,
+                replicas=topo.num_replicas,
+                total=self.current_batch_size,
             )
         return local
 
     @contextmanager
     def profile(self, commit: bool) -> Iterator[None]:
         """Time one micro-batch; record it in the job's profiler when ``commit``."""
-        clock = self.job.clock
-        start = clock()
-        self.job.take_sync_time()
+        start = self._start_profile()
         yield
         if commit:
-            topo = self.job.topology
-            self.job.metrics.profiler.record(
-                topo.num_nodes,
-                topo.num_replicas,
-                self.current_local_bsz,
-                accum_step=self.is_accum_step(),
-                step_time=clock() - start,
-                sync_time=self.job.take_sync_time(),
-            )
-        self._accum_count = 0 if self.is_optim_step() else self._accum_count + 1
+            self._record_profile(start)
+        self._count_micro_batch()
+
+    def _start_profile(self) -> float:
+        start = self.job.clock()
+        self.job.take_sync_time()
+        return start
+
+    def _record_profile(self, start: float) -> None:
+        topo = self.job.topology
+        self.job.metrics.profiler.record(
+            topo.num_nodes,
+            topo.num_replicas,
+            self.current_local_bsz,
+            accum_step=self.is_accum_step(),
+            step_time=self.job.clock() - start,
+            sync_time=self.job.take_sync_time(),
+        )
+
+    def _count_micro_batch(self) -> None:
+        """Count one micro-batch: the next one starts a new optimiser step after the last."""
+        accum = self._accum_count
+        self._accum_count = 0 if accum >= self._state.accumulation_steps else accum + 1
 
     def iterate(
         self, dataset_len: int, batches: BatchesFn[T], *, free_epoch: int = 0
@@ -465,6 +478,11 @@ class LoaderHelper:
                 epoch = resume_epoch
             self._loop_epoch = epoch
             self._accum_count = accum_count
+            if self._state.current_index > 0 and self.job.topology.rank == 0:
+                # Only a restore leaves a loop's index past 0 when the loop starts.
+                lifecycle.loop_resumed(
+                    self.name, epoch=epoch, index=self._state.current_index, dataset_len=n
+                )
             replicas = self.job.topology.num_replicas
             # Checked first too: a restart may land exactly where the loop had ended.
             decided = False  # whether (local_bsz, accum) was just decided mid-pass
@@ -474,24 +492,39 @@ class LoaderHelper:
                     local_bsz = self.sync_local_bsz()
                     progress, steps = self.job.metrics.progress, 0
                 decided = False
-                start = self._state.current_index
+                # What follows runs once per batch, where every Python call shows in the
+                # loader's throughput: invariants of the pass are hoisted, the micro-batch
+                # count is kept inline (accumulation steps change only with a decision,
+                # which ends this loop).
+                job, state = self.job, self._state
+                full = replicas * local_bsz
+                start = state.current_index
+                pass_end = (start // n + 1) * n
+                accumulation = state.accumulation_steps
                 for i, batch in enumerate(batches(epoch, start, local_bsz)):
-                    index = self._state.current_index
+                    index = state.current_index
                     # The pass's last batch may be short: count only real positions.
-                    step = min(replicas * local_bsz, (index // n + 1) * n - index)
-                    self.job.taking_samples(step)
+                    step = min(full, pass_end - index)
+                    job.taking_samples(step)
                     self._in_flight = step
-                    with self.profile(self.training and i >= 1):
+                    if i and job.training_loader is self:
+                        # Profiled (the first micro-batch of a pass waits for the data).
+                        began = self._start_profile()
+                        yield batch
+                        self._record_profile(began)
+                    else:
                         yield batch
                     self._in_flight = 0
-                    self._state.current_index = index + step
-                    self.job.count_samples(step)
-                    if self._accum_count == 0:
+                    state.current_index = index + step
+                    job.count_samples(step)
+                    if self._accum_count < accumulation:
+                        self._accum_count += 1
+                    else:
+                        self._accum_count = 0
                         steps += 1
                         # Without a designated training loader, every loop trains.
-                        boundary = self.job.step_boundary(
-                            training=self.job.training_loader in (None, self)
-                        )
+                        trainer = job.training_loader
+                        boundary = job.step_boundary(training=trainer is None or trainer is self)
                         if self._max_batch_size is not None and self._finished(n, job_epoch):
                             break
                         if boundary.redecide and self._redecided():

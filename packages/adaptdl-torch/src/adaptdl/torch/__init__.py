@@ -19,6 +19,7 @@ from adaptdl.torch.data import (
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.progress import global_step
 from adaptdl.torch.state import register_state
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "current_dataloader",
     "current_epoch",
     "finished_epochs",
+    "global_step",
     "init_process_group",
     "is_initialized",
     "register_state",

@@ -21,7 +21,7 @@ from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
 from adaptdl.core.storage import LocalStorage, Storage
 from adaptdl.core.topology import Topology
-from adaptdl.torch import _signals
+from adaptdl.torch import _log, _signals
 from adaptdl.torch.collective import TorchCollective
 from adaptdl.torch.rng import RngState
 
@@ -88,6 +88,7 @@ def init_process_group(
         _accept_after_implicit(backend, timeout, init_method, storage)
         return
     config = JobConfig.from_env(os.environ)  # the one read of the environment
+    _log.configure(config.log_level)
     topology = config.topology
     _check_placement(topology, world_size, rank)
     if timeout is None:
@@ -149,14 +150,6 @@ def init_process_group(
             _locked = None
         raise
     _job.register(RngState(_job), allow_missing=True)  # checkpoints older than RNG states
-    if _job.restored_from is not None:
-        LOG.info(
-            "rank %d of %d resumed from checkpoint %s (restart %d)",
-            topology.rank,
-            topology.num_replicas,
-            _job.restored_from,
-            topology.num_restarts,
-        )
     _signals.install(lambda: _job)
 
 
@@ -253,7 +246,7 @@ def current_job() -> Job:
     """
     global _implicit_backend
     if _job is None:
-        LOG.info("adaptdl.torch.init_process_group() not called yet: initialising it now")
+        LOG.debug("adaptdl.torch.init_process_group() not called yet: initialising it now")
         init_process_group()
         _implicit_backend = dist.get_backend()
     assert _job is not None

@@ -139,6 +139,8 @@ class TorchCollective(GroupMember):
         self.group = group
         # One replica has nothing to exchange: core's one-replica collective, same wire format.
         self._local = LocalCollective() if self._num_replicas == 1 else None
+        # As `LocalCollective.in_process`: one replica reduces in this process, at once.
+        self.in_process = self._local is not None
 
     def broadcast(self, value: T, root: int = 0) -> T:
         """Replica ``root``'s ``value`` on every replica."""

@@ -22,6 +22,7 @@ from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
 from adaptdl.torch._signals import shield_worker
+from adaptdl.torch.progress import JobScalars
 from adaptdl.torch.shards import ShardedStream
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
@@ -136,14 +137,22 @@ class AdaptiveDataLoaderHelper(LoaderHelper):
     """
 
     def __init__(self, batch_size: int = 1) -> None:
-        super().__init__(current_job(), batch_size)
+        job = current_job()
+        super().__init__(job, batch_size)
+        self._scalars = JobScalars(job)
 
-    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
-        """Write the batch size, local batch size and accumulation steps to ``writer``."""
+    def to_tensorboard(
+        self, writer: Any, global_step: int | None = None, tag_prefix: str = ""
+    ) -> None:
+        """Write the batch sizes and the job's figures (`JobScalars`) to ``writer``.
+
+        ``global_step`` None writes at the job's restart-safe `global_step`.
+        """
+        step = self._scalars.write(writer, global_step, tag_prefix)
         prefix = f"{tag_prefix}/" if tag_prefix and not tag_prefix.endswith("/") else tag_prefix
-        writer.add_scalar(f"{prefix}Data/total_batch_size", self.current_batch_size, global_step)
-        writer.add_scalar(f"{prefix}Data/local_batch_size", self.current_local_bsz, global_step)
-        writer.add_scalar(f"{prefix}Data/accumulation_steps", self.accumulation_steps, global_step)
+        writer.add_scalar(f"{prefix}Data/total_batch_size", self.current_batch_size, step)
+        writer.add_scalar(f"{prefix}Data/local_batch_size", self.current_local_bsz, step)
+        writer.add_scalar(f"{prefix}Data/accumulation_steps", self.accumulation_steps, step)
 
 
 def _of_helper(name: str) -> Any:
@@ -173,8 +182,10 @@ class AdaptiveDataLoaderMixin:
     current_batch_size: int = _of_helper("current_batch_size")
     training: bool = _of_helper("training")
 
-    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
-        """Write batch-size metrics to a ``torch.utils.tensorboard.SummaryWriter``."""
+    def to_tensorboard(
+        self, writer: Any, global_step: int | None = None, tag_prefix: str = ""
+    ) -> None:
+        """Write batch-size and job metrics to a ``torch.utils.tensorboard.SummaryWriter``."""
         self._elastic.to_tensorboard(writer, global_step, tag_prefix)
 
     def state_dict(self) -> dict[str, Any]:

@@ -443,17 +443,4 @@ class AdaptiveSteps:
 
     def goodput(self) -> float | None:
         """Goodput (useful samples per second) at the current configuration, if modelled."""
-        job = self._job
-        loader = job.training_loader
-        fn = job.goodput_fn()
-        if fn is None or loader is None or loader.current_local_bsz == 0:
-            return None
-        topo = job.topology
-        return float(
-            fn.evaluate(
-                topo.num_nodes,
-                topo.num_replicas,
-                loader.current_local_bsz,
-                loader.accumulation_steps,
-            )
-        )
+        return self._job.goodput()
