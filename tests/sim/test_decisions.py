@@ -8,6 +8,7 @@ the same.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import given, settings
@@ -58,8 +59,16 @@ def _torch_decision(
     loader = LoaderHelper(job, m0)
     job.metrics.profiler = Profiler.from_json(sim.goodput.profiler.to_json())
     grad = sim.goodput.grad
+    # An estimator that has seen as many samples as the simulated job trained on (the
+    # decision's warm-up reads them off the normaliser), with the same statistics.
+    smoothing = 0.999
+    weight = max(-math.expm1(sim.goodput.samples / m0 * math.log(smoothing)), 1e-12)
     job.metrics.gns = GradientNoiseScale(
-        init_batch_size=m0, sqr_biased=(grad.sqr,), var_biased=(grad.var * m0,), weight=1.0
+        init_batch_size=m0,
+        smoothing=smoothing,
+        sqr_biased=(grad.sqr * weight,),
+        var_biased=(grad.var * m0 * weight,),
+        weight=weight,
     )
     # The simulated job takes the statistics exactly as core's estimator reports them.
     measured = job.metrics.grad_params()

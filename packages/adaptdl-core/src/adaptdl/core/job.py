@@ -177,7 +177,7 @@ class Job:
         self.store = store
         self.clock = clock
         self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
-            self.goodput_fn
+            self.goodput_fn, estimate_samples=self.estimate_samples
         )
         self._states: dict[str, State] = {}
         self._names: dict[str, int] = {}
@@ -492,6 +492,11 @@ class Job:
     def take_sync_time(self) -> float:
         seconds, self._sync_time = self._sync_time, 0.0
         return seconds
+
+    def estimate_samples(self) -> float:
+        """Samples in the gradient-noise estimate since it last restarted (0: none yet)."""
+        gns = self.metrics.gns
+        return gns.samples if gns is not None else 0.0
 
     def goodput_fn(self) -> GoodputFunction | None:
         """The goodput model fitted so far, or None before enough has been profiled."""

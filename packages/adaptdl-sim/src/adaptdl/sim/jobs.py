@@ -60,8 +60,11 @@ class JobGoodput:
         self.grad = GradParams(0.0, 0.0)
         self._fn: GoodputFunction | None = None
         self._hints: dict[str, Any] | None = None
+        #: Samples the job has trained on: what its gradient-noise estimate has seen,
+        #: which core's decision measures the estimate's warm-up in.
+        self.samples = 0.0
         #: The decision the real loader makes by default (core's).
-        self.decision = GoodputDecision(self.goodput_fn)
+        self.decision = GoodputDecision(self.goodput_fn, estimate_samples=lambda: self.samples)
 
     @property
     def fits(self) -> int:
@@ -283,6 +286,8 @@ class SimJob:
                 self.progress = min(
                     self.progress + self.rate * (time - start), self.app.target_progress
                 )
+                if self.iter_time > 0 and math.isfinite(self.iter_time):
+                    self.goodput.samples += (time - start) / self.iter_time * self.batch_size
         self.last_time = time
 
     def set_allocation(self, time: float, nodes: list[int], restart_penalty: float) -> bool:
