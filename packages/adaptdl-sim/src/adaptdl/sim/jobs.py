@@ -154,6 +154,12 @@ class JobGoodput:
             accum_steps=accum,
         )
 
+    @property
+    def mature(self) -> bool:
+        """Whether the decision's growth cap is lifted (its noise estimate warmed up)."""
+        query = self.query(1, 1, None)
+        return self.decision.maturity(query) >= 1.0
+
     def decide(
         self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None = None
     ) -> tuple[int, int]:
@@ -209,6 +215,8 @@ class SimJob:
         self.restart_time = 0.0  # seconds spent restarting
         self.history: list[tuple[float, int, int, int]] = []  # (time, GPUs, batch, accum)
         self._decided_with: GoodputFunction | None = None
+        # The samples seen at a decision made under the warm-up's growth cap (None: none).
+        self._capped_at: float | None = None
         self.goodput = JobGoodput(
             app.init_batch_size,
             app.max_batch_size,
@@ -356,6 +364,7 @@ class SimJob:
         else:
             atomic, accum = self.fixed_config(self.placement)
             self._measure(nnodes, gpus, atomic)
+            self._capped_at = None if self.goodput.mature else self.goodput.samples
         self.atomic_bsz, self.accum_steps = atomic, accum
         self.batch_size = gpus * atomic * (accum + 1)
         step, _ = self.app.iteration_time(self.placement, atomic, accum)
@@ -372,14 +381,18 @@ class SimJob:
         self.goodput.record(nnodes, gpus, atomic, max(step - sync, 1e-6), step, sync)
 
     def maybe_reconfigure(self, time: float) -> bool:
-        """Decide the batch size again if the job's goodput model changed since it last did.
+        """Decide the batch size again if the job's goodput model changed since it last did,
+        or its last decision was capped by the warm-up and it has trained since.
 
         Returns whether it decided again (the rate, and so the next boundary, may have
         changed). The caller must have advanced the job to ``time``.
         """
         if not self.adaptive or not self.nodes or self.done:
             return False
-        if self.goodput.goodput_fn() is self._decided_with:
+        # A decision under the warm-up's cap is asked again once the job trained on more
+        # samples (every round, as the real loader re-decides every few seconds).
+        warming = self._capped_at is not None and self.goodput.samples > self._capped_at
+        if self.goodput.goodput_fn() is self._decided_with and not warming:
             return False
         self.configure(time)
         return True
