@@ -45,14 +45,14 @@ ADAPTIVE = {
 PROBLEMS: dict[str, dict[str, Any]] = {
     "shapes": {
         **SHAPES,
-        "target_accuracy": 0.90,
-        "progress_epochs": 12,
+        "target_accuracy": 0.85,
+        "progress_epochs": 16,
         "eval_every_samples": 4096,
     },
     "dyck": {
         **DYCK,
         # The best possible loss of each seed's draw is known exactly (problems.dyck).
-        "target_excess": 0.005,
+        "target_excess": 0.003,
         "progress_epochs": 12,
         "eval_every_samples": 4096,
     },

@@ -37,7 +37,7 @@ SHAPES = {
     "problem": "shapes",
     "train_size": 16384,
     "val_size": 2048,
-    "noise": 0.9,
+    "noise": 0.5,
     "init_batch_size": 16,
     "optimizer": "sgd",
     "momentum": 0.9,
