@@ -52,7 +52,7 @@ def data(cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 def worker() -> None:
     """One replica of one training run (see the module docstring for the config)."""
     import torch.nn.functional as F
-    from experiments.outcome.trainer import train
+    from experiments.outcome.trainer import classifier_eval, train
 
     import adaptdl.torch as adl
     import torch
@@ -73,11 +73,7 @@ def worker() -> None:
         return F.cross_entropy(net(x[idx]), y[idx])
 
     def evaluate() -> tuple[float, float]:
-        with torch.no_grad():
-            logits = model(xv)
-            loss = float(F.cross_entropy(logits, yv))
-            acc = float((logits.argmax(1) == yv).float().mean())
-        return loss, acc
+        return classifier_eval(model, xv, yv)
 
     train(cfg, model, batch_loss, evaluate)
 

@@ -198,6 +198,18 @@ def train(
         )
 
 
+def classifier_eval(model: Any, x: Any, y: Any) -> tuple[float, float]:
+    """(cross-entropy, accuracy) of ``model`` on inputs ``x`` and labels ``y``."""
+    import torch.nn.functional as F
+
+    import torch
+
+    with torch.no_grad():
+        logits = model(x)
+        loss = float(F.cross_entropy(logits, y))
+        return loss, float((logits.argmax(1) == y).float().mean())
+
+
 def shapes_cnn() -> Any:
     """The CNN of the shapes problem: two 3x3 conv + pool stages and a small MLP head."""
     import torch
@@ -263,10 +275,7 @@ def worker() -> None:
             return F.cross_entropy(net(x[idx]), y[idx])
 
         def evaluate() -> tuple[float, float]:
-            with torch.no_grad():
-                logits = model(xv)
-                loss = float(F.cross_entropy(logits, yv))
-                return loss, float((logits.argmax(1) == yv).float().mean())
+            return classifier_eval(model, xv, yv)
 
     elif cfg["problem"] == "dyck":
         k, length = cfg["brackets"], cfg["length"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,15 +99,7 @@ def test_immature_estimate_never_grows_by_more_than_the_cap(
     lo = (query.local_bsz_bounds or (1, None))[0] or 1
     current = None
     for _ in range(steps + 1):
-        q = BatchSizeQuery(
-            query.num_nodes,
-            query.num_replicas,
-            query.batch_size,
-            query.max_batch_size,
-            query.local_bsz_bounds,
-            query.gradient_accumulation,
-            current,
-        )
+        q = attrs.evolve(query, current=current)
         new = _decide(fn, q, samples, max_growth=growth)
         base = query.batch_size if current is None else max(query.batch_size, _total(q, current))
         limit = max(math.floor(base * growth), lo * query.num_replicas, query.batch_size)
@@ -124,15 +117,7 @@ def test_hysteresis_never_oscillates_on_a_fixed_estimate(
     seen: list[tuple[int, int]] = []
     current = None
     for _ in range(40):
-        q = BatchSizeQuery(
-            query.num_nodes,
-            query.num_replicas,
-            query.batch_size,
-            query.max_batch_size,
-            query.local_bsz_bounds,
-            query.gradient_accumulation,
-            current,
-        )
+        q = attrs.evolve(query, current=current)
         new = _decide(fn, q, samples, speedup_threshold=threshold)
         if new != current:
             # A change never returns to a configuration it left.
@@ -141,15 +126,7 @@ def test_hysteresis_never_oscillates_on_a_fixed_estimate(
         current = new
     # And it settles: asked again, it keeps its choice.
     assert seen and len(seen) < 40
-    final = BatchSizeQuery(
-        query.num_nodes,
-        query.num_replicas,
-        query.batch_size,
-        query.max_batch_size,
-        query.local_bsz_bounds,
-        query.gradient_accumulation,
-        current,
-    )
+    final = attrs.evolve(query, current=current)
     assert _decide(fn, final, samples, speedup_threshold=threshold) == current
 
 
