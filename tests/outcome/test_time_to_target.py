@@ -85,7 +85,7 @@ def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("problem", ["shapes", "dyck"])
 def test_one_quick_adaptive_run_trains_and_reports(problem: str) -> None:
     from experiments.outcome._common import launch
