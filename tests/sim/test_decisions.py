@@ -178,3 +178,18 @@ def test_hints_and_queries_cap_the_total_at_one_pass_alike() -> None:
     unbounded = JobGoodput(32, 4096, (16, 512), accumulation=True)
     assert unbounded.hints()["max_batch_size"] == unbounded.query(1, 2, None).max_batch_size
     assert unbounded.hints()["max_batch_size"] == 4096
+
+
+def test_a_decision_capped_by_the_warm_up_is_asked_again_once_the_job_trained() -> None:
+    # Core's rule: at most 2x growth per decision while the noise estimate is young.
+    app = APPS["recommender"]
+    sim = _sim_job(app, [[0, 0, 0, 0]])
+    assert not sim.goodput.mature
+    # Two decisions at the start (before and after the first profile), each capped.
+    assert sim.batch_size <= 4 * app.init_batch_size
+    assert not sim.maybe_reconfigure(0.0)  # nothing trained since
+    sim.advance(60.0)
+    assert sim.goodput.samples > 0 and sim.goodput.mature
+    assert sim.maybe_reconfigure(60.0)
+    assert sim.batch_size > 4 * app.init_batch_size
+    assert not sim.maybe_reconfigure(60.0)  # mature: only a new model asks again

@@ -361,10 +361,10 @@ class SimJob:
                 self._decided_with = self.goodput.goodput_fn()
                 if self._decided_with is before:
                     break
+            self._capped_at = None if self.goodput.mature else self.goodput.samples
         else:
             atomic, accum = self.fixed_config(self.placement)
             self._measure(nnodes, gpus, atomic)
-            self._capped_at = None if self.goodput.mature else self.goodput.samples
         self.atomic_bsz, self.accum_steps = atomic, accum
         self.batch_size = gpus * atomic * (accum + 1)
         step, _ = self.app.iteration_time(self.placement, atomic, accum)
