@@ -1,8 +1,9 @@
-"""Run the three outcome experiments, print their tables and write their plots.
+"""Run the four outcome experiments, print their tables and write their plots.
 
     python -m experiments.outcome.run_all --out out/outcome
 
 writes ``gns_accuracy.png``, ``adascale_scale.png``, ``autoscale_vs_fixed.png``,
+``time_to_target.png``,
 ``tables.md`` (the three tables, as printed) and ``summary.json`` to ``--out``.
 A target that is missed is reported, with the reason in
 ``experiments/outcome/RESULTS.md``; ``--strict`` makes it the exit status too.
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.outcome import adascale_scale, autoscale_vs_fixed, gns_accuracy
+from experiments.outcome import adascale_scale, autoscale_vs_fixed, gns_accuracy, time_to_target
 
 
 class _Tee(io.TextIOBase):
@@ -57,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("gns_accuracy", "1. Gradient-noise accuracy", gns_accuracy.main),
             ("adascale_scale", "2. AdaScale at scale", adascale_scale.main),
             ("autoscale_vs_fixed", "3. Adaptive batch size vs fixed", autoscale_vs_fixed.main),
+            (
+                "time_to_target",
+                "4. Time to target over seeds: CNN and transformer",
+                time_to_target.main,
+            ),
         ):
             print(f"\n## {title}\n")
             start = time.perf_counter()
@@ -97,6 +103,14 @@ def check_targets(summary: dict[str, Any]) -> dict[str, bool]:
     targets["adaptive batch size reaches the target accuracy no later than the best fixed"] = (
         ratio is not None and ratio >= 1.0
     )
+    for problem, s in summary.get("time_to_target", {}).items():
+        best, initial = s["cpu_ratio_best"], s["cpu_ratio_initial"]
+        targets[f"{problem}: adaptive no slower than the best fixed (median CPU time)"] = (
+            best is not None and best >= 1.0
+        )
+        targets[f"{problem}: adaptive at most half the initial size's time (median CPU time)"] = (
+            initial is not None and initial >= 2.0
+        )
     return targets
 
 

@@ -8,6 +8,7 @@ the same.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import given, settings
@@ -58,8 +59,16 @@ def _torch_decision(
     loader = LoaderHelper(job, m0)
     job.metrics.profiler = Profiler.from_json(sim.goodput.profiler.to_json())
     grad = sim.goodput.grad
+    # An estimator that has seen as many samples as the simulated job trained on (the
+    # decision's warm-up reads them off the normaliser), with the same statistics.
+    smoothing = 0.999
+    weight = max(-math.expm1(sim.goodput.samples / m0 * math.log(smoothing)), 1e-12)
     job.metrics.gns = GradientNoiseScale(
-        init_batch_size=m0, sqr_biased=(grad.sqr,), var_biased=(grad.var * m0,), weight=1.0
+        init_batch_size=m0,
+        smoothing=smoothing,
+        sqr_biased=(grad.sqr * weight,),
+        var_biased=(grad.var * m0 * weight,),
+        weight=weight,
     )
     # The simulated job takes the statistics exactly as core's estimator reports them.
     measured = job.metrics.grad_params()
@@ -169,3 +178,18 @@ def test_hints_and_queries_cap_the_total_at_one_pass_alike() -> None:
     unbounded = JobGoodput(32, 4096, (16, 512), accumulation=True)
     assert unbounded.hints()["max_batch_size"] == unbounded.query(1, 2, None).max_batch_size
     assert unbounded.hints()["max_batch_size"] == 4096
+
+
+def test_a_decision_capped_by_the_warm_up_is_asked_again_once_the_job_trained() -> None:
+    # Core's rule: at most 2x growth per decision while the noise estimate is young.
+    app = APPS["recommender"]
+    sim = _sim_job(app, [[0, 0, 0, 0]])
+    assert not sim.goodput.mature
+    # Two decisions at the start (before and after the first profile), each capped.
+    assert sim.batch_size <= 4 * app.init_batch_size
+    assert not sim.maybe_reconfigure(0.0)  # nothing trained since
+    sim.advance(60.0)
+    assert sim.goodput.samples > 0 and sim.goodput.mature
+    assert sim.maybe_reconfigure(60.0)
+    assert sim.batch_size > 4 * app.init_batch_size
+    assert not sim.maybe_reconfigure(60.0)  # mature: only a new model asks again

@@ -2,9 +2,11 @@
 
 The loader asks a `BatchSizeDecision` at the start of every pass and after every
 restart. The default divides the target batch size evenly; `GoodputDecision`
-maximises goodput with the job's own fitted model, and keeps the current choice
-unless the new one is faster by more than a threshold (a change costs little, but
-flapping between near-equal choices makes the profile harder to read).
+maximises goodput with the job's own fitted model, lets the total grow by at most a
+factor per decision while the gradient-noise estimate is still warming up
+(`estimate_maturity`, `growth_cap`), and keeps the current choice unless the new one
+is faster by more than a threshold (a change costs little, but flapping between
+near-equal choices makes the profile harder to read).
 """
 
 from __future__ import annotations
@@ -144,22 +146,100 @@ def _bounds(query: BatchSizeQuery) -> tuple[int, int | None]:
     return (1 if lo is None else lo), hi
 
 
+def estimate_maturity(samples: float, init_batch_size: int, warmup_steps: float) -> float:
+    """How far the gradient-noise estimate is through its warm-up, in [0, 1].
+
+    ``samples`` were folded into the estimate since it last restarted (inf: an estimate
+    whose start is forgotten, `GradientNoiseScale.samples`); the warm-up is
+    ``warmup_steps`` steps of ``init_batch_size`` samples (0: no warm-up, always 1).
+    """
+    b0 = check_int("init_batch_size", init_batch_size, min=1)
+    warmup = check_float("warmup_steps", warmup_steps, min=0.0)
+    if isinstance(samples, float) and samples == math.inf:
+        return 1.0
+    n = check_float("samples", samples, min=0.0)
+    if warmup == 0.0:
+        return 1.0
+    return min(n / (warmup * b0), 1.0)
+
+
+def growth_cap(query: BatchSizeQuery, maturity: float, max_growth: float) -> int | None:
+    """The largest total batch size a decision may choose at ``maturity`` (None: no cap).
+
+    A matured estimate (``maturity`` 1) is not capped. Before, the total may grow by at
+    most ``max_growth`` over the larger of the current total and the initial batch
+    size, and never below the smallest total the local bounds allow on these replicas
+    (so that some configuration stays admissible).
+    """
+    m = check_float("maturity", maturity, min=0.0, max=1.0)
+    growth = check_float("max_growth", max_growth, min=1.0)
+    if m >= 1.0:
+        return None
+    base = query.batch_size
+    if query.current is not None:
+        local, accum = query.current
+        base = max(base, local * query.num_replicas * (accum + 1))
+    lo, _ = _bounds(query)
+    return max(math.floor(base * growth), lo * query.num_replicas, query.batch_size)
+
+
+def _check_growth(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
+    check_float(attribute.name, value, min=1.0)
+
+
+def _check_nonnegative(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
+    check_float(attribute.name, value, min=0.0)
+
+
+def _check_threshold(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
+    check_float(attribute.name, value, min=1.0)
+
+
 @attrs.define
 class GoodputDecision:
-    """Maximise goodput with the model that ``goodput_fn`` returns (None: even split)."""
+    """Maximise goodput with the model that ``goodput_fn`` returns (None: even split).
+
+    The rule, in order (docs/ARCHITECTURE.md, "The batch-size rule"):
+
+    1. Maturity. ``estimate_samples`` (None: always mature) returns the samples
+       folded into the gradient-noise estimate since it last restarted; the maturity
+       is that over ``warmup_steps * batch_size`` samples, at most 1
+       (`estimate_maturity`). An estimate a few steps old is noise: its |G|^2 is
+       often clamped at 0, which makes the gain equal the scale and the model ask for
+       the largest batch allowed.
+    2. Growth cap. While the maturity is below 1 the total batch size may grow by at
+       most ``max_growth`` per decision over the larger of the current total and the
+       initial batch size (`growth_cap`); shrinking is never capped. A matured
+       estimate chooses over every admissible configuration up to ``max_batch_size``.
+    3. Hysteresis. The optimum under the cap replaces an admissible current choice
+       only when its modelled goodput exceeds the current one's by more than
+       ``speedup_threshold`` (a factor > 1); on a fixed model every change then
+       raises goodput by that factor, so decisions never go back and forth.
+    """
 
     goodput_fn: Callable[[], GoodputFunction | None]
-    speedup_threshold: float = 1.05
+    speedup_threshold: float = attrs.field(default=1.05, validator=_check_threshold)
     fallback: BatchSizeDecision = even_split
+    estimate_samples: Callable[[], float] | None = None
+    warmup_steps: float = attrs.field(default=100.0, validator=_check_nonnegative)
+    max_growth: float = attrs.field(default=2.0, validator=_check_growth)
+
+    def maturity(self, query: BatchSizeQuery) -> float:
+        """The noise estimate's maturity for ``query`` (1 without ``estimate_samples``)."""
+        if self.estimate_samples is None:
+            return 1.0
+        return estimate_maturity(self.estimate_samples(), query.batch_size, self.warmup_steps)
 
     def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
         fn = self.goodput_fn() if query.max_batch_size is not None else None
-        if fn is None:
+        if fn is None or query.max_batch_size is None:
             return self.fallback(query)
+        cap = growth_cap(query, self.maturity(query), self.max_growth)
+        max_batch_size = query.max_batch_size if cap is None else min(cap, query.max_batch_size)
         goodput, local, accum = fn.optimize(
             query.num_nodes,
             query.num_replicas,
-            max_batch_size=query.max_batch_size,
+            max_batch_size=max_batch_size,
             atomic_bsz_range=query.local_bsz_bounds,
             accumulation=query.gradient_accumulation,
         )

@@ -246,6 +246,19 @@ class GradientNoiseScale:
             return math.inf if var > 0.0 else None
         return var / sqr
 
+    @property
+    def samples(self) -> float:
+        """Samples folded into the estimates since the last restart (inf once saturated).
+
+        Read off the bias-correction normaliser: each step of ``B`` samples multiplies
+        ``1 - weight`` by ``smoothing ** (B / init_batch_size)``, so ``1 - weight =
+        smoothing ** (samples / init_batch_size)``. It is what a batch-size decision
+        measures the estimate's warm-up in.
+        """
+        if self.weight >= 1.0:
+            return math.inf
+        return max(self.init_batch_size * math.log1p(-self.weight) / math.log(self.smoothing), 0.0)
+
     def grad_params(self) -> GradParams | None:
         """The statistics in the form the goodput model takes, or None before any update.
 

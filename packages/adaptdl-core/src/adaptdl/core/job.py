@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from adaptdl.core import lifecycle
-from adaptdl.core._validate import check_bool, check_int
+from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.boundary import (
     EXIT_CODE_INTERRUPTED,
@@ -21,12 +21,12 @@ from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,
     CollectiveState,
-    JsonState,
     State,
 )
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.goodput import GoodputFunction
+from adaptdl.core.jobstate import JobState
 from adaptdl.core.journal import Journal
 from adaptdl.core.metrics import MetricsState
 from adaptdl.core.restore import Store, restore_agreed, where
@@ -52,35 +52,6 @@ LOG = logging.getLogger("adaptdl.core.job")
 
 ALL_STATES = "*"
 """In ``allow_missing_state``: every state may be missing from the restored checkpoint."""
-
-
-class JobState(JsonState):
-    """Job-wide counters that survive restarts."""
-
-    def __init__(self, name: str = "adaptdl-job") -> None:
-        self.name = name
-        self.samples_consumed = 0  # by all replicas in all loops, at step boundaries
-        self.replayed_samples = 0  # consumed again after crashes (see journal.py)
-        # Whether the checkpoint was taken inside a dataloader loop: then a restart
-        # replays the program up to that loop's resumption (see `Job.replaying`).
-        self.in_loop = True
-        self.steps = 0  # optimiser steps of the training loop, across restarts
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "samples_consumed": self.samples_consumed,
-            "replayed_samples": self.replayed_samples,
-            "in_loop": self.in_loop,
-            "steps": self.steps,
-        }
-
-    def load_json(self, data: dict[str, Any]) -> None:
-        self.samples_consumed = check_int("samples_consumed", data["samples_consumed"], min=0)
-        self.replayed_samples = check_int("replayed_samples", data["replayed_samples"], min=0)
-        # Absent from checkpoints written before it was recorded, all taken in loops.
-        self.in_loop = check_bool("in_loop", data.get("in_loop", True))
-        # Absent from checkpoints written before it was recorded.
-        self.steps = check_int("steps", data.get("steps", 0), min=0)
 
 
 class Job:
@@ -114,7 +85,7 @@ class Job:
         self.store = store
         self.clock = clock
         self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
-            self.goodput_fn
+            self.goodput_fn, estimate_samples=self.estimate_samples
         )
         self._states: dict[str, State] = {}
         # name -> the epoch a state belongs to (see `register`).
@@ -252,26 +223,8 @@ class Job:
 
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
-        if mark is None:
-            return
-        if self._loaded is None and mark.checkpoint > 0:
-            # Its run had checkpoints and none is left (removed to start afresh): the
-            # journal describes another history; counting it would invent replays.
-            LOG.info("fresh start: ignoring a journal left by a run whose checkpoints are gone")
-            return
-        # The journal's replays include those counted by runs that died before
-        # writing a checkpoint; the checkpoint's never exceed them.
-        counted = max(self.state.replayed_samples, mark.replayed)
-        replayed = max(0, mark.samples - self.state.samples_consumed)
-        self.state.replayed_samples = counted + replayed
-        if replayed:
-            LOG.warning(
-                "resuming from checkpoint %s: the %d samples taken after it, before the "
-                "previous run died, are consumed again (%d replayed in all)",
-                self.restored_from,
-                replayed,
-                self.state.replayed_samples,
-            )
+        if mark is not None:
+            self.state.count_replay(mark, fresh=self._loaded is None, resumed=self.restored_from)
 
     @property
     def global_step(self) -> int:
@@ -640,6 +593,11 @@ class Job:
                 loader.accumulation_steps,
             )
         )
+
+    def estimate_samples(self) -> float:
+        """Samples in the gradient-noise estimate since it last restarted (0: none yet)."""
+        gns = self.metrics.gns
+        return gns.samples if gns is not None else 0.0
 
     def goodput_fn(self) -> GoodputFunction | None:
         """The goodput model fitted so far, or None before enough has been profiled."""

@@ -60,8 +60,11 @@ class JobGoodput:
         self.grad = GradParams(0.0, 0.0)
         self._fn: GoodputFunction | None = None
         self._hints: dict[str, Any] | None = None
+        #: Samples the job has trained on: what its gradient-noise estimate has seen,
+        #: which core's decision measures the estimate's warm-up in.
+        self.samples = 0.0
         #: The decision the real loader makes by default (core's).
-        self.decision = GoodputDecision(self.goodput_fn)
+        self.decision = GoodputDecision(self.goodput_fn, estimate_samples=lambda: self.samples)
 
     @property
     def fits(self) -> int:
@@ -151,6 +154,12 @@ class JobGoodput:
             accum_steps=accum,
         )
 
+    @property
+    def mature(self) -> bool:
+        """Whether the decision's growth cap is lifted (its noise estimate warmed up)."""
+        query = self.query(1, 1, None)
+        return self.decision.maturity(query) >= 1.0
+
     def decide(
         self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None = None
     ) -> tuple[int, int]:
@@ -206,6 +215,8 @@ class SimJob:
         self.restart_time = 0.0  # seconds spent restarting
         self.history: list[tuple[float, int, int, int]] = []  # (time, GPUs, batch, accum)
         self._decided_with: GoodputFunction | None = None
+        # The samples seen at a decision made under the warm-up's growth cap (None: none).
+        self._capped_at: float | None = None
         self.goodput = JobGoodput(
             app.init_batch_size,
             app.max_batch_size,
@@ -283,6 +294,8 @@ class SimJob:
                 self.progress = min(
                     self.progress + self.rate * (time - start), self.app.target_progress
                 )
+                if self.iter_time > 0 and math.isfinite(self.iter_time):
+                    self.goodput.samples += (time - start) / self.iter_time * self.batch_size
         self.last_time = time
 
     def set_allocation(self, time: float, nodes: list[int], restart_penalty: float) -> bool:
@@ -348,6 +361,7 @@ class SimJob:
                 self._decided_with = self.goodput.goodput_fn()
                 if self._decided_with is before:
                     break
+            self._capped_at = None if self.goodput.mature else self.goodput.samples
         else:
             atomic, accum = self.fixed_config(self.placement)
             self._measure(nnodes, gpus, atomic)
@@ -367,14 +381,18 @@ class SimJob:
         self.goodput.record(nnodes, gpus, atomic, max(step - sync, 1e-6), step, sync)
 
     def maybe_reconfigure(self, time: float) -> bool:
-        """Decide the batch size again if the job's goodput model changed since it last did.
+        """Decide the batch size again if the job's goodput model changed since it last did,
+        or its last decision was capped by the warm-up and it has trained since.
 
         Returns whether it decided again (the rate, and so the next boundary, may have
         changed). The caller must have advanced the job to ``time``.
         """
         if not self.adaptive or not self.nodes or self.done:
             return False
-        if self.goodput.goodput_fn() is self._decided_with:
+        # A decision under the warm-up's cap is asked again once the job trained on more
+        # samples (every round, as the real loader re-decides every few seconds).
+        warming = self._capped_at is not None and self.goodput.samples > self._capped_at
+        if self.goodput.goodput_fn() is self._decided_with and not warming:
             return False
         self.configure(time)
         return True

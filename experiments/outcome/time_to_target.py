@@ -1,0 +1,301 @@
+"""Time to a target, adaptive against every size of a fixed sweep, over seeds (item 4).
+
+The two problems of `experiments.outcome.problems` (the shapes CNN and the Dyck
+transformer; `experiments.outcome.trainer` trains them) on 2 replicas under
+torchrun, each seed a new data draw and a new initialisation:
+
+* adaptive: ``autoscale_batch_size(1024, local_bsz_bounds=(8, 128),
+  gradient_accumulation=True)``, with AdaScale (SGD) or AdamScale (Adam);
+* fixed: the same training at total batch sizes 16 (the initial), 64, 256 and 1024
+  (2 x 128 x 4 micro-batches, within the same local bounds), with the same rule.
+
+Every run stops at its target (validation accuracy for the CNN, validation loss
+for the language model) or at its progress cap. The primary measure is this
+process's CPU time in training (evaluation excluded), less sensitive than wall
+time to the other jobs on a shared machine; both are reported. Per problem and
+run the table gives the median over seeds and the range; "best fixed" is the fixed
+size with the smallest median, chosen in hindsight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from experiments.outcome._common import launch
+from experiments.outcome.trainer import DYCK, SHAPES
+
+#: Fixed total batch sizes (16, 64, 256, 1024) as (local batch, accumulation steps) on 2
+#: replicas, within the adaptive run's local bounds.
+SWEEP = ((8, 0), (32, 0), (128, 0), (128, 3))
+
+ADAPTIVE = {
+    "autoscale": True,
+    "max_batch_size": 1024,
+    # A local batch of at most 128 stands for a device's memory limit.
+    "local_bsz_bounds": [8, 128],
+    "gradient_accumulation": True,
+}
+
+#: Each problem with its target and progress cap (the cosine schedule's length).
+PROBLEMS: dict[str, dict[str, Any]] = {
+    "shapes": {
+        **SHAPES,
+        "target_accuracy": 0.85,
+        "progress_epochs": 16,
+        "eval_every_samples": 4096,
+    },
+    "dyck": {
+        **DYCK,
+        # The best possible loss of each seed's draw is known exactly (problems.dyck).
+        "target_excess": 0.003,
+        "progress_epochs": 12,
+        "eval_every_samples": 4096,
+    },
+}
+
+#: Settings small enough for CI (tests/outcome): the same code, a fraction of the data.
+QUICK = {"train_size": 2048, "val_size": 512, "progress_epochs": 2, "eval_every_samples": 1024}
+
+
+def label_of(cfg: dict[str, Any]) -> str:
+    """'adaptive' or 'fixed <total>' for a run's config on 2 replicas."""
+    if cfg.get("autoscale"):
+        return "adaptive"
+    return f"fixed {2 * cfg['local_bsz'] * (cfg['accum_steps'] + 1)}"
+
+
+def configs(problem: str, seed: int, quick: bool = False) -> list[dict[str, Any]]:
+    """The adaptive run and the fixed sweep for one problem and seed, in run order."""
+    base = {**PROBLEMS[problem], "seed": seed, "stop_at_target": True}
+    if quick:
+        base.update(QUICK)
+    runs = [{**base, **ADAPTIVE}]
+    runs += [{**base, "local_bsz": local, "accum_steps": accum} for local, accum in SWEEP]
+    return runs
+
+
+def run(
+    problem: str,
+    seeds: Sequence[int],
+    quick: bool = False,
+    *,
+    jobs: int = 1,
+    log: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Every run of ``problem`` for every seed; each result carries label and seed.
+
+    ``jobs`` runs launch at a time (CPU time, the primary measure, is per process;
+    wall time then includes the contention). Each result is appended to ``log`` (JSON
+    lines) as it arrives, so that an interrupted measurement keeps what it finished.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [(seed, cfg) for seed in seeds for cfg in configs(problem, seed, quick)]
+
+    def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+        seed, cfg = item
+        result = launch("experiments.outcome.trainer", 2, cfg, timeout=3600.0)
+        result.update(label=label_of(cfg), seed=seed, problem=problem)
+        if log is not None:
+            with log.open("a") as f:
+                f.write(json.dumps(result) + "\n")
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, todo))
+
+
+def retarget(result: dict[str, Any], accuracy: float) -> dict[str, Any]:
+    """``result`` as if its target had been ``accuracy``, read off its evaluations.
+
+    Valid for a target no stricter than the run's own (a run stops at its own target,
+    so its trajectory beyond is not known); raises ValueError otherwise.
+    """
+    own = result["config"].get("target_accuracy")
+    if own is None or accuracy > own:
+        raise ValueError(f"accuracy must be <= the run's own target {own!r}, got {accuracy!r}")
+    reached = None
+    steps = 0
+    for progress, samples, seconds, _, acc, cpu in result["evals"]:
+        if acc >= accuracy:
+            steps = sum(1 for s in result["steps"] if s[0] <= progress)
+            reached = {
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "progress": progress,
+                "samples": samples,
+                "steps": steps,
+            }
+            break
+    return {**result, "reached": reached}
+
+
+def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per label: median and range of CPU and wall time to the target over seeds."""
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    rows = []
+    for label in labels:
+        runs = [r for r in results if r["label"] == label]
+        reached = [r["reached"] for r in runs if r["reached"] is not None]
+        cpu = [x["cpu_seconds"] for x in reached]
+        wall = [x["seconds"] for x in reached]
+        batches = [int(s[1]) for r in runs for s in r["steps"]]
+        rows.append(
+            {
+                "label": label,
+                "runs": len(runs),
+                "reached": len(reached),
+                "cpu": cpu,
+                "wall": wall,
+                # A run that misses counts as its whole training time (a lower bound).
+                "cpu_median": _median_with_misses(runs, "cpu_seconds", "train_cpu_seconds"),
+                "wall_median": _median_with_misses(runs, "seconds", "train_seconds"),
+                "samples_median": float(np.median([x["samples"] for x in reached]))
+                if reached
+                else None,
+                "batch_range": [min(batches), max(batches)] if batches else [],
+            }
+        )
+    fixed = [row for row in rows if row["label"] != "adaptive" and row["reached"] == row["runs"]]
+    adaptive = next(row for row in rows if row["label"] == "adaptive")
+    best = min(fixed, key=lambda row: row["cpu_median"]) if fixed else None
+    initial = next((row for row in rows if row["label"] == "fixed 16"), None)
+    out: dict[str, Any] = {"rows": rows, "best_fixed": best["label"] if best else None}
+    missed = adaptive["reached"] < adaptive["runs"]
+    for key in ("cpu", "wall"):
+        a = adaptive[f"{key}_median"]
+        out[f"{key}_ratio_best"] = None if best is None or missed else best[f"{key}_median"] / a
+        out[f"{key}_ratio_initial"] = (
+            None if initial is None or missed else initial[f"{key}_median"] / a
+        )
+    return out
+
+
+def _median_with_misses(runs: Sequence[dict[str, Any]], key: str, total: str) -> float:
+    values = [r["reached"][key] if r["reached"] is not None else r[total] for r in runs]
+    return float(np.median(values))
+
+
+def table(problem: str, summary: dict[str, Any], accuracy: float | None = None) -> str:
+    """The markdown table of one problem (``accuracy``: a target other than its own)."""
+    cfg = PROBLEMS[problem]
+    if accuracy is not None:
+        cfg = {**cfg, "target_accuracy": accuracy}
+    what = (
+        f"{cfg['target_accuracy']:.0%} val. accuracy"
+        if "target_accuracy" in cfg
+        else f"val. loss optimal + {cfg['target_excess']}"
+    )
+    lines = [
+        f"| {problem}: run | CPU s to {what}: median [min, max] | wall s: median "
+        "[min, max] | reached | samples (median) | batch sizes used |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in summary["rows"]:
+        cpu = _spread(row["cpu_median"], row["cpu"], row["reached"] < row["runs"])
+        wall = _spread(row["wall_median"], row["wall"], row["reached"] < row["runs"])
+        samples = "-" if row["samples_median"] is None else f"{row['samples_median']:.0f}"
+        lo, hi = row["batch_range"] or (0, 0)
+        lines.append(
+            f"| {row['label']} | {cpu} | {wall} | {row['reached']}/{row['runs']} | {samples} | "
+            f"{lo}..{hi} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Best fixed (hindsight, by median CPU time): {summary['best_fixed']}; "
+        f"best / adaptive = {_ratio(summary['cpu_ratio_best'])} (CPU), "
+        f"{_ratio(summary['wall_ratio_best'])} (wall); initial / adaptive = "
+        f"{_ratio(summary['cpu_ratio_initial'])} (CPU), {_ratio(summary['wall_ratio_initial'])}"
+        " (wall)"
+    )
+    return "\n".join(lines)
+
+
+def _spread(median: float, values: Sequence[float], missed: bool) -> str:
+    if not values:
+        return f">= {median:.1f} (not reached)"
+    text = f"{median:.1f} [{min(values):.1f}, {max(values):.1f}]"
+    return text + (" (some missed)" if missed else "")
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def plot(results: Sequence[dict[str, Any]], summaries: dict[str, Any], path: Path) -> None:
+    """Per problem: CPU time to target per run (seeds as points); the adaptive batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    problems = list(summaries)
+    fig, axes = plt.subplots(2, len(problems), figsize=(6 * len(problems), 7), squeeze=False)
+    for col, problem in enumerate(problems):
+        ax = axes[0, col]
+        rows = summaries[problem]["rows"]
+        for i, row in enumerate(rows):
+            ax.bar(i, row["cpu_median"], color="C1" if row["label"] == "adaptive" else "C0")
+            ax.plot([i] * len(row["cpu"]), row["cpu"], "k.", ms=5)
+        ax.set_xticks(range(len(rows)), [row["label"] for row in rows], rotation=20)
+        ax.set(ylabel="CPU s to target (median, seeds as dots)", title=problem)
+        ax = axes[1, col]
+        for r in results:
+            if r["problem"] == problem and r["label"] == "adaptive":
+                steps = np.asarray(r["steps"], dtype=np.float64)
+                if len(steps):
+                    ax.plot(steps[:, 8], steps[:, 1], "-", label=f"seed {r['seed']}")
+        ax.set(xlabel="training wall time (s)", ylabel="adaptive total batch", yscale="log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run both problems over the seeds, print the tables, write the plot and the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("out/outcome"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--problems", default=",".join(PROBLEMS))
+    parser.add_argument("--quick", action="store_true", help="CI-sized runs")
+    parser.add_argument("--jobs", type=int, default=1, help="runs launched at a time")
+    parser.add_argument(
+        "--from-log", type=Path, help="summarise the runs in this JSON-lines log, run nothing"
+    )
+    parser.add_argument(
+        "--retarget-accuracy",
+        type=float,
+        help="with --from-log: the time to this (laxer) accuracy, read off the evaluations",
+    )
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    summaries: dict[str, Any] = {}
+    log = args.out / "time_to_target.jsonl"
+    logged = []
+    if args.from_log is not None:
+        logged = [json.loads(line) for line in args.from_log.read_text().splitlines() if line]
+    for problem in args.problems.split(","):
+        if args.from_log is not None:
+            runs = [r for r in logged if r["problem"] == problem]
+            if args.retarget_accuracy is not None and "target_accuracy" in PROBLEMS[problem]:
+                runs = [retarget(r, args.retarget_accuracy) for r in runs]
+        else:
+            runs = run(problem, range(args.seeds), quick=args.quick, jobs=args.jobs, log=log)
+        results += runs
+        summaries[problem] = summarise(runs)
+        print(table(problem, summaries[problem], args.retarget_accuracy))
+        print()
+    (args.out / "time_to_target.json").write_text(json.dumps(results))
+    plot(results, summaries, args.out / "time_to_target.png")
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""One torchrun worker that trains any of the outcome problems to a target, and its loop.
+
+`train` is the loop every outcome worker shares (the classifier of items 2 and 3 and
+the problems of item 4): one configuration, adaptive or at a fixed batch size,
+trained to a scale-invariant progress cap (in epochs of the initial batch size:
+``progress_epochs * train_size / init_batch_size`` initial-batch steps), reporting
+per optimiser step the progress, total batch size, accumulation steps, gain,
+learning-rate factor and goodput; at regular intervals of processed samples the
+validation loss and metric, with the training wall time and this process's CPU
+time so far (evaluation excluded). The run reaches its target when the validation
+accuracy reaches ``target_accuracy`` or the validation loss falls to
+``target_loss``.
+
+Either the batch size is fixed (``local_bsz`` and ``accum_steps`` given: the job's
+batch-size decision is replaced by `FixedSplit`) or it is adaptive (``autoscale``:
+AdaptDL's goodput-driven decision, up to ``max_batch_size``). The learning rate
+follows a cosine schedule over the *progress*, so that runs at different scales see
+the same schedule per unit of progress, and the scaling rule (``adascale``,
+``adamscale`` or ``linear``) multiplies it at each step.
+
+``python -m experiments.outcome.trainer`` runs the worker of the ``problem`` named in
+its config: ``shapes`` (a small CNN) or ``dyck`` (a small transformer language
+model), both from `experiments.outcome.problems`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from experiments.outcome._common import FixedSplit, worker_config, write_result
+
+#: The shapes CNN: 8 classes of 16 x 16 images, tuned at the initial batch size only.
+SHAPES = {
+    "problem": "shapes",
+    "train_size": 16384,
+    "val_size": 2048,
+    "noise": 0.5,
+    "init_batch_size": 16,
+    "optimizer": "sgd",
+    "momentum": 0.9,
+    "lr": 0.01,
+    "rule": "adascale",
+    "seed": 0,
+}
+
+#: The Dyck-language transformer: 3 bracket types, depth <= 6, 32 tokens a sequence.
+DYCK = {
+    "problem": "dyck",
+    "train_size": 16384,
+    "val_size": 1024,
+    "length": 32,
+    "brackets": 3,
+    "max_depth": 6,
+    "d_model": 32,
+    "layers": 2,
+    "init_batch_size": 16,
+    "optimizer": "adam",
+    "lr": 0.003,
+    "rule": "adamscale",
+    "seed": 0,
+}
+
+
+def train(
+    cfg: dict[str, Any],
+    model: Any,
+    batch_loss: Callable[[Any, Any], Any],
+    evaluate: Callable[[], tuple[float, float]],
+) -> None:
+    """Train ``model`` under ``cfg`` (see the module docstring); rank 0 writes the result.
+
+    ``batch_loss(net, indices)`` is the loss of the samples at ``indices`` (a tensor of
+    dataset positions) through ``net``, the model wrapped for data parallelism (its
+    forward is what synchronises the gradients); ``evaluate()`` returns (validation
+    loss, validation metric).
+    Call after ``adl.init_process_group``.
+    """
+    import adaptdl.torch as adl
+    import torch
+    from adaptdl.torch._context import current_job
+    from adaptdl.torch.scaling_rules import AdamScale, AdaScale, LinearScale
+
+    job = current_job()
+    b0 = cfg["init_batch_size"]
+    n = cfg["train_size"]
+    loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
+    if cfg.get("autoscale"):
+        loader.autoscale_batch_size(
+            cfg["max_batch_size"],
+            local_bsz_bounds=tuple(cfg["local_bsz_bounds"]),  # type: ignore[arg-type]
+            gradient_accumulation=cfg["gradient_accumulation"],
+        )
+    else:
+        local, accum = cfg["local_bsz"], cfg["accum_steps"]
+        job.batch_size_decision = FixedSplit(local, accum)
+        total = local * (accum + 1) * job.topology.num_replicas
+        # Adaptive mode with a fixed decision: the loop then ends on progress, not data.
+        loader.autoscale_batch_size(max(total, b0), gradient_accumulation=True)
+    if cfg.get("optimizer", "sgd") == "adam":
+        optimizer: Any = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=cfg["lr"], momentum=cfg.get("momentum", 0.0)
+        )
+    rules = {"linear": LinearScale, "adamscale": AdamScale, "adascale": AdaScale}
+    adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rules[cfg["rule"]]())
+
+    target = cfg["progress_epochs"] * n / b0  # initial-batch steps
+    steps: list[list[float]] = []
+    evals: list[list[float]] = []
+    samples = 0
+    next_eval = 0
+    train_time = 0.0
+    train_cpu = 0.0  # this process's CPU time: less sensitive than wall time to other load
+    target_acc = cfg.get("target_accuracy")
+    target_loss = cfg.get("target_loss")
+    reached: dict[str, float] | None = None
+    diverged = False
+    tick, tick_cpu = time.perf_counter(), time.process_time()
+    for _ in adl.remaining_epochs_until(cfg["progress_epochs"]):
+        for idx in loader:
+            helper = adl.current_dataloader()
+            assert helper is not None
+            loss = batch_loss(adp, torch.as_tensor(idx))
+            optimizer.zero_grad()
+            loss.backward()
+            samples += len(idx) * job.topology.num_replicas
+            if helper.is_accum_step():
+                optimizer.step()  # skipped by the adapter until the batch's last micro-batch
+                continue
+            fraction = min(adp.progress / target, 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * fraction))
+            optimizer.step()
+            if not math.isfinite(float(loss)):
+                diverged = True
+            steps.append(
+                [
+                    adp.progress,
+                    helper.current_batch_size,
+                    helper.current_local_bsz,
+                    helper.accumulation_steps,
+                    adp.last_gain,
+                    adp.last_lr_factor,
+                    float(loss),
+                    adp.goodput() or 0.0,
+                    train_time + time.perf_counter() - tick,
+                ]
+            )
+            if samples >= next_eval:
+                train_time += time.perf_counter() - tick
+                train_cpu += time.process_time() - tick_cpu
+                val_loss, val_acc = evaluate()
+                evals.append([adp.progress, samples, train_time, val_loss, val_acc, train_cpu])
+                hit = (target_acc is not None and val_acc >= target_acc) or (
+                    target_loss is not None and val_loss <= target_loss
+                )
+                if reached is None and hit:
+                    reached = {
+                        "seconds": train_time,
+                        "cpu_seconds": train_cpu,
+                        "progress": adp.progress,
+                        "samples": samples,
+                        "steps": len(steps),
+                    }
+                next_eval += cfg["eval_every_samples"]
+                tick, tick_cpu = time.perf_counter(), time.process_time()
+            if diverged or (cfg.get("stop_at_target") and reached is not None):
+                break
+        if diverged or (cfg.get("stop_at_target") and reached is not None):
+            break
+    train_time += time.perf_counter() - tick
+    train_cpu += time.process_time() - tick_cpu
+    val_loss, val_acc = evaluate()
+    if not evals or evals[-1][1] != samples:
+        evals.append([adp.progress, samples, train_time, val_loss, val_acc, train_cpu])
+    if job.topology.rank == 0:
+        gns = adp.gns
+        write_result(
+            {
+                "config": cfg,
+                "replicas": job.topology.num_replicas,
+                "steps": steps,
+                "evals": evals,
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "progress": adp.progress,
+                "samples": samples,
+                "train_seconds": train_time,
+                "train_cpu_seconds": train_cpu,
+                "reached": reached,
+                "diverged": diverged,
+                "noise_scale": gns.noise_scale if gns is not None else None,
+            }
+        )
+
+
+def classifier_eval(model: Any, x: Any, y: Any) -> tuple[float, float]:
+    """(cross-entropy, accuracy) of ``model`` on inputs ``x`` and labels ``y``."""
+    import torch.nn.functional as F
+
+    import torch
+
+    with torch.no_grad():
+        logits = model(x)
+        loss = float(F.cross_entropy(logits, y))
+        return loss, float((logits.argmax(1) == y).float().mean())
+
+
+def shapes_cnn() -> Any:
+    """The CNN of the shapes problem: two 3x3 conv + pool stages and a small MLP head."""
+    import torch
+
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 8),
+    )
+
+
+def dyck_lm(vocab: int, length: int, d_model: int, layers: int) -> Any:
+    """A causal pre-norm transformer LM over ``vocab`` tokens (the start token included)."""
+    import torch
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, d_model)
+            self.pos = torch.nn.Parameter(0.02 * torch.randn(length, d_model))
+            layer = torch.nn.TransformerEncoderLayer(
+                d_model, 2, 2 * d_model, dropout=0.0, batch_first=True, norm_first=True
+            )
+            self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.out = torch.nn.Linear(d_model, vocab - 1)  # the start token is never next
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(length)
+            self.register_buffer("mask", mask)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.emb(tokens) + self.pos[: tokens.shape[1]]
+            return self.out(self.enc(h, mask=self.mask, is_causal=True))  # type: ignore[no-any-return]
+
+    return LM()
+
+
+def worker() -> None:
+    """One replica of one training run of the problem named in the config."""
+    import torch.nn.functional as F
+    from experiments.outcome import problems
+
+    import adaptdl.torch as adl
+    import torch
+
+    cfg = worker_config()
+    adl.init_process_group("gloo")
+    torch.manual_seed(cfg["seed"])
+    n, n_val = cfg["train_size"], cfg["val_size"]
+    if cfg["problem"] == "shapes":
+        x_np, y_np = problems.shapes(n + n_val, noise=cfg["noise"], seed=cfg["seed"])
+        x, y = torch.from_numpy(x_np[:n]), torch.from_numpy(y_np[:n])
+        xv, yv = torch.from_numpy(x_np[n:]), torch.from_numpy(y_np[n:])
+        model = shapes_cnn()
+
+        def batch_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(net(x[idx]), y[idx])
+
+        def evaluate() -> tuple[float, float]:
+            return classifier_eval(model, xv, yv)
+
+    elif cfg["problem"] == "dyck":
+        k, length = cfg["brackets"], cfg["length"]
+        tok_np, logp = problems.dyck(
+            n + n_val, length=length, k=k, max_depth=cfg["max_depth"], seed=cfg["seed"]
+        )
+        if "target_excess" in cfg:
+            # The target is a loss this far above the best possible one on this draw.
+            optimal = problems.dyck_optimal_loss(logp[n:])
+            cfg = {**cfg, "optimal_loss": optimal, "target_loss": optimal + cfg["target_excess"]}
+        tokens = torch.from_numpy(tok_np)
+        train_tok, val_tok = tokens[:n], tokens[n:]
+        vocab = 2 * k + 1
+        model = dyck_lm(vocab, length, cfg["d_model"], cfg["layers"])
+
+        def lm_loss(net: Any, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = net(batch[:, :-1]).reshape(-1, vocab - 1)
+            return logits, F.cross_entropy(logits, batch[:, 1:].reshape(-1))
+
+        def batch_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
+            return lm_loss(net, train_tok[idx])[1]
+
+        def evaluate() -> tuple[float, float]:
+            with torch.no_grad():
+                logits, loss = lm_loss(model, val_tok)
+                acc = (logits.argmax(1) == val_tok[:, 1:].reshape(-1)).float().mean()
+                return float(loss), float(acc)
+
+    else:
+        raise ValueError(f"problem must be 'shapes' or 'dyck', got {cfg['problem']!r}")
+    train(cfg, model, batch_loss, evaluate)
+
+
+if __name__ == "__main__":
+    worker()

@@ -1,0 +1,102 @@
+"""Fast versions of item 4: the generated problems, the summary, one short run of each."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from experiments.outcome import problems, time_to_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def test_shapes_are_deterministic_balanced_and_noisy() -> None:
+    x, y = problems.shapes(800, seed=3)
+    x2, y2 = problems.shapes(800, seed=3)
+    assert x.shape == (800, 1, 16, 16) and x.dtype == np.float32
+    assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    counts = np.bincount(y, minlength=len(problems.SHAPES))
+    assert counts.min() > 60
+    # Without noise, every class draws some pixels; with it, no image is clean.
+    clean, _ = problems.shapes(200, noise=0.0, seed=1)
+    assert np.all(np.abs(clean).reshape(200, -1).max(axis=1) > 0.5)
+    assert not np.array_equal(problems.shapes(10, seed=4)[0], problems.shapes(10, seed=5)[0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 8), st.integers(0, 1000))
+def test_dyck_sequences_are_well_nested_and_their_floor_is_the_entropy(
+    k: int, max_depth: int, seed: int
+) -> None:
+    tokens, logp = problems.dyck(50, length=24, k=k, max_depth=max_depth, seed=seed)
+    assert tokens.shape == (50, 25) and np.all(tokens[:, 0] == 2 * k)
+    for row, lp in zip(tokens, logp, strict=True):
+        stack: list[int] = []
+        for t, token in enumerate(row[1:]):
+            depth = len(stack)
+            if token < k:
+                assert depth < max_depth
+                expected = 1.0 / k if depth == 0 else 0.5 / k
+                stack.append(int(token))
+            else:
+                assert stack and stack.pop() == token - k  # closes the innermost bracket
+                expected = 1.0 if depth == max_depth else 0.5
+            assert lp[t] == pytest.approx(np.log(expected))
+    assert problems.dyck_optimal_loss(logp) == pytest.approx(-logp.mean())
+
+
+def _result(label: str, seed: int, cpu: float | None, total: float = 100.0) -> dict[str, object]:
+    reached = None if cpu is None else {"cpu_seconds": cpu, "seconds": 2 * cpu, "samples": 10}
+    return {
+        "label": label,
+        "seed": seed,
+        "problem": "dyck",
+        "reached": reached,
+        "train_cpu_seconds": total,
+        "train_seconds": 2 * total,
+        "steps": [[0, 16, 8, 0, 1, 1, 1, 1, 0.0]],
+    }
+
+
+def test_summary_takes_medians_and_ratios_over_seeds() -> None:
+    results = []
+    for seed, (a, f16, f64) in enumerate([(10, 60, 20), (12, 70, 25), (30, 65, 22)]):
+        results += [
+            _result("adaptive", seed, a),
+            _result("fixed 16", seed, f16),
+            _result("fixed 64", seed, f64),
+        ]
+    summary = time_to_target.summarise(results)
+    rows = {row["label"]: row for row in summary["rows"]}
+    assert rows["adaptive"]["cpu_median"] == 12
+    assert summary["best_fixed"] == "fixed 64"
+    assert summary["cpu_ratio_best"] == pytest.approx(22 / 12)
+    assert summary["cpu_ratio_initial"] == pytest.approx(65 / 12)
+    assert summary["wall_ratio_best"] == pytest.approx(44 / 24)
+    assert "12.0 [10.0, 30.0]" in time_to_target.table("dyck", summary)
+
+
+def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
+    results = [_result("adaptive", 0, None, total=90.0), _result("fixed 16", 0, 50.0)]
+    summary = time_to_target.summarise(results)
+    rows = {row["label"]: row for row in summary["rows"]}
+    assert rows["adaptive"]["cpu_median"] == 90.0 and rows["adaptive"]["reached"] == 0
+    assert summary["cpu_ratio_best"] is None
+    assert "not reached" in time_to_target.table("dyck", summary)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("problem", ["shapes", "dyck"])
+def test_one_quick_adaptive_run_trains_and_reports(problem: str) -> None:
+    from experiments.outcome._common import launch
+
+    cfg = time_to_target.configs(problem, 0, quick=True)[0]
+    assert cfg["autoscale"]
+    result = launch("experiments.outcome.trainer", 2, {**cfg, "stop_at_target": False})
+    steps = np.asarray(result["steps"])
+    assert result["replicas"] == 2 and not result["diverged"]
+    assert result["progress"] >= cfg["progress_epochs"] * cfg["train_size"] / 16 - 1e-6
+    assert np.all(steps[:, 1] <= cfg["max_batch_size"])
+    evals = np.asarray(result["evals"])
+    # It learns: the validation loss falls.
+    assert evals[-1, 3] < evals[0, 3]
