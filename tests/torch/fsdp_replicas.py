@@ -116,7 +116,7 @@ def checkpointed() -> None:
                 torch.nn.functional.mse_loss(wrapped(x), y).backward()
                 optimizer.step()
             scheduler.step()
-        _context.current_job().checkpoint()
+        # The finished epoch loop wrote its final checkpoint (ckpt-000001).
     options = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
     write(
