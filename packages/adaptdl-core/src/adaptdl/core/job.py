@@ -359,8 +359,9 @@ class Job:
         ended at a boundary all replicas agreed (`end_loop`), so the states are
         complete and alike: one replica checkpoints as usual; of several, which
         are not at one agreed point here, rank 0 writes the checkpoint alone,
-        without a collective, unless a state needs one (`CollectiveState`: then
-        the job resumes from its newest checkpoint). Before the first epoch and
+        without a collective, unless a state needs one (a `CollectiveState` or
+        `FileState` without a ``bytes_alone()`` that rank 0 can make by itself:
+        then the job resumes from its newest checkpoint). Before the first epoch and
         after the last (a finished training wrote its own, see
         `remaining_epochs_until`) nothing is written. Raises `Preempted`.
         """
@@ -371,7 +372,10 @@ class Job:
         if self.store is not None and self.epoch.current_epoch is not None:
             if self.topology.num_replicas == 1:
                 self.checkpoint()
-            elif any(isinstance(s, (CollectiveState, FileState)) for s in self._states.values()):
+            elif any(
+                isinstance(s, (CollectiveState, FileState)) and not hasattr(s, "bytes_alone")
+                for s in self._states.values()
+            ):
                 LOG.warning(
                     "stopped outside a training loop: no checkpoint (a state needs every "
                     "replica to save it); the job resumes from the newest checkpoint"
@@ -380,7 +384,8 @@ class Job:
                 self._checkpointing = True  # a second signal must not cut the write short
                 try:
                     self.state.in_loop = False
-                    self._save({name: s.to_bytes() for name, s in self._states.items()})
+                    states = self._states.items()
+                    self._save({n: getattr(s, "bytes_alone", s.to_bytes)() for n, s in states})
                 finally:
                     self._checkpointing = False
         raise Preempted(self._stop_code)

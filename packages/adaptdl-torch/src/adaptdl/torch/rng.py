@@ -113,10 +113,21 @@ class RngState(JsonState):
             "replicas": self._gathered,
         }
 
+    def bytes_alone(self) -> bytes:
+        """What rank 0 saves without its peers (a stop outside any loop): no states,
+        so a restart keeps the program's own seeding."""
+        saved, self._gathered = self._gathered, {}
+        try:
+            return self.to_bytes()  # num_replicas is the job's, replicas empty
+        finally:
+            self._gathered = saved
+
     def load_json(self, data: dict[str, Any]) -> None:
         if data.get("format") != _FORMAT or not isinstance(data.get("replicas"), dict):
             raise CheckpointError(f"state {self.name!r}: unknown format {data!r:.60}")
         topology = self._job.topology
+        if not data["replicas"]:
+            return  # saved by rank 0 alone, outside any loop: nothing to restore
         if data.get("num_replicas") != topology.num_replicas:
             LOG.info(
                 "random-number states saved by %s replicas are not restored at %d: each "
