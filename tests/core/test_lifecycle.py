@@ -146,3 +146,15 @@ def test_the_journal_holds_every_batch_before_the_loop_sees_it(batch: int, n: in
             mark = journal.read()
             assert mark is not None and mark.samples == seen
     assert job.samples_consumed == 2 * n
+
+
+def test_the_stop_line_names_the_signal_its_exit_status_stands_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from adaptdl.core import lifecycle
+
+    with caplog.at_level(logging.INFO, logger="adaptdl.lifecycle"):
+        lifecycle.stopping(epoch=1, steps=4, exit_code=130)
+        lifecycle.stopping(epoch=None, steps=4, exit_code=143)
+    assert "stop requested (SIGINT)" in caplog.messages[0]
+    assert "stop requested (SIGTERM): checkpointing between epochs" in caplog.messages[1]

@@ -68,10 +68,13 @@ def batch_size_changed(
 
 
 def stopping(*, epoch: int | None, steps: int, exit_code: int) -> None:
-    """A stop was requested (SIGTERM): the job checkpoints now and exits with ``exit_code``."""
+    """A stop was requested (a signal): the job checkpoints now and exits with ``exit_code``."""
     at = "between epochs" if epoch is None else f"in epoch {epoch}"
+    # 128 + the signal's number, as a shell reports it: 143 SIGTERM, 130 SIGINT.
+    cause = {143: "SIGTERM", 130: "SIGINT"}.get(exit_code, "requested")
     LOG.info(
-        "stop requested (SIGTERM): checkpointing %s at step %d, then exiting with status %d",
+        "stop requested (%s): checkpointing %s at step %d, then exiting with status %d",
+        cause,
         at,
         steps,
         exit_code,
