@@ -6,7 +6,12 @@ with an ``Accumulator`` made inside the epoch; after the epoch loop a test pass
 iterates the test loader once more. Every replica prints its metrics as
 ``METRIC {json}`` lines; the end-to-end test compares them with an uninterrupted
 run's. ``E2E_DROPOUT`` puts dropout in the model (random numbers matter), and
-each replica prints ``PARAMS <sha256>`` of its parameters when training ends.
+each replica prints ``PARAMS <sha256>`` of its (full) parameters when training ends.
+
+``E2E_FSDP=1`` shards the model with FSDP2 (``fully_shard`` per layer and at the
+root, after ``init_process_group``, with the optimiser made over the shards) and
+adapts it with `AdaptiveFSDP` instead of `AdaptiveDataParallel`; the training
+batch size is then fixed (no ``autoscale_batch_size``).
 
 Per batch, every replica also appends a record to
 ``$E2E_RECORD_DIR/run<R>-rank<k>.jsonl`` (the harness waits on them to stop it).
@@ -16,14 +21,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import torch.nn.functional as F
 from seed_common import DROPOUT, EPOCHS, N, record
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch
 import torch
+from adaptdl.torch.fsdp import AdaptiveFSDP
 from torch import nn
+
+FSDP = os.environ.get("E2E_FSDP") == "1"
 
 
 class Net(nn.Module):
@@ -78,26 +89,44 @@ def test(model: nn.Module, loader: adaptdl.torch.AdaptiveDataLoader, what: str, 
         print("METRIC " + json.dumps(metric), flush=True)
 
 
+def optimise(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+
+
 def main() -> None:
     torch.manual_seed(1)
     train_loader = adaptdl.torch.AdaptiveDataLoader(synthetic(N, 0), batch_size=16, shuffle=True)
     test_loader = adaptdl.torch.AdaptiveDataLoader(synthetic(N // 2, 1), batch_size=24)
-    train_loader.autoscale_batch_size(16, local_bsz_bounds=(4, 16))
+    if not FSDP:
+        train_loader.autoscale_batch_size(16, local_bsz_bounds=(4, 16))
 
     model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-    adaptdl.torch.init_process_group("gloo")  # after the loaders: the tutorial's order
-    model = adaptdl.torch.AdaptiveDataParallel(model, optimizer, scheduler)
+    if FSDP:
+        adaptdl.torch.init_process_group("gloo")  # fully_shard needs the process group
+        for module in (model.fc1, model.fc2, model):
+            fully_shard(module)
+        optimizer, scheduler = optimise(model)  # over the shards
+        adapted = AdaptiveFSDP(model, optimizer, lr_scheduler=scheduler)
+    else:
+        optimizer, scheduler = optimise(model)
+        adaptdl.torch.init_process_group("gloo")  # after the loaders: the tutorial's order
+        adapted = adaptdl.torch.AdaptiveDataParallel(model, optimizer, scheduler)
+    # DDP's wrapper is a module; AdaptiveFSDP hooks the sharded module itself, which
+    # is then called directly (its train() and eval() included).
+    runner = adapted if isinstance(adapted, nn.Module) else model
 
     for epoch in adaptdl.torch.remaining_epochs_until(EPOCHS):
-        train(model, train_loader, optimizer, epoch)
-        test(model, test_loader, "valid", epoch)
+        train(runner, train_loader, optimizer, epoch)
+        test(runner, test_loader, "valid", epoch)
         scheduler.step()
-    test(model, test_loader, "test", None)  # after the epoch loop
+    test(runner, test_loader, "test", None)  # after the epoch loop
 
+    # Every replica gathers the full parameters (a collective under FSDP2).
+    options = StateDictOptions(full_state_dict=True)
     digest = hashlib.sha256()
-    for param in model.parameters():
+    for name, param in sorted(get_model_state_dict(model, options=options).items()):
+        digest.update(name.encode())
         digest.update(param.detach().numpy().tobytes())
     print(f"PARAMS {digest.hexdigest()}", flush=True)
 

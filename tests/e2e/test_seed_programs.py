@@ -5,7 +5,8 @@ at 2 replicas until SIGTERM mid-training, then resumed. The metrics it prints
 (validation and test totals from per-epoch accumulators, GAN losses) must match
 the uninterrupted run's: resumed at 1 replica, up to floating-point summation
 order; resumed at the same 2 replicas with dropout in the model, bit for bit
-(random states restored with the checkpoint).
+(random states restored with the checkpoint), under DDP and under FSDP2 at a
+fixed batch size.
 """
 
 from __future__ import annotations
@@ -103,9 +104,13 @@ def test_a_tutorial_style_program_resumed_at_one_replica_prints_the_same_metrics
         _assert_close(resumed[key], metric)
 
 
-def test_a_stop_and_restart_at_the_same_size_is_bit_identical(tmp_path: Path) -> None:
-    whole_dir = _run(tmp_path / "whole", TUTORIAL, 2, None, E2E_DROPOUT="0.3")
-    stopped_dir = _run(tmp_path / "stopped", TUTORIAL, 2, 2, E2E_DROPOUT="0.3")
+@pytest.mark.parametrize("fsdp", ["0", "1"], ids=["ddp", "fsdp"])
+def test_a_stop_and_restart_at_the_same_size_is_bit_identical(tmp_path: Path, fsdp: str) -> None:
+    # Under FSDP2 at a fixed batch size, the sharded model and optimiser come back from
+    # each replica's DCP shards, and the full parameters gathered at the end match.
+    env = {"E2E_DROPOUT": "0.3", "E2E_FSDP": fsdp}
+    whole_dir = _run(tmp_path / "whole", TUTORIAL, 2, None, **env)
+    stopped_dir = _run(tmp_path / "stopped", TUTORIAL, 2, 2, **env)
     whole_params = _printed(whole_dir / "torchrun-0.log")[1]
     resumed_params = _printed(stopped_dir / "torchrun-1.log")[1]
     assert len(whole_params) == len(resumed_params) == 2
