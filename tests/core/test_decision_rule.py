@@ -11,7 +11,7 @@ import math
 
 import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.batchsize import (
@@ -48,6 +48,21 @@ def problems(draw: st.DrawFn) -> tuple[GoodputFunction, BatchSizeQuery]:
     return fn, query
 
 
+# The case CI's hypothesis found: an estimate fully mature at both ends (no cap).
+_CI_PROBLEM = (
+    GoodputFunction(PERF, GradParams(sqr=1.0, var=0.0), 8),
+    BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=1,
+        batch_size=8,
+        max_batch_size=32,
+        local_bsz_bounds=(1, 64),
+        gradient_accumulation=False,
+        current=None,
+    ),
+)
+
+
 def _total(query: BatchSizeQuery, config: tuple[int, int]) -> int:
     return config[0] * query.num_replicas * (config[1] + 1)
 
@@ -71,14 +86,15 @@ def test_maturity_is_monotone_in_samples_and_bounded(
 
 @settings(max_examples=60)
 @given(problems(), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(1.0, 8.0))
+@example(problem=_CI_PROBLEM, a=1.0, b=1.0, growth=1.0)  # found in CI: both mature
 def test_cap_and_chosen_goodput_are_monotone_in_maturity(
     problem: tuple[GoodputFunction, BatchSizeQuery], a: float, b: float, growth: float
 ) -> None:
     fn, query = problem
     lo, hi = sorted((a, b))
     cap_lo, cap_hi = growth_cap(query, lo, growth), growth_cap(query, hi, growth)
-    assert cap_lo is not None
-    assert cap_hi is None or cap_lo <= cap_hi
+    assert (cap_lo is None) == (lo >= 1.0)  # a mature estimate has no cap
+    assert cap_hi is None or (cap_lo is not None and cap_lo <= cap_hi)
     warmup = 100.0
     samples_lo, samples_hi = lo * warmup * query.batch_size, hi * warmup * query.batch_size
     kw = {"warmup_steps": warmup, "max_growth": growth}
