@@ -7,7 +7,6 @@ torch adapter holds it here so that the seed's free functions
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 from datetime import timedelta
@@ -35,7 +34,6 @@ _gloo_group: Any = None
 _owns_process_group = False
 _locked: LocalStorage | None = None  # the checkpoint directory rank 0 holds for the job
 _implicit_backend: str | None = None  # set when current_job() initialised the job itself
-_exit_hook = False  # whether _destroy_groups runs at the interpreter's exit
 
 
 def is_initialized() -> bool:
@@ -84,7 +82,7 @@ def init_process_group(
     with another backend or any other argument), and ValueError for an unknown
     backend or inconsistent environment variables.
     """
-    global _job, _gloo_group, _owns_process_group, _locked, _exit_hook
+    global _job, _gloo_group, _owns_process_group, _locked
     if _job is not None:
         _check_placement(_job.topology, world_size, rank)
         _accept_after_implicit(backend, timeout, init_method, storage)
@@ -153,13 +151,6 @@ def init_process_group(
         raise
     _job.register(RngState(_job), allow_missing=True)  # checkpoints older than RNG states
     _signals.install(lambda: _job)
-    if not _exit_hook:
-        # Gloo's worker threads must stop while the interpreter is alive: a process
-        # that exits with its groups undestroyed can abort in their teardown
-        # ("terminate called without an active exception", pytorch#190489), and
-        # torchrun then reports a job that finished as failed.
-        atexit.register(_destroy_groups)
-        _exit_hook = True
 
 
 def _check_placement(topology: Topology, world_size: int | None, rank: int | None) -> None:
@@ -262,24 +253,18 @@ def current_job() -> Job:
     return _job
 
 
-def _destroy_groups() -> None:
-    """Destroy the process groups `init_process_group` created (local: no peer is needed)."""
-    global _gloo_group, _owns_process_group
-    if _gloo_group is not None and dist.is_initialized():
-        dist.destroy_process_group(_gloo_group)
-    if _owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
-    _gloo_group = None
-    _owns_process_group = False
-
-
 def _reset() -> None:
     """Forget the default job and tear down what `init_process_group` set up (for tests)."""
-    global _job, _locked, _implicit_backend
+    global _job, _gloo_group, _owns_process_group, _locked, _implicit_backend
     _implicit_backend = None
     if _locked is not None:
         _locked.unlock()
         _locked = None
     _signals.restore()
-    _destroy_groups()
+    if _gloo_group is not None and dist.is_initialized():
+        dist.destroy_process_group(_gloo_group)
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
     _job = None
+    _gloo_group = None
+    _owns_process_group = False
