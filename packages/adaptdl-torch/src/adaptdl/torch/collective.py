@@ -98,12 +98,8 @@ class _Gathered:
 
     def values(self) -> list[Any]:
         try:
-            # Drop the finished Work at once: one kept alive by a caller's reference
-            # until the interpreter's finalization holds tensors whose release there
-            # races the GIL's teardown and aborts the process (pytorch#190489).
-            work, self._work = self._work, None
-            if work is not None:
-                work.wait()
+            if self._work is not None:
+                self._work.wait()
             lengths = [_length(slot) for slot in self._slots]
             if all(_fits(length) for length in lengths):
                 return [
