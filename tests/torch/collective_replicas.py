@@ -6,9 +6,13 @@ import json
 import os
 import sys
 import time
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
+import torch
 from adaptdl.core.collective import CollectiveError, logical_or, maximum
 from adaptdl.torch.collective import TorchCollective, collective_timeout
 
@@ -33,6 +37,41 @@ large = c.allreduce_async(
 c.barrier()
 results["async_or"] = [flag.result(), flag.result()]
 results["async_large"] = len(large.result()[0])
+
+# Every operation returns only once gloo's worker thread has let go of the tensors it
+# was handed (a program ending right after one would otherwise abort in the
+# interpreter's finalization): those tensors are freed as soon as the operation returns.
+handed: list[weakref.ref[torch.Tensor]] = []
+
+
+def spy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def handing(*args: Any, **kwargs: Any) -> Any:
+        for arg in args:
+            for t in arg if isinstance(arg, list) else [arg]:
+                if isinstance(t, torch.Tensor):
+                    handed.append(weakref.ref(t))
+        return fn(*args, **kwargs)
+
+    return handing
+
+
+originals = dist.all_gather, dist.broadcast
+dist.all_gather, dist.broadcast = spy(dist.all_gather), spy(dist.broadcast)
+held = 0
+for i in range(40):
+    handed.clear()
+    if i % 4 == 0:
+        c.allreduce(i)
+    elif i % 4 == 1:
+        c.broadcast(big if r == 0 else None)
+    elif i % 4 == 2:
+        c.allgather("z" * (300 * r))
+    else:
+        c.allreduce_async(r).result()
+    held += sum(ref() is not None for ref in handed)
+dist.all_gather, dist.broadcast = originals
+results["held_after_return"] = held
+
 # A peer that never joins: the others time out instead of hanging.
 if r != 0:
     try:

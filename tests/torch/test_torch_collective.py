@@ -65,5 +65,6 @@ def test_three_replicas_agree_and_time_out_on_a_missing_peer(tmp_path: Path) -> 
         assert res["tuple_arrives_as_list"] == [3, 3]
         assert res["async_or"] == [True, True]
         assert res["async_large"] == 5000
+        assert res["held_after_return"] == 0
         assert res.get("timeout") == (None if r == 0 else "CollectiveTimeout")
     assert not dist.is_initialized()

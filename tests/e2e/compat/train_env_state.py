@@ -57,6 +57,12 @@ class Tally(adaptdl.checkpoint.State):
         self.samples = saved["samples"]
 
 
+def emit(line: str) -> None:
+    """Print ``line`` in one write: the replicas share torchrun's output, and print's
+    separate writes of text and newline let two replicas' lines run together."""
+    os.write(1, (line + "\n").encode())
+
+
 def dataset() -> torch.utils.data.TensorDataset:
     """Synthetic regression data, made once by rank 0 in the job's shared directory."""
     share = adaptdl.env.share_path()
@@ -76,16 +82,15 @@ def dataset() -> torch.utils.data.TensorDataset:
 def main() -> None:
     adaptdl.torch.init_process_group("gloo")
     rank = adaptdl.env.replica_rank()
-    print(
+    emit(
         f"ENV rank={rank} replicas={adaptdl.env.num_replicas()} nodes={adaptdl.env.num_nodes()} "
         f"restarts={adaptdl.env.num_restarts()} checkpoint_path={adaptdl.env.checkpoint_path()} "
-        f"share_path={adaptdl.env.share_path()} job_id={adaptdl.env.job_id()}",
-        flush=True,
+        f"share_path={adaptdl.env.share_path()} job_id={adaptdl.env.job_id()}"
     )
     tally = Tally()
     restored = adaptdl.checkpoint.load_state(tally)
     if rank == 0:
-        print(f"RESTORED {restored} steps={tally.steps}", flush=True)
+        emit(f"RESTORED {restored} steps={tally.steps}")
 
     data = dataset()
     loader = adaptdl.torch.AdaptiveDataLoader(data, batch_size=BATCH_SIZE, shuffle=True)
@@ -103,23 +108,21 @@ def main() -> None:
             tally.steps += 1
             tally.local[key] = tally.local.get(key, 0) + len(x)
             if rank == 0:
-                print(f"STEP epoch={epoch} index={index}", flush=True)
+                emit(f"STEP epoch={epoch} index={index}")
             time.sleep(STEP_SLEEP)
         tally.sync()
         with torch.no_grad():
             loss = torch.nn.functional.mse_loss(model.module(data.tensors[0]), data.tensors[1])
         if rank == 0:
-            print(
+            emit(
                 f"METRIC epoch={epoch} samples={tally.samples[key]} steps={tally.steps} "
-                f"progress={adaptdl.torch._metrics.get_progress():.6f} loss={loss.item():.8f}",
-                flush=True,
+                f"progress={adaptdl.torch._metrics.get_progress():.6f} loss={loss.item():.8f}"
             )
     pending = adaptdl.collective.allreduce_async(rank + 1)
-    print(
+    emit(
         f"COLLECTIVE rank={rank} broadcast={adaptdl.collective.broadcast(f'from-{rank}')} "
         f"concatenated={json.dumps(adaptdl.collective.allreduce([rank]), separators=(',', ':'))} "
-        f"sum={pending.result()}",
-        flush=True,
+        f"sum={pending.result()}"
     )
     adaptdl.collective.teardown()
 

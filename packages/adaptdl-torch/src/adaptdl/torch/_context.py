@@ -21,7 +21,7 @@ from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
 from adaptdl.core.storage import LocalStorage, Storage
 from adaptdl.core.topology import Topology
-from adaptdl.torch import _log, _signals
+from adaptdl.torch import _log, _release, _signals
 from adaptdl.torch.collective import TorchCollective
 from adaptdl.torch.rng import RngState
 
@@ -108,6 +108,8 @@ def init_process_group(
             f"environment says rank {topology.rank} of {topology.num_replicas}: set RANK and "
             "WORLD_SIZE consistently (torchrun does)"
         )
+    if topology.num_replicas > 1:
+        _release.register_settle_at_exit()
     if dist.get_backend() == "gloo":
         _gloo_group = None  # the default group
     else:

@@ -8,7 +8,8 @@ batch sizes, metric sums) cost one round trip and large ones two.
 
 The group should be a gloo group (CPU tensors). Its timeout bounds every operation:
 a peer that died or hangs makes the survivors raise `CollectiveTimeout` instead of
-waiting forever.
+waiting forever. Each operation returns only once gloo's worker thread has let go of
+its tensors (`adaptdl.torch._release`), so a program may end right after one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from adaptdl.core.collective import (
     fold,
 )
 from adaptdl.core.config import COLLECTIVE_TIMEOUT_VAR, DEFAULT_COLLECTIVE_TIMEOUT, JobConfig
+from adaptdl.torch._release import holders, wait_released
 
 __all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_VAR", "TorchCollective", "collective_timeout"]
 
@@ -89,9 +91,11 @@ class _Gathered:
         self._payload = payload
         n = collective.num_replicas
         self._slots = [torch.empty(_SLOT, dtype=torch.uint8) for _ in range(n)]
+        self._tensors = [*self._slots, _pack(payload)]
+        self._before = holders(self._tensors)
         try:
             self._work = dist.all_gather(
-                self._slots, _pack(payload), group=collective.group, async_op=async_op
+                self._slots, self._tensors[-1], group=collective.group, async_op=async_op
             )
         except RuntimeError as exc:
             raise _translate(exc, "allgather") from exc
@@ -100,6 +104,8 @@ class _Gathered:
         try:
             if self._work is not None:
                 self._work.wait()
+                self._work = None
+            wait_released(self._tensors, self._before)
             lengths = [_length(slot) for slot in self._slots]
             if all(_fits(length) for length in lengths):
                 return [
@@ -111,9 +117,10 @@ class _Gathered:
             buffer = bytearray(size)
             buffer[: len(self._payload)] = self._payload
             full = [torch.empty(size, dtype=torch.uint8) for _ in lengths]
-            dist.all_gather(
-                full, torch.frombuffer(buffer, dtype=torch.uint8), group=self._collective.group
-            )
+            tensors = [*full, torch.frombuffer(buffer, dtype=torch.uint8)]
+            before = holders(tensors)
+            dist.all_gather(full, tensors[-1], group=self._collective.group)
+            wait_released(tensors, before)
         except RuntimeError as exc:
             raise _translate(exc, "allgather") from exc
         return [
@@ -152,7 +159,9 @@ class TorchCollective(GroupMember):
         src = dist.get_global_rank(self.group, root) if self.group is not None else root
         try:
             slot = _pack(payload)
+            before = holders([slot])
             dist.broadcast(slot, src=src, group=self.group)
+            wait_released([slot], before)
             length = _length(slot)
             if _fits(length):
                 data = slot[_HEADER : _HEADER + length].numpy().tobytes()
@@ -162,7 +171,9 @@ class TorchCollective(GroupMember):
                     if self._rank == root
                     else torch.empty(length, dtype=torch.uint8)
                 )
+                before = holders([full])
                 dist.broadcast(full, src=src, group=self.group)
+                wait_released([full], before)
                 data = full.numpy().tobytes()
         except RuntimeError as exc:
             raise _translate(exc, "broadcast") from exc
