@@ -77,6 +77,7 @@ __all__ = [
     "CollectiveState",
     "JsonState",
     "MemoryCheckpointStore",
+    "SavableAlone",
     "State",
 ]
 
@@ -119,6 +120,22 @@ class CollectiveState(State, Protocol):
 
     def sync(self) -> None:
         """Collective: gather what the other replicas hold, so to_bytes is complete."""
+        ...
+
+
+@runtime_checkable
+class SavableAlone(State, Protocol):
+    """A state whose entry rank 0 can make by itself, with no other replica taking part.
+
+    A `CollectiveState` (or a `~adaptdl.core.shardedfiles.FileState`) needs every
+    replica to save it; where the replicas are not at one agreed point (a stop
+    outside any loop, `Job.stop_outside_loop`), rank 0 may still write a checkpoint
+    alone if each such state is also a `SavableAlone`: its entry is then
+    :meth:`bytes_alone`, not :meth:`to_bytes`.
+    """
+
+    def bytes_alone(self) -> bytes:
+        """The entry rank 0 saves on its own: no collective, and :meth:`from_bytes` reads it."""
         ...
 
 

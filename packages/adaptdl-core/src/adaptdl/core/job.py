@@ -21,6 +21,7 @@ from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,
     CollectiveState,
+    SavableAlone,
     State,
 )
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
@@ -322,8 +323,8 @@ class Job:
         complete and alike: one replica checkpoints as usual; of several, which
         are not at one agreed point here, rank 0 writes the checkpoint alone,
         without a collective, unless a state needs one (a `CollectiveState` or
-        `FileState` without a ``bytes_alone()`` that rank 0 can make by itself:
-        then the job resumes from its newest checkpoint). Before the first epoch and
+        `FileState` that is not `SavableAlone`: then the job resumes from its
+        newest checkpoint). Before the first epoch and
         after the last (a finished training wrote its own, see
         `remaining_epochs_until`) nothing is written. Raises `Preempted`.
         """
@@ -335,7 +336,7 @@ class Job:
             if self.topology.num_replicas == 1:
                 self.checkpoint()
             elif any(
-                isinstance(s, (CollectiveState, FileState)) and not hasattr(s, "bytes_alone")
+                isinstance(s, (CollectiveState, FileState)) and not isinstance(s, SavableAlone)
                 for s in self._states.values()
             ):
                 LOG.warning(
@@ -346,8 +347,12 @@ class Job:
                 self._checkpointing = True  # a second signal must not cut the write short
                 try:
                     self.state.in_loop = False
-                    states = self._states.items()
-                    self._save({n: getattr(s, "bytes_alone", s.to_bytes)() for n, s in states})
+                    self._save(
+                        {
+                            name: s.bytes_alone() if isinstance(s, SavableAlone) else s.to_bytes()
+                            for name, s in self._states.items()
+                        }
+                    )
                 finally:
                     self._checkpointing = False
         raise Preempted(self._stop_code)
