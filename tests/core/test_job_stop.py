@@ -10,6 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from adaptdl.core.batchsize import GoodputDecision, batch_size_query
+from adaptdl.core.boundary import Preempted
 from adaptdl.core.checkpoint import (
     CheckpointError,
     CollectiveState,
@@ -20,7 +21,7 @@ from adaptdl.core.checkpoint import (
 from adaptdl.core.collective import run_replicas
 from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
-from adaptdl.core.job import Job, Preempted
+from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology

@@ -11,7 +11,6 @@ from adaptdl.core import lifecycle
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.boundary import (
-    EXIT_CODE_INTERRUPTED,
     EXIT_CODE_PREEMPTED,
     Boundary,
     CheckpointPolicy,
@@ -44,16 +43,9 @@ from adaptdl.core.topology import Topology
 if TYPE_CHECKING:
     from adaptdl.core.loader import LoaderHelper
 
-__all__ = [
-    "EXIT_CODE_INTERRUPTED",
-    "EXIT_CODE_PREEMPTED",
-    "Boundary",
-    "CheckpointPolicy",
-    "Job",
-    "JobState",
-    "Preempted",
-    "Store",
-]
+# Boundary, CheckpointPolicy and Store live in core.boundary and core.restore; they are
+# re-exported here only for core.loader and torch._context, which import them from here.
+__all__ = ["Boundary", "CheckpointPolicy", "Job", "Store"]
 
 LOG = logging.getLogger("adaptdl.core.job")
 
