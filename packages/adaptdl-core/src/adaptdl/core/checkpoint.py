@@ -390,7 +390,7 @@ class CheckpointStore:
     def _write(
         self, label: str, frozen_entries: Mapping[str, bytes], meta: dict[str, Any]
     ) -> Checkpoint:
-        # The manifest last: a manifest means the entries are there.
+        # The manifest comes last in `files`: a manifest means the entries are there.
         files, digest = layout(
             label, frozen_entries, job_id=self._job_id, metadata=meta, created=self._clock()
         )
