@@ -77,8 +77,9 @@ from typing import Any
 
 import attrs
 
-from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
+from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.journal import Journal, Mark, journal_name
+from adaptdl.core.manifest import MANIFEST
 from adaptdl.core.storage import TMP_PREFIX, LocalStorage, owner_tag
 from adaptdl.torch.launch import torchrun_command
 from faults.nodes import ElasticNodes, alive, descendants

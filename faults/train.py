@@ -45,9 +45,9 @@ from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.checkpoint import MANIFEST
+from adaptdl.core.boundary import Boundary
 from adaptdl.core.config import JobConfig
-from adaptdl.core.job import Boundary
+from adaptdl.core.manifest import MANIFEST
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.core.storage import LocalStorage

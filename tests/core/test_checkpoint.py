@@ -18,8 +18,6 @@ from hypothesis import strategies as st
 
 import adaptdl.core.storage as ckpt  # where the checkpoint store's file system calls live
 from adaptdl.core.checkpoint import (
-    MANIFEST,
-    SCHEMA,
     Checkpoint,
     CheckpointError,
     CheckpointStore,
@@ -28,6 +26,7 @@ from adaptdl.core.checkpoint import (
     State,
 )
 from adaptdl.core.collective import encode
+from adaptdl.core.manifest import MANIFEST, SCHEMA
 
 LOGGER = "adaptdl.core.checkpoint"
 SETTINGS = settings(

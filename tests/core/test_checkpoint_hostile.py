@@ -21,8 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
+from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.journal import JOURNAL, Journal, Mark
+from adaptdl.core.manifest import MANIFEST
 from adaptdl.core.storage import TMP_PREFIX, LocalStorage, MemoryStorage, StorageLocked
 
 LOGGER = "adaptdl.core.checkpoint"

@@ -7,11 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.fakes import ManualClock
 
+from adaptdl.core.boundary import Boundary, CheckpointPolicy, Preempted
 from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
 from adaptdl.core.collective import LocalCollective, run_replicas
 from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
-from adaptdl.core.job import Boundary, CheckpointPolicy, Job, Preempted
+from adaptdl.core.job import Job
 from adaptdl.core.journal import Journal, Mark
 from adaptdl.core.topology import Topology
 

@@ -10,11 +10,18 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from adaptdl.core.batchsize import GoodputDecision, batch_size_query
-from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
+from adaptdl.core.boundary import Preempted
+from adaptdl.core.checkpoint import (
+    CheckpointError,
+    CollectiveState,
+    JsonState,
+    MemoryCheckpointStore,
+    SavableAlone,
+)
 from adaptdl.core.collective import run_replicas
 from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
-from adaptdl.core.job import Job, Preempted
+from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
@@ -169,12 +176,15 @@ def test_a_stop_between_loops_checkpoints_one_replica_and_exits():
     assert [len(batches) for batches in seen] == [0, 2, 2]  # epoch 0's loop is not redone
 
 
-def test_a_stop_between_loops_of_several_replicas_is_written_by_rank_0_alone():
-    store = MemoryCheckpointStore()
+def stop_two_replicas_between_loops(store, *states):
+    """Two replicas, with ``states`` registered, stop after their first epoch's loop;
+    rank 0 acts on the stop first, with rank 1 not taking part."""
     saved = threading.Event()
 
     def replica(collective):
         job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        for state in states:
+            job.register(state(job))
         loader = LoaderHelper(job, batch_size=4)
         for _ in job.remaining_epochs_until(2):
             list(loader.iterate(8, drop_last_batches(8, collective.rank, 2)))
@@ -189,7 +199,43 @@ def test_a_stop_between_loops_of_several_replicas_is_written_by_rank_0_alone():
 
     with pytest.raises(Preempted):
         run_replicas(2, replica)
+
+
+def test_a_stop_between_loops_of_several_replicas_is_written_by_rank_0_alone():
+    store = MemoryCheckpointStore()
+    stop_two_replicas_between_loops(store)
     assert store.load().entries["adaptdl-dataloader-0"]
+
+
+class Gathered(JsonState):
+    """A collective state; ``alone``: one rank 0 can also save by itself."""
+
+    def __init__(self, alone):
+        self.name = "gathered"
+        self.synced = 0
+        if alone:
+            self.bytes_alone = lambda: b'{"alone":true}'
+
+    def sync(self):
+        self.synced += 1
+
+    def to_json(self):
+        return {"synced": self.synced}
+
+    def load_json(self, data):
+        pass
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_stop_between_loops_writes_alone_only_what_rank_0_can_save_alone(alone):
+    assert isinstance(Gathered(alone), CollectiveState)
+    assert isinstance(Gathered(alone), SavableAlone) == alone
+    store = MemoryCheckpointStore()
+    stop_two_replicas_between_loops(store, lambda job: Gathered(alone))
+    if alone:
+        assert store.load().entries["gathered"] == b'{"alone":true}'
+    else:  # the state needs every replica: nothing written, the job resumes from before
+        assert store.labels() == []
 
 
 def test_a_stop_before_any_epoch_writes_nothing():

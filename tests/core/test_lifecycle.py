@@ -11,9 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.core.test_loader import shard_batches
 
+from adaptdl.core.boundary import EXIT_CODE_PREEMPTED, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import ThreadCollective, run_replicas
-from adaptdl.core.job import EXIT_CODE_PREEMPTED, Job, Preempted
+from adaptdl.core.job import Job
 from adaptdl.core.journal import Journal, Mark, encode_record
 from adaptdl.core.lifecycle import LOGGER_NAME
 from adaptdl.core.loader import LoaderHelper

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from tests.fakes import ManualClock
 
 from adaptdl.core.batchsize import BatchSizeQuery, even_split
+from adaptdl.core.boundary import CheckpointPolicy, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
-from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper, LoaderJob
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
@@ -453,7 +454,7 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
 
 
 def test_validation_batches_count_no_steps_toward_periodic_checkpoints():
-    from adaptdl.core.job import CheckpointPolicy
+    from adaptdl.core.boundary import CheckpointPolicy
 
     job = one_replica_job(
         store=MemoryCheckpointStore(keep=100),

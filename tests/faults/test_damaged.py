@@ -23,9 +23,10 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.checkpoint import MANIFEST, CheckpointError, CheckpointStore
+from adaptdl.core.boundary import Preempted
+from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.collective import encode
-from adaptdl.core.job import Preempted
+from adaptdl.core.manifest import MANIFEST
 from adaptdl.torch import _context
 
 N = 24

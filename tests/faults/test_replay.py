@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adaptdl.core.boundary import CheckpointPolicy
 from adaptdl.core.checkpoint import CheckpointError, CheckpointStore, MemoryCheckpointStore
-from adaptdl.core.job import CheckpointPolicy, Job
+from adaptdl.core.job import Job
 from adaptdl.core.journal import Journal, Mark
 from adaptdl.core.loader import LoaderHelper
 

@@ -19,8 +19,8 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
+from adaptdl.core.boundary import Preempted
 from adaptdl.core.checkpoint import CheckpointStore
-from adaptdl.core.job import Preempted
 from adaptdl.core.storage import LocalStorage
 from adaptdl.torch import _context
 from adaptdl.torch.data import AdaptiveDataLoader, ElasticSampler

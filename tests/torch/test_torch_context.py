@@ -16,9 +16,9 @@ from torch.utils.data import TensorDataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core import scaling
+from adaptdl.core.boundary import Preempted
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.gns import GradientNoiseScale
-from adaptdl.core.job import Preempted
 from adaptdl.torch import _context, scaling_rules
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.job import Preempted
+from adaptdl.core.boundary import Preempted
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.torch import _context

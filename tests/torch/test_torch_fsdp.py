@@ -21,9 +21,9 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core import checkpoint as core_checkpoint
-from adaptdl.core.checkpoint import MANIFEST, CheckpointError
+from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import decode, encode
+from adaptdl.core.manifest import MANIFEST, digest
 from adaptdl.core.shardedfiles import FILES_ENTRY
 from adaptdl.torch import _context
 from adaptdl.torch.dcp import SafeLoadPlanner, read_metadata
@@ -285,7 +285,7 @@ def _rewrite(checkpoint: Path, file: str, data: bytes) -> None:
     (checkpoint / record["file"]).write_bytes(raw)
     record.update(size=len(raw), sha256=hashlib.sha256(raw).hexdigest())
     del manifest["digest"]
-    manifest["digest"] = core_checkpoint._digest(manifest)
+    manifest["digest"] = digest(manifest)
     (checkpoint / MANIFEST).write_bytes(encode(manifest))
 
 

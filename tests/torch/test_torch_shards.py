@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import IterableDataset
 
 import adaptdl.torch as adl
-from adaptdl.core.job import Preempted
+from adaptdl.core.boundary import Preempted
 from adaptdl.core.shards import BlockOrder
 from adaptdl.torch import _context
 from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader

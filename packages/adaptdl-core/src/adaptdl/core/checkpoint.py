@@ -2,11 +2,12 @@
 
 A checkpoint is a set of named byte strings (one per :class:`State`) plus a little
 JSON metadata, saved under a label ``ckpt-NNNNNN`` whose number grows with every
-save. A store keeps the newest ``keep`` checkpoints. Loading verifies everything
-(manifest schema and checksum, size and SHA-256 of every entry, job id, expected
-metadata such as the dataset length) and falls back to an older checkpoint, with a
-logged warning, when the newest is damaged. Nothing is ever unpickled: entries are
-bytes and the manifest is JSON, so loading a checkpoint cannot run code.
+save, in the format `adaptdl.core.manifest` describes. A store keeps the newest
+``keep`` checkpoints. Loading verifies everything (manifest schema and checksum,
+size and SHA-256 of every entry, job id, expected metadata such as the dataset
+length) and falls back to an older checkpoint, with a logged warning, when the
+newest is damaged. Nothing is ever unpickled: entries are bytes and the manifest
+is JSON, so loading a checkpoint cannot run code.
 
 The bytes live on a :class:`~adaptdl.core.storage.Storage`. On disk
 (:class:`CheckpointStore` on a directory)::
@@ -41,7 +42,6 @@ import abc
 import hashlib
 import logging
 import os
-import re
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -56,35 +56,32 @@ from adaptdl.core._validate import check_int
 # NaN/Infinity allowed for metrics); checkpoints use the same, with the same checks.
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
+from adaptdl.core.manifest import (
+    LABEL,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Foreign,
+    Unusable,
+    check_label,
+    label_of,
+    layout,
+    parse_manifest,
+    sequence_of,
+)
 from adaptdl.core.storage import LocalStorage, MemoryStorage, Storage
 
 __all__ = [
-    "MANIFEST",
-    "MAX_MANIFEST_BYTES",
-    "SCHEMA",
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
     "CollectiveState",
     "JsonState",
     "MemoryCheckpointStore",
+    "SavableAlone",
     "State",
 ]
 
-SCHEMA = "adaptdl.checkpoint/1"
-"""The manifest schema this version writes and reads."""
-
-MANIFEST = "manifest.json"
-"""The name of the manifest file inside a checkpoint directory."""
-
-MAX_MANIFEST_BYTES = 1 << 24
-"""A manifest longer than this (16 MiB, some 100 000 entries) is damage."""
-
 _SAVE_ATTEMPTS = 100  # names taken by debris that a save skips before giving up
-
-_LABEL = re.compile(r"ckpt-([0-9]{6,})\Z")
-_FILE = re.compile(r"entry-[0-9]{4,}\.bin\Z")
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
 _log = logging.getLogger("adaptdl.core.checkpoint")
 
@@ -123,6 +120,22 @@ class CollectiveState(State, Protocol):
 
     def sync(self) -> None:
         """Collective: gather what the other replicas hold, so to_bytes is complete."""
+        ...
+
+
+@runtime_checkable
+class SavableAlone(State, Protocol):
+    """A state whose entry rank 0 can make by itself, with no other replica taking part.
+
+    A `CollectiveState` (or a `~adaptdl.core.shardedfiles.FileState`) needs every
+    replica to save it; where the replicas are not at one agreed point (a stop
+    outside any loop, `Job.stop_outside_loop`), rank 0 may still write a checkpoint
+    alone if each such state is also a `SavableAlone`: its entry is then
+    :meth:`bytes_alone`, not :meth:`to_bytes`.
+    """
+
+    def bytes_alone(self) -> bytes:
+        """The entry rank 0 saves on its own: no collective, and :meth:`from_bytes` reads it."""
         ...
 
 
@@ -185,8 +198,7 @@ def _freeze_metadata(metadata: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _check_label(_: Any, __: Any, label: str) -> None:
-    if not isinstance(label, str) or not _LABEL.match(label):
-        raise ValueError(f"label must look like 'ckpt-000012', got {label!r}")
+    check_label(label)
 
 
 @attrs.frozen
@@ -205,32 +217,10 @@ class Checkpoint:
     @property
     def sequence(self) -> int:
         """The number in the label; larger is newer."""
-        return _sequence(self.label)
-
-
-def _sequence(label: str) -> int:
-    match = _LABEL.match(label)
-    assert match is not None
-    return int(match.group(1))
-
-
-def _label(sequence: int) -> str:
-    return f"ckpt-{sequence:06d}"
+        return sequence_of(self.label)
 
 
 # --------------------------------------------------------------------------- stores
-
-
-class _Unusable(Exception):
-    """Why one stored checkpoint cannot be used."""
-
-
-class _Foreign(_Unusable):
-    """The checkpoint is another job's: skipped quietly when this job has its own."""
-
-
-def _digest(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(_json_encode(dict(body))).hexdigest()
 
 
 class CheckpointStore:
@@ -315,7 +305,7 @@ class CheckpointStore:
                 f"checkpoint directory {self._storage.describe()} cannot be listed "
                 f"({exc.strerror or exc})"
             ) from exc
-        return [name for name in names if _LABEL.match(name)]
+        return [name for name in names if LABEL.match(name)]
 
     def _read(self, label: str, file: str, size: int) -> bytes:
         """At most ``size`` + 1 bytes: one more than expected shows a file grew."""
@@ -328,7 +318,7 @@ class CheckpointStore:
 
     def labels(self) -> list[str]:
         """Labels of the complete checkpoints, oldest first (damaged ones included)."""
-        return sorted(self._list(), key=_sequence)
+        return sorted(self._list(), key=sequence_of)
 
     def latest_label(self) -> str | None:
         """The newest complete checkpoint's label, or None if there is none."""
@@ -352,9 +342,9 @@ class CheckpointStore:
                 )
             meta[key] = value
         labels = self.labels()
-        sequence = _sequence(labels[-1]) + 1 if labels else 1
+        sequence = sequence_of(labels[-1]) + 1 if labels else 1
         for _ in range(_SAVE_ATTEMPTS):
-            label = _label(sequence)
+            label = label_of(sequence)
             try:
                 checkpoint = self._write(label, frozen_entries, meta)
                 break
@@ -392,36 +382,18 @@ class CheckpointStore:
     def _owns(self, label: str) -> bool:
         """Whether ``label``'s manifest is intact and names this store's job id."""
         try:
-            manifest = self._parse_manifest(label, self._read(label, MANIFEST, MAX_MANIFEST_BYTES))
-        except (OSError, _Unusable):
+            manifest = parse_manifest(label, self._read(label, MANIFEST, MAX_MANIFEST_BYTES))
+        except (OSError, Unusable):
             return False  # unknown owner: never removed
         return bool(manifest.get("job_id") == self._job_id)
 
     def _write(
         self, label: str, frozen_entries: Mapping[str, bytes], meta: dict[str, Any]
     ) -> Checkpoint:
-        files: dict[str, bytes] = {}
-        listing: dict[str, Any] = {}
-        for index, name in enumerate(sorted(frozen_entries)):
-            file = f"entry-{index:04d}.bin"
-            data = frozen_entries[name]
-            files[file] = data
-            listing[name] = {
-                "file": file,
-                "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        body: dict[str, Any] = {
-            "schema": SCHEMA,
-            "label": label,
-            "sequence": _sequence(label),
-            "job_id": self._job_id,
-            "metadata": meta,
-            "entries": listing,
-            "created": float(self._clock()),
-        }
-        body["digest"] = _digest(body)
-        files[MANIFEST] = _json_encode(body)  # last: a manifest means the entries are there
+        # The manifest comes last in `files`: a manifest means the entries are there.
+        files, digest = layout(
+            label, frozen_entries, job_id=self._job_id, metadata=meta, created=self._clock()
+        )
         try:
             self._storage.write_directory(label, files)
         except FileExistsError:
@@ -431,7 +403,7 @@ class CheckpointStore:
                 f"could not write checkpoint {label} into {self._where()} "
                 f"({exc.strerror or exc}); check that the directory is writable and has space"
             ) from exc
-        return Checkpoint(label, frozen_entries, meta, digest=body["digest"])
+        return Checkpoint(label, frozen_entries, meta, digest=digest)
 
     def load(self) -> Checkpoint | None:
         """The newest usable checkpoint, or None when no checkpoint exists at all.
@@ -446,10 +418,10 @@ class CheckpointStore:
         for i, label in enumerate(labels):
             try:
                 return self._load_one(label)
-            except _Unusable as exc:
+            except Unusable as exc:
                 problem = f"checkpoint {self._where(label)}: {exc}"
                 problems.append(problem)
-                if isinstance(exc, _Foreign):
+                if isinstance(exc, Foreign):
                     _log.debug("%s; skipped", problem)
                 elif i + 1 < len(labels):
                     _log.warning(
@@ -466,95 +438,57 @@ class CheckpointStore:
 
     def load_label(self, label: str) -> Checkpoint:
         """Checkpoint ``label``, verified as :meth:`load` verifies; CheckpointError naming it."""
-        _check_label(None, None, label)
+        check_label(label)
         if label not in self._list():
             raise CheckpointError(f"checkpoint {self._where(label)} does not exist")
         try:
             return self._load_one(label)
-        except _Unusable as exc:
+        except Unusable as exc:
             raise CheckpointError(f"checkpoint {self._where(label)}: {exc}") from None
 
     def _load_one(self, label: str) -> Checkpoint:
         try:
             raw = self._read(label, MANIFEST, MAX_MANIFEST_BYTES)
         except OSError as exc:
-            raise _Unusable(f"{MANIFEST} is missing or unreadable ({exc})") from None
+            raise Unusable(f"{MANIFEST} is missing or unreadable ({exc})") from None
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise _Unusable(f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes (damaged)")
-        manifest = self._parse_manifest(label, raw)
+            raise Unusable(f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes (damaged)")
+        manifest = parse_manifest(label, raw)
         self._check_identity(manifest)
         entries: dict[str, bytes] = {}
         for name, info in manifest["entries"].items():
             try:
                 data = self._read(label, info["file"], info["size"])
             except OSError as exc:
-                raise _Unusable(
+                raise Unusable(
                     f"entry {name!r} ({info['file']}) is missing or unreadable ({exc})"
                 ) from None
             if len(data) != info["size"]:
-                raise _Unusable(
+                raise Unusable(
                     f"entry {name!r} ({info['file']}) has "
                     f"{'more than ' if len(data) > info['size'] else ''}"
                     f"{min(len(data), info['size'])} bytes but the manifest "
                     f"says {info['size']} (truncated or overwritten)"
                 )
             if hashlib.sha256(data).hexdigest() != info["sha256"]:
-                raise _Unusable(
+                raise Unusable(
                     f"entry {name!r} ({info['file']}) does not match its SHA-256 in the "
                     f"manifest (damaged or replaced)"
                 )
             entries[name] = data
         return Checkpoint(label, entries, manifest["metadata"], digest=manifest["digest"])
 
-    def _parse_manifest(self, label: str, raw: bytes) -> dict[str, Any]:
-        try:
-            manifest = _json_decode(raw)
-        except ValueError:
-            raise _Unusable(f"{MANIFEST} is not valid JSON (damaged or truncated)") from None
-        if not isinstance(manifest, dict):
-            raise _Unusable(f"{MANIFEST} is not a JSON object")
-        schema = manifest.get("schema")
-        if schema != SCHEMA:
-            raise _Unusable(
-                f"{MANIFEST} has unknown schema {schema!r} (this version of AdaptDL reads "
-                f"{SCHEMA!r})"
-            )
-        body = {k: v for k, v in manifest.items() if k != "digest"}
-        if manifest.get("digest") != _digest(body):
-            raise _Unusable(f"{MANIFEST} does not match its checksum (damaged or edited)")
-        if manifest.get("label") != label or manifest.get("sequence") != _sequence(label):
-            raise _Unusable(
-                f"{MANIFEST} describes checkpoint {manifest.get('label')!r}, not {label!r}"
-            )
-        if not isinstance(manifest.get("metadata"), dict):
-            raise _Unusable(f"{MANIFEST} has no metadata object")
-        listing = manifest.get("entries")
-        if not isinstance(listing, dict):
-            raise _Unusable(f"{MANIFEST} has no entries object")
-        for name, info in listing.items():
-            if not (
-                isinstance(info, dict)
-                and isinstance(info.get("file"), str)
-                and _FILE.match(info["file"])
-                and isinstance(info.get("size"), int)
-                and info["size"] >= 0
-                and isinstance(info.get("sha256"), str)
-                and _SHA256.match(info["sha256"])
-            ):
-                raise _Unusable(f"{MANIFEST} has a malformed record for entry {name!r}")
-        return manifest
-
     def _check_identity(self, manifest: Mapping[str, Any]) -> None:
         if self._job_id is not None and manifest.get("job_id") != self._job_id:
-            raise _Foreign(
+            raise Foreign(
                 f"it belongs to job {manifest.get('job_id')!r}, not to this job {self._job_id!r}"
             )
         metadata = manifest["metadata"]
         for key, value in self._expected.items():
             if key not in metadata:
-                raise _Unusable(f"its metadata has no {key!r} (this job has {key}={value!r})")
+                raise Unusable(f"its metadata has no {key!r} (this job has {key}={value!r})")
             if metadata[key] != value:
-                raise _Unusable(
+                raise Unusable(
                     f"it was written with {key}={metadata[key]!r} but this job has {key}={value!r}"
                 )
 

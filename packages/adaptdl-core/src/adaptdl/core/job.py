@@ -11,7 +11,6 @@ from adaptdl.core import lifecycle
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.boundary import (
-    EXIT_CODE_INTERRUPTED,
     EXIT_CODE_PREEMPTED,
     Boundary,
     CheckpointPolicy,
@@ -21,6 +20,7 @@ from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,
     CollectiveState,
+    SavableAlone,
     State,
 )
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
@@ -29,29 +29,25 @@ from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.jobstate import JobState
 from adaptdl.core.journal import Journal
 from adaptdl.core.metrics import MetricsState
-from adaptdl.core.restore import Store, restore_agreed, where
-from adaptdl.core.shardedfiles import FileState, ShardedCheckpointStore
+from adaptdl.core.restore import (
+    Store,
+    check_missing,
+    files_store,
+    restore_agreed,
+    restore_state,
+    where,
+)
+from adaptdl.core.shardedfiles import FileState
 from adaptdl.core.topology import Topology
 
 if TYPE_CHECKING:
     from adaptdl.core.loader import LoaderHelper
 
-__all__ = [
-    "ALL_STATES",
-    "EXIT_CODE_INTERRUPTED",
-    "EXIT_CODE_PREEMPTED",
-    "Boundary",
-    "CheckpointPolicy",
-    "Job",
-    "JobState",
-    "Preempted",
-    "Store",
-]
+# Boundary, CheckpointPolicy and Store live in core.boundary and core.restore; they are
+# re-exported here only for core.loader and torch._context, which import them from here.
+__all__ = ["Boundary", "CheckpointPolicy", "Job", "Store"]
 
 LOG = logging.getLogger("adaptdl.core.job")
-
-ALL_STATES = "*"
-"""In ``allow_missing_state``: every state may be missing from the restored checkpoint."""
 
 
 class Job:
@@ -165,61 +161,20 @@ class Job:
         if epoch is not None:
             self._epoch_scoped[state.name] = check_int("epoch", epoch, min=0)
         elif self._loaded is not None and state.name not in self._loaded.entries:
-            self._missing(state.name, allow_missing)
+            check_missing(
+                self._loaded,
+                state.name,
+                self.store,
+                allow_missing=allow_missing,
+                allowed=self.allow_missing_state,
+            )
         self._states[state.name] = state
         if self._loaded is not None and state.name in self._loaded.entries:
             try:
-                state.from_bytes(self._loaded.entries[state.name])
-                if isinstance(state, FileState):
-                    state.read_files(
-                        self._files_store(state).files_directory(self._loaded.label, state.name)
-                    )
-            except (
-                CheckpointError,
-                ValueError,
-                TypeError,
-                KeyError,
-                AttributeError,
-                IndexError,
-                RecursionError,
-            ) as exc:
-                # Bytes that passed the store's checks but do not decode (a crafted or
-                # foreign entry, a list where a mapping belongs): say which checkpoint
-                # and entry, not just a decoder's traceback.
+                restore_state(state, self._loaded, self.store)
+            except CheckpointError:
                 del self._states[state.name]
-                where = self._where(self._loaded.label)
-                raise CheckpointError(
-                    f"checkpoint {where}: its entry {state.name!r} cannot be restored "
-                    f"({type(exc).__name__}: {exc}). Remove that checkpoint directory to "
-                    "resume from the one before it, or all of them to start from scratch."
-                ) from exc
-
-    def _files_store(self, state: FileState) -> ShardedCheckpointStore:
-        if not isinstance(self.store, ShardedCheckpointStore):
-            raise CheckpointError(
-                f"state {state.name!r} is saved as files each replica writes, which needs a "
-                f"checkpoint directory (a ShardedCheckpointStore), not {self.store!r}"
-            )
-        return self.store
-
-    def _missing(self, name: str, allow_missing: bool) -> None:
-        assert self._loaded is not None
-        where = self._where(self._loaded.label)
-        allowed = self.allow_missing_state
-        if allow_missing:  # the program's own choice (e.g. a loader made after training)
-            LOG.debug("checkpoint %s has no entry %r: it starts fresh", where, name)
-            return
-        if name in allowed or ALL_STATES in allowed:
-            LOG.warning("checkpoint %s has no entry %r: it starts fresh, as allowed", where, name)
-            return
-        held = ", ".join(repr(n) for n in sorted(self._loaded.entries))
-        raise CheckpointError(
-            f"checkpoint {where} has no entry {name!r} (it holds {held}): restoring the "
-            f"rest would resume training with {name!r} fresh. Create the same objects, "
-            "with the same names, as the run that saved it; or, to start that state "
-            f"afresh on purpose, set ADAPTDL_ALLOW_MISSING_STATE={name} (names separated "
-            "by commas, or * for any)."
-        )
+                raise
 
     def _count_replay(self) -> None:
         mark = self.journal.read() if self.journal is not None else None
@@ -294,7 +249,7 @@ class Job:
                     state.sync()
             files = [state for state in self._states.values() if isinstance(state, FileState)]
             if files and self.store is not None:
-                self._files_store(files[0]).write_files(files, self.collective)
+                files_store(self.store, files[0]).write_files(files, self.collective)
             self.state.in_loop = self.current_loader is not None
             # Every replica serialises: some states' bytes are made by collectives.
             entries = {name: state.to_bytes() for name, state in self._states.items()}
@@ -360,8 +315,8 @@ class Job:
         complete and alike: one replica checkpoints as usual; of several, which
         are not at one agreed point here, rank 0 writes the checkpoint alone,
         without a collective, unless a state needs one (a `CollectiveState` or
-        `FileState` without a ``bytes_alone()`` that rank 0 can make by itself:
-        then the job resumes from its newest checkpoint). Before the first epoch and
+        `FileState` that is not `SavableAlone`: then the job resumes from its
+        newest checkpoint). Before the first epoch and
         after the last (a finished training wrote its own, see
         `remaining_epochs_until`) nothing is written. Raises `Preempted`.
         """
@@ -373,7 +328,7 @@ class Job:
             if self.topology.num_replicas == 1:
                 self.checkpoint()
             elif any(
-                isinstance(s, (CollectiveState, FileState)) and not hasattr(s, "bytes_alone")
+                isinstance(s, (CollectiveState, FileState)) and not isinstance(s, SavableAlone)
                 for s in self._states.values()
             ):
                 LOG.warning(
@@ -384,8 +339,12 @@ class Job:
                 self._checkpointing = True  # a second signal must not cut the write short
                 try:
                     self.state.in_loop = False
-                    states = self._states.items()
-                    self._save({n: getattr(s, "bytes_alone", s.to_bytes)() for n, s in states})
+                    self._save(
+                        {
+                            name: s.bytes_alone() if isinstance(s, SavableAlone) else s.to_bytes()
+                            for name, s in self._states.items()
+                        }
+                    )
                 finally:
                     self._checkpointing = False
         raise Preempted(self._stop_code)

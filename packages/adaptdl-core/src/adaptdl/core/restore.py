@@ -1,16 +1,37 @@
-"""Which checkpoint a starting job restores: one choice, agreed by every replica."""
+"""What a starting job restores: one checkpoint agreed by every replica, then each state.
+
+`restore_agreed` chooses the checkpoint; `restore_state` replaces a registered
+state with its entry (and files), and `check_missing` decides whether a state
+the checkpoint lacks may start fresh.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from adaptdl.core.checkpoint import Checkpoint, CheckpointError
+from adaptdl.core.checkpoint import Checkpoint, CheckpointError, State
 from adaptdl.core.collective import Collective
+from adaptdl.core.shardedfiles import FileState, ShardedCheckpointStore
 
-__all__ = ["Store", "restore_agreed", "where"]
+__all__ = [
+    "ALL_STATES",
+    "Store",
+    "check_missing",
+    "files_store",
+    "restore_agreed",
+    "restore_state",
+    "where",
+]
+
+# The job's messages: an operator filters them under the job's logger.
+LOG = logging.getLogger("adaptdl.core.job")
+
+ALL_STATES = "*"
+"""In ``allow_missing_state``: every state may be missing from the restored checkpoint."""
 
 
 class Store(Protocol):
@@ -97,3 +118,72 @@ def where(store: Store | None, label: str) -> str:
     """``label`` as a quoted path in ``store``'s directory (the bare label without one)."""
     root = store.root if store is not None else None
     return f"'{os.path.join(root, label)}'" if root is not None else label
+
+
+def restore_state(state: State, loaded: Checkpoint, store: Store | None) -> None:
+    """Replace ``state`` with its entry in ``loaded`` (and, for a `FileState`, its files).
+
+    An entry that passed the store's checks but does not decode raises
+    CheckpointError naming the checkpoint and the entry.
+    """
+    try:
+        state.from_bytes(loaded.entries[state.name])
+        if isinstance(state, FileState):
+            state.read_files(files_store(store, state).files_directory(loaded.label, state.name))
+    except (
+        CheckpointError,
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        RecursionError,
+    ) as exc:
+        # Bytes that passed the store's checks but do not decode (a crafted or
+        # foreign entry, a list where a mapping belongs): say which checkpoint
+        # and entry, not just a decoder's traceback.
+        raise CheckpointError(
+            f"checkpoint {where(store, loaded.label)}: its entry {state.name!r} cannot be "
+            f"restored ({type(exc).__name__}: {exc}). Remove that checkpoint directory to "
+            "resume from the one before it, or all of them to start from scratch."
+        ) from exc
+
+
+def files_store(store: Store | None, state: FileState) -> ShardedCheckpointStore:
+    """``store``, if it keeps the files each replica writes for ``state``; else CheckpointError."""
+    if not isinstance(store, ShardedCheckpointStore):
+        raise CheckpointError(
+            f"state {state.name!r} is saved as files each replica writes, which needs a "
+            f"checkpoint directory (a ShardedCheckpointStore), not {store!r}"
+        )
+    return store
+
+
+def check_missing(
+    loaded: Checkpoint,
+    name: str,
+    store: Store | None,
+    *,
+    allow_missing: bool,
+    allowed: Collection[str],
+) -> None:
+    """Let state ``name``, which ``loaded`` lacks, start fresh, or raise CheckpointError.
+
+    It may when ``allow_missing`` (the program's own choice) or when ``allowed``
+    (the job's ``allow_missing_state``) names it or holds `ALL_STATES`.
+    """
+    location = where(store, loaded.label)
+    if allow_missing:  # the program's own choice (e.g. a loader made after training)
+        LOG.debug("checkpoint %s has no entry %r: it starts fresh", location, name)
+        return
+    if name in allowed or ALL_STATES in allowed:
+        LOG.warning("checkpoint %s has no entry %r: it starts fresh, as allowed", location, name)
+        return
+    held = ", ".join(repr(n) for n in sorted(loaded.entries))
+    raise CheckpointError(
+        f"checkpoint {location} has no entry {name!r} (it holds {held}): restoring the "
+        f"rest would resume training with {name!r} fresh. Create the same objects, "
+        "with the same names, as the run that saved it; or, to start that state "
+        f"afresh on purpose, set ADAPTDL_ALLOW_MISSING_STATE={name} (names separated "
+        "by commas, or * for any)."
+    )

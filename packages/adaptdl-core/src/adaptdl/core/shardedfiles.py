@@ -43,11 +43,11 @@ from adaptdl.core.checkpoint import (
     CheckpointError,
     CheckpointStore,
     State,
-    _Unusable,
 )
 from adaptdl.core.collective import Collective
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
+from adaptdl.core.manifest import Unusable
 from adaptdl.core.storage import TMP_PREFIX, LocalStorage, open_regular
 
 __all__ = [
@@ -303,7 +303,7 @@ class ShardedCheckpointStore(CheckpointStore):
         try:
             listing = decode_listing(data)
         except ValueError as exc:
-            raise _Unusable(str(exc)) from None
+            raise Unusable(str(exc)) from None
         for state, records in listing.items():
             directory = self.files_directory(label, state)
             for name, record in records.items():
@@ -312,11 +312,11 @@ class ShardedCheckpointStore(CheckpointStore):
                         raise OSError(errno.ENOTDIR, "not a directory", str(directory))
                     found = self._staging.digest(directory / name, limit=record.size)
                 except OSError as exc:
-                    raise _Unusable(
+                    raise Unusable(
                         f"file {state}/{name} is missing or unreadable ({exc})"
                     ) from None
                 if found != record:
-                    raise _Unusable(
+                    raise Unusable(
                         f"file {state}/{name} does not match its size and SHA-256 in "
                         f"{FILES_ENTRY} (truncated, damaged or replaced)"
                     )

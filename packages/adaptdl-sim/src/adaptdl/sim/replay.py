@@ -31,9 +31,10 @@ import attrs
 import numpy as np
 
 from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.boundary import CheckpointPolicy, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import GroupMember, Ready, add, check_root, fold, wire_copy
-from adaptdl.core.job import CheckpointPolicy, Job, Preempted
+from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.core.scaling import AdaScale, ScalingRule

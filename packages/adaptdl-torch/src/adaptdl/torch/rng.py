@@ -26,6 +26,7 @@ import numpy as np
 
 import torch
 from adaptdl.core.checkpoint import CheckpointError, JsonState
+from adaptdl.core.collective import encode
 from adaptdl.core.job import Job
 
 __all__ = ["RngState", "capture", "restore"]
@@ -94,7 +95,10 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 class RngState(JsonState):
-    """Every replica's generator states, gathered at a checkpoint (a collective state)."""
+    """Every replica's generator states, gathered at a checkpoint (a collective state).
+
+    A `~adaptdl.core.checkpoint.SavableAlone`: rank 0 alone saves it without states.
+    """
 
     def __init__(self, job: Job, name: str = "adaptdl-rng") -> None:
         self.name = name
@@ -107,20 +111,19 @@ class RngState(JsonState):
         self._gathered = self._job.collective.allreduce({rank: capture()}, _merge)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": _FORMAT,
-            "num_replicas": self._job.topology.num_replicas,
-            "replicas": self._gathered,
-        }
+        return self._document(self._gathered)
 
     def bytes_alone(self) -> bytes:
         """What rank 0 saves without its peers (a stop outside any loop): no states,
-        so a restart keeps the program's own seeding."""
-        saved, self._gathered = self._gathered, {}
-        try:
-            return self.to_bytes()  # num_replicas is the job's, replicas empty
-        finally:
-            self._gathered = saved
+        so a restart keeps the program's own seeding (see `SavableAlone`)."""
+        return encode(self._document({}))  # what to_bytes makes with nothing gathered
+
+    def _document(self, replicas: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "num_replicas": self._job.topology.num_replicas,
+            "replicas": replicas,
+        }
 
     def load_json(self, data: dict[str, Any]) -> None:
         if data.get("format") != _FORMAT or not isinstance(data.get("replicas"), dict):
