@@ -233,13 +233,13 @@ def _prepare_model(
     for i, listed in enumerate(models):
         if listed is placed:
             models[i] = wrapped
-    wrapped._is_accelerate_prepared = True
+    wrapped._is_accelerate_prepared = True  # type: ignore[assignment]
     return wrapped
 
 
 def _keep_loader(accelerator: Accelerator, loader: AdaptiveDataLoader) -> AdaptiveDataLoader:
     # accelerator.prepare passes a loader marked as prepared through unchanged.
-    loader._is_accelerate_prepared = True  # type: ignore[attr-defined]
+    loader._is_accelerate_prepared = True
     if not any(obj is loader for obj in accelerator._custom_objects):
         accelerator.register_for_checkpointing(loader)
     return loader
