@@ -4,9 +4,7 @@ Every replica appends one JSON line per micro-batch to
 ``$E2E_RECORD_DIR/run<R>-rank<k>.jsonl``: the dataset indices the loop received,
 those core's sharding assigns (and which are padding), the batch size the loader
 decided, whether Accelerate synchronised the gradients, and how the replica
-exited. ``E2E_SAVE_AT`` (an index) makes the loop call ``accelerator.save_state``
-into ``$E2E_STATE_DIR`` and stop there; ``E2E_LOAD=1`` makes it start with
-``accelerator.load_state`` from that directory.
+exited.
 """
 
 from __future__ import annotations
@@ -30,9 +28,6 @@ EPOCHS = int(os.environ.get("E2E_EPOCHS", "2"))
 STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
 RUN = int(os.environ.get("E2E_RUN", "0"))
 RECORD_DIR = os.environ["E2E_RECORD_DIR"]
-SAVE_AT = int(os.environ.get("E2E_SAVE_AT", "-1"))
-LOAD = os.environ.get("E2E_LOAD") == "1"
-STATE_DIR = os.environ.get("E2E_STATE_DIR", "")
 
 
 class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -50,6 +45,16 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         return i, self.x[i], self.y[i]
 
 
+def decision(helper: Any) -> dict[str, Any]:
+    """The loader's batch-size decision for the current micro-batch."""
+    return {
+        "batch_size": helper.current_batch_size,
+        "local_bsz": helper.current_local_bsz,
+        "accumulation_steps": helper.accumulation_steps,
+        "optim_step": helper.is_optim_step(),
+    }
+
+
 def main() -> None:
     adl.init_process_group("gloo")  # before Accelerate, which then uses this process group
     accelerator = Accelerator(cpu=True)  # CPU processes under torchrun
@@ -62,8 +67,6 @@ def main() -> None:
     model, optimizer, loader, scheduler = adaptdl_accelerate.prepare(
         accelerator, model, optimizer, loader, scheduler
     )
-    if LOAD:
-        accelerator.load_state(STATE_DIR)
     rank, replicas = accelerator.process_index, accelerator.num_processes
     path = os.path.join(RECORD_DIR, f"run{RUN}-rank{rank}.jsonl")
     with open(path, "a", encoding="utf-8") as out:
@@ -80,31 +83,24 @@ def main() -> None:
                     helper = adl.current_dataloader()
                     assert helper is not None and helper.current_index is not None
                     index = helper.current_index
-                    shard = Shard(N, index, replicas, rank, seed=SHUFFLE_SEED, epoch=epoch)
                     with accelerator.accumulate(model):
                         loss = torch.nn.functional.mse_loss(model(x), y)
                         accelerator.backward(loss)
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad()
+                    # Where the batch came from, what core assigns there, what was decided.
+                    share = Shard(N, index, replicas, rank, seed=SHUFFLE_SEED, epoch=epoch)
+                    entry = {"epoch": epoch, "index": index, "indices": idx.tolist()}
+                    entry["expected"] = share.indices(0, len(idx)).tolist()
+                    entry["padding"] = share.is_padding(0, len(idx)).tolist()
                     record(
-                        epoch=epoch,
-                        index=index,
-                        indices=idx.tolist(),
-                        expected=shard.indices(0, len(idx)).tolist(),
-                        padding=shard.is_padding(0, len(idx)).tolist(),
-                        batch_size=helper.current_batch_size,
-                        local_bsz=helper.current_local_bsz,
-                        accumulation_steps=helper.accumulation_steps,
-                        optim_step=helper.is_optim_step(),
+                        **entry,
+                        **decision(helper),
                         sync_gradients=accelerator.sync_gradients,
                         scheduler_steps=scheduler.scheduler.last_epoch,
                         modelled=model.goodput() is not None,
                     )
-                    if index >= SAVE_AT >= 0:
-                        accelerator.save_state(STATE_DIR)
-                        record(saved=index, position=loader.state_dict())
-                        return
                     if STEP_SLEEP:
                         time.sleep(STEP_SLEEP)
         except SystemExit as exc:
