@@ -101,6 +101,25 @@ def test_bad_input_is_refused_with_what_is_allowed() -> None:
         ada.prepare(accelerator, ddp, optimizer, loader)
 
 
+def test_accelerate_modes_and_process_counts_other_than_the_jobs_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from accelerate.utils import DistributedType
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, _ = parts()
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match="process 0 of 2 but the AdaptDL job is replica 0 of 1"):
+        ada.prepare(accelerator, model, optimizer, loader)
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 1))
+    monkeypatch.setattr(
+        Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED)
+    )
+    with pytest.raises(ValueError, match="distributed_type=DEEPSPEED is not supported"):
+        ada.prepare(accelerator, model, optimizer, loader)
+
+
 def test_a_conflicting_accumulation_setting_is_refused() -> None:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     model, optimizer, _ = parts()
