@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 from adaptdl.torch._context import current_job
-from adaptdl.torch.data import AdaptiveDataLoader
+from adaptdl.torch.data import AdaptiveDataLoaderMixin
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import ScalingRuleBase
 from adaptdl.torch.state import register_state as _register_job_state
@@ -80,13 +80,13 @@ def prepare(
     *objects: Any,
     scaling_rule: ScalingRuleBase | None = None,
     name: str = "adaptdl-dataparallel",
-) -> Any:
+) -> tuple[Any, ...]:
     """``accelerator.prepare(*objects)`` for a training loop fed by an `AdaptiveDataLoader`.
 
     ``objects`` are what ``accelerator.prepare`` takes, in any order: exactly one
     model (``torch.nn.Module``) and one optimiser, and any number of
-    DataLoaders and LR schedulers. Returns them prepared, in the same order (one
-    object alone, as ``accelerator.prepare`` does): each `AdaptiveDataLoader`
+    DataLoaders and LR schedulers. Returns them prepared, as a tuple in the same
+    order: each `AdaptiveDataLoader` (or other `AdaptiveDataLoaderMixin` loader)
     unchanged, the model wrapped in `AdaptiveDataParallel` (``scaling_rule`` and
     ``name`` are its arguments), the optimiser and schedulers Accelerate's. If the
     job resumed from a checkpoint, the model, optimiser and first scheduler are
@@ -127,7 +127,7 @@ def prepare(
             prepared.append(wrapped)
         elif obj is optimizer:
             prepared.append(accelerated)
-        elif isinstance(obj, AdaptiveDataLoader):
+        elif isinstance(obj, AdaptiveDataLoaderMixin):
             prepared.append(_keep_loader(accelerator, obj))
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             prepared.append(_prepare_scheduler(accelerator, obj))
@@ -135,7 +135,7 @@ def prepare(
             prepared.append(accelerator.prepare_data_loader(obj))
         else:
             prepared.append(accelerator.prepare(obj))
-    return prepared[0] if len(prepared) == 1 else tuple(prepared)
+    return tuple(prepared)
 
 
 def register_state(accelerator: Accelerator, name: str, obj: Any) -> None:
@@ -237,9 +237,11 @@ def _prepare_model(
     return wrapped
 
 
-def _keep_loader(accelerator: Accelerator, loader: AdaptiveDataLoader) -> AdaptiveDataLoader:
+def _keep_loader(
+    accelerator: Accelerator, loader: AdaptiveDataLoaderMixin
+) -> AdaptiveDataLoaderMixin:
     # accelerator.prepare passes a loader marked as prepared through unchanged.
-    loader._is_accelerate_prepared = True
+    loader._is_accelerate_prepared = True  # type: ignore[attr-defined]
     if not any(obj is loader for obj in accelerator._custom_objects):
         accelerator.register_for_checkpointing(loader)
     return loader
