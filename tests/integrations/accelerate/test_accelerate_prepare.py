@@ -84,6 +84,19 @@ def test_prepare_keeps_the_loader_and_wraps_the_model() -> None:
     assert any(obj is loader for obj in accelerator._custom_objects)
 
 
+def test_a_custom_adaptive_loader_is_kept_too() -> None:
+    class Custom(DataLoader, adl.AdaptiveDataLoaderMixin):  # type: ignore[type-arg]
+        def __init__(self, dataset: TensorDataset) -> None:
+            DataLoader.__init__(self, dataset, batch_size=4)
+            adl.AdaptiveDataLoaderMixin.__init__(self, 4)
+
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, _ = parts()
+    loader = Custom(data())
+    _, _, kept = ada.prepare(accelerator, model, optimizer, loader)
+    assert kept is loader and accelerator.prepare(loader) is loader
+
+
 def test_bad_input_is_refused_with_what_is_allowed() -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=8)
     model, optimizer, _ = parts()
