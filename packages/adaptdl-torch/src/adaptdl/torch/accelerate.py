@@ -219,9 +219,9 @@ def _prepare_model(
         **kwargs,
     )
 
-    # Set before every forward pass, so that whatever reads it (Accelerate's optimizer,
-    # scheduler, clip_grad_norm_, the user's `if accelerator.sync_gradients:`) sees the
-    # loader's decision for this micro-batch.
+    # Set before every forward pass, so that whatever reads it (Accelerate's optimizer
+    # and scheduler, the user's `if accelerator.sync_gradients:` around clipping or
+    # logging) sees the loader's decision for this micro-batch.
     def follow_loader(module: torch.nn.Module, args: Any) -> None:
         loader = wrapped._job.current_loader
         accelerator.sync_gradients = loader is None or not loader.is_accum_step()
