@@ -52,6 +52,27 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def integrations(session: nox.Session) -> None:
+    """The framework integrations (tests/integrations) with Lightning and Accelerate installed.
+
+    Only this session installs the frameworks (the packages' optional extras): the
+    main ``tests`` session runs without them, and these tests skip there.
+    """
+    session.install(
+        *CONSTRAINTS,
+        "packages/adaptdl-core",
+        "packages/adaptdl-torch[lightning,accelerate]",
+        *TEST_DEPS,
+    )
+    session.run(
+        "pytest",
+        "--timeout=600",
+        *(session.posargs or ["tests/integrations"]),
+        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
+    )
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install("ruff>=0.6")

@@ -56,7 +56,7 @@ def _run(tmp: Path, script: Path, nproc: int, resume_nproc: int | None, **env: s
     (tmp / "records").mkdir(parents=True)
     launches = []
     try:
-        first = Launch(tmp, 0, nproc, script=script, **ENV, **env)
+        first = Launch(tmp, 0, nproc, script=script, **{**ENV, **env})
         launches.append(first)
         if resume_nproc is None:
             assert first.wait() == 0, first.output()
@@ -64,7 +64,7 @@ def _run(tmp: Path, script: Path, nproc: int, resume_nproc: int | None, **env: s
         first.wait_until(_reached(1, N // 3))
         first.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
         assert first.wait() != 0, first.output()
-        second = Launch(tmp, 1, resume_nproc, script=script, **ENV, **env)
+        second = Launch(tmp, 1, resume_nproc, script=script, **{**ENV, **env})
         launches.append(second)
         assert second.wait() == 0, second.output()
         return tmp
