@@ -27,7 +27,7 @@ from adaptdl.torch.lightning import AdaptiveStrategy
 
 N = int(os.environ.get("E2E_N", "96"))
 EPOCHS = int(os.environ.get("E2E_EPOCHS", "3"))
-BATCH_SIZE = int(os.environ.get("E2E_BATCH_SIZE", "4"))
+BATCH_SIZE = int(os.environ.get("E2E_BATCH_SIZE", "2"))
 STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
 RUN = int(os.environ.get("E2E_RUN", "0"))
 RECORD_DIR = os.environ["E2E_RECORD_DIR"]
@@ -58,7 +58,9 @@ class Data(pl.LightningDataModule):
     def train_dataloader(self) -> adl.AdaptiveDataLoader:
         loader = adl.AdaptiveDataLoader(self.dataset, batch_size=BATCH_SIZE, shuffle=True)
         if AUTOSCALE:
-            loader.autoscale_batch_size(8 * BATCH_SIZE, (2, BATCH_SIZE), gradient_accumulation=True)
+            loader.autoscale_batch_size(
+                8 * BATCH_SIZE, (1, BATCH_SIZE), gradient_accumulation=True
+            )
         return loader
 
     def val_dataloader(self) -> DataLoader[Any]:

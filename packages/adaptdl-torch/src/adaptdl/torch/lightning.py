@@ -45,7 +45,8 @@ Not supported (each a ValueError or TypeError naming it when the ``Trainer``
 starts): a training loader that is not an ``AdaptiveDataLoader``, several
 training loaders, several optimisers, ``accumulate_grad_batches`` other than 1,
 ``limit_train_batches`` other than 1.0, a fractional ``val_check_interval``
-other than 1.0, ``max_steps``, ``reload_dataloaders_every_n_epochs``, and an
+other than 1.0, ``max_steps``, ``gradient_clip_val`` (clipping would act on
+each accumulation micro-batch), ``reload_dataloaders_every_n_epochs``, and an
 ``AdaptiveDataLoader`` for validation, test or prediction (use a plain
 ``DataLoader``: the strategy turns Lightning's ``use_distributed_sampler`` off,
 so every replica evaluates the whole of it unless it brings its own sampler).
@@ -109,7 +110,7 @@ def check_trainer(trainer: Any) -> None:
         (
             "limit_train_batches",
             trainer.limit_train_batches,
-            lambda v: v == 1.0,
+            lambda v: isinstance(v, float) and v == 1.0,  # an int counts batches
             "1.0 (the loader's loop decides where an epoch ends)",
         ),
         ("max_steps", trainer.max_steps, lambda v: v == -1, "-1 (limit training by max_epochs)"),
@@ -118,6 +119,14 @@ def check_trainer(trainer: Any) -> None:
             trainer.val_check_interval,
             lambda v: v == 1.0 or (isinstance(v, int) and not isinstance(v, bool)),
             "1.0 or an int number of batches (an epoch's length is not known in advance)",
+        ),
+        (
+            "gradient_clip_val",
+            trainer.gradient_clip_val,
+            lambda v: v is None or v == 0,
+            "None (Lightning would clip each accumulation micro-batch's partial sum; clip in "
+            "the LightningModule's configure_gradient_clipping only where "
+            "adaptdl.torch.current_dataloader().is_optim_step())",
         ),
         (
             "reload_dataloaders_every_n_epochs",
