@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -99,7 +99,7 @@ _HELD_ELSEWHERE = frozenset(
 
 def check_trainer(trainer: Any) -> None:
     """ValueError unless ``trainer``'s settings leave the training loop to AdaptDL."""
-    settings = (
+    settings: tuple[tuple[str, Any, Callable[[Any], bool], str], ...] = (
         (
             "accumulate_grad_batches",
             trainer.accumulate_grad_batches,
@@ -260,7 +260,7 @@ class _TrainerState:
         self.strategy.restored = dict(state_dict)
 
 
-class _Hooks(pl.Callback):
+class _Hooks(pl.Callback):  # type: ignore[misc,unused-ignore]
     """The strategy's per-batch and end-of-training work (a strategy has no such hooks)."""
 
     def __init__(self, strategy: AdaptiveStrategy) -> None:
@@ -290,7 +290,7 @@ class _Hooks(pl.Callback):
         self.strategy.finish_epochs(trainer)
 
 
-class AdaptiveStrategy(DDPStrategy):
+class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
     """Lightning's DDP strategy with AdaptDL's elastic, adaptive training loop.
 
     ``scaling_rule`` (default `AdaScale`) scales the learning rate with the batch
@@ -340,7 +340,8 @@ class AdaptiveStrategy(DDPStrategy):
         # the node runs: every replica computes on the CPU.
         if self.accelerator is not None and type(self.accelerator).__name__ == "CPUAccelerator":
             return torch.device("cpu")
-        return super().root_device
+        device: torch.device = super().root_device
+        return device
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
@@ -393,11 +394,13 @@ class AdaptiveStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             super().setup(trainer)
             return
-        assert self.accelerator is not None and self.model is not None
+        assert self.accelerator is not None
+        model: Any = self.model  # type: ignore[has-type,unused-ignore]
+        assert model is not None
         self.accelerator.setup(trainer)
         if self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
+            model = self.model = self._layer_sync.apply(model)
+        self.precision_plugin.convert_module(model)
         self.model_to_device()
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
@@ -407,7 +410,7 @@ class AdaptiveStrategy(DDPStrategy):
             )
         self.setup_precision_plugin()
         self.model = AdaptiveDataParallel(
-            self.model,
+            model,
             self.optimizers[0],
             mp_scaler=getattr(self.precision_plugin, "scaler", None),
             scaling_rule=self.scaling_rule,
