@@ -52,6 +52,25 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def integrations(session: nox.Session) -> None:
+    """Tests of the framework integrations, with PyTorch Lightning and Accelerate installed.
+
+    Kept out of ``tests`` so that the main suite runs without the frameworks (its
+    integration tests then skip).
+    """
+    extras = "packages/adaptdl-torch[lightning,accelerate]"
+    packages = [extras if p == "packages/adaptdl-torch" else p for p in PACKAGES]
+    session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
+    args = session.posargs or ["tests/integrations"]
+    session.run(
+        "pytest",
+        "--timeout=600",
+        *args,
+        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
+    )
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install("ruff>=0.6")
