@@ -209,3 +209,25 @@ def test_a_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path) -> 
     epoch0 = [i for _, indices in first.seen for i in indices]
     epoch0 += [i for epoch, indices in second.seen if epoch == 0 for i in indices]
     assert sorted(epoch0) == list(range(N))  # batches 0..2 before, the rest after
+
+
+def test_a_finished_fit_relaunched_trains_nothing_and_keeps_lightnings_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "adaptdl"))
+    monkeypatch.chdir(tmp_path)  # ModelCheckpoint writes Lightning's own .ckpt here
+    first = Model()
+    trainer(enable_checkpointing=True).fit(first, datamodule=Data())
+    saved = first.linear.weight.detach().clone()
+    _context._reset()  # the relaunch: the job restores its final checkpoint
+    second = Model()
+    fit = trainer(enable_checkpointing=True)
+    fit.fit(second, datamodule=Data())
+    assert second.seen == []  # both epochs had finished
+    assert fit.current_epoch == 2 and fit.global_step == 2 * N // 4
+    torch.testing.assert_close(second.linear.weight.detach(), saved)
+    # ModelCheckpoint's state (the file it wrote) came back with Lightning's.
+    assert fit.checkpoint_callback is not None
+    assert Path(
+        fit.checkpoint_callback.last_model_path or fit.checkpoint_callback.best_model_path
+    ).exists()
