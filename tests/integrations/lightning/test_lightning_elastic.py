@@ -11,8 +11,6 @@ size adapted, and that Lightning's own state (epoch, step, LR scheduler) resumed
 from __future__ import annotations
 
 import collections
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,40 +18,19 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.e2e.test_elastic_restarts import Launch, _reached, _records
+from tests.e2e.test_elastic_restarts import _records
+from tests.e2e.test_seed_programs import ENV, N, _run
 
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).with_name("train_lightning.py")
-N = 96
-EPOCHS = 3
-ENV = {
-    "E2E_N": str(N),
-    "E2E_EPOCHS": str(EPOCHS),
-    "E2E_STEP_SLEEP": "0.05",
-    "E2E_AUTOSCALE": "1",
-}
+EPOCHS = int(ENV["E2E_EPOCHS"])
 
 
 @pytest.fixture(scope="module")
-def lightning_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def lightning_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Train 2 replicas until SIGTERM in epoch 1, then 1 replica to the end."""
-    tmp = tmp_path_factory.mktemp("lightning")
-    (tmp / "records").mkdir()
-    launches = []
-    try:
-        first = Launch(tmp, 0, 2, script=SCRIPT, **ENV)
-        launches.append(first)
-        first.wait_until(_reached(1, N // 3))
-        first.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its replicas
-        assert first.wait() != 0, first.output()
-        second = Launch(tmp, 1, 1, script=SCRIPT, **ENV)
-        launches.append(second)
-        assert second.wait() == 0, second.output()
-        yield tmp
-    finally:
-        for launch in launches:
-            launch.kill()
+    return _run(tmp_path_factory.mktemp("lightning"), SCRIPT, 2, 1, E2E_AUTOSCALE="1")
 
 
 def _batches(tmp: Path) -> list[dict[str, Any]]:

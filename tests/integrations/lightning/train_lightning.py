@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import adaptdl.torch as adl
 import torch
@@ -25,29 +27,12 @@ from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.torch._context import current_job
 from adaptdl.torch.lightning import AdaptiveStrategy
 
-N = int(os.environ.get("E2E_N", "96"))
-EPOCHS = int(os.environ.get("E2E_EPOCHS", "3"))
+sys.path.append(str(Path(__file__).resolve().parents[3]))  # the repository, for tests.e2e
+# The e2e tests' dataset and settings (E2E_N, E2E_EPOCHS, E2E_RUN, ...).
+from tests.e2e.train_elastic import EPOCHS, N, RECORD_DIR, RUN, STEP_SLEEP, Regression
+
 BATCH_SIZE = int(os.environ.get("E2E_BATCH_SIZE", "2"))
-STEP_SLEEP = float(os.environ.get("E2E_STEP_SLEEP", "0"))
-RUN = int(os.environ.get("E2E_RUN", "0"))
-RECORD_DIR = os.environ["E2E_RECORD_DIR"]
 AUTOSCALE = os.environ.get("E2E_AUTOSCALE") == "1"
-
-
-class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
-    """y = x @ w + noise, with each sample's own index first."""
-
-    def __init__(self, n: int) -> None:
-        gen = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(n, 8, generator=gen)
-        w = torch.randn(8, 1, generator=gen)
-        self.y = self.x @ w + 0.05 * torch.randn(n, 1, generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return i, self.x[i], self.y[i]
 
 
 class Data(pl.LightningDataModule):
