@@ -29,7 +29,7 @@ from adaptdl.torch.lightning import AdaptiveStrategy
 
 sys.path.append(str(Path(__file__).resolve().parents[3]))  # the repository, for tests.e2e
 # The e2e tests' dataset and settings (E2E_N, E2E_EPOCHS, E2E_RUN, ...).
-from tests.e2e.train_elastic import EPOCHS, N, RECORD_DIR, RUN, STEP_SLEEP, Regression
+from tests.e2e.train_elastic import EPOCHS, RECORD_DIR, RUN, STEP_SLEEP, N, Regression
 
 BATCH_SIZE = int(os.environ.get("E2E_BATCH_SIZE", "2"))
 AUTOSCALE = os.environ.get("E2E_AUTOSCALE") == "1"
