@@ -2,7 +2,8 @@
 
 A small LightningModule and LightningDataModule (``train_lightning.py``) train
 under torchrun with 2 replicas and an adaptive batch size until SIGTERM in epoch
-1, then resume at 1 replica to the end. From the indices the training steps
+1 (during its training, or during its validation), then resume at 1 replica to
+the end. From the indices the training steps
 received we check that every pass of every epoch was consumed exactly once over
 the two runs, and from the records that every replica exited 143, that the batch
 size adapted, and that Lightning's own state (epoch, step, LR scheduler) resumed.
@@ -11,6 +12,7 @@ size adapted, and that Lightning's own state (epoch, step, LR scheduler) resumed
 from __future__ import annotations
 
 import collections
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.e2e.test_elastic_restarts import _records
+from tests.e2e.test_elastic_restarts import Launch, _records
 from tests.e2e.test_seed_programs import ENV, N, _run
 
 pytestmark = pytest.mark.e2e
@@ -27,10 +29,31 @@ SCRIPT = Path(__file__).with_name("train_lightning.py")
 EPOCHS = int(ENV["E2E_EPOCHS"])
 
 
-@pytest.fixture(scope="module")
-def lightning_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Train 2 replicas until SIGTERM in epoch 1, then 1 replica to the end."""
-    return _run(tmp_path_factory.mktemp("lightning"), SCRIPT, 2, 1, E2E_AUTOSCALE="1")
+@pytest.fixture(scope="module", params=["training", "validation"])
+def lightning_job(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Train 2 replicas until SIGTERM in epoch 1, then 1 replica to the end.
+
+    The SIGTERM comes in the middle of the epoch's training, or of its validation
+    (after the training loop of the epoch had ended).
+    """
+    tmp = tmp_path_factory.mktemp(f"lightning-{request.param}")
+    if request.param == "training":
+        return _run(tmp, SCRIPT, 2, 1, E2E_AUTOSCALE="1")
+    (tmp / "records").mkdir()
+    env = {**ENV, "E2E_AUTOSCALE": "1", "E2E_EVAL_SLEEP": "0.5"}
+    launches = [Launch(tmp, 0, 2, script=SCRIPT, **env)]
+    try:
+        launches[0].wait_until(lambda records: any(r.get("validating") == 1 for r in records))
+        launches[0].proc.send_signal(signal.SIGTERM)
+        assert launches[0].wait() != 0, launches[0].output()
+        launches.append(Launch(tmp, 1, 1, script=SCRIPT, **env))
+        assert launches[1].wait() == 0, launches[1].output()
+    finally:
+        for launch in launches:
+            launch.kill()
+    return tmp
 
 
 def _batches(tmp: Path) -> list[dict[str, Any]]:
@@ -83,10 +106,11 @@ def test_lightning_state_resumes_where_it_stopped(lightning_job: Path) -> None:
     assert starts[0]["restored"] is None and starts[1]["restored"] is not None
     first = [r for r in _batches(lightning_job) if r["run"] == 0 and r["rank"] == 0]
     resumed = [r for r in _batches(lightning_job) if r["run"] == 1]
-    # Resumed inside epoch 1, after the batches of run 0, at the scheduled LR.
-    assert resumed[0]["epoch"] == 1
-    assert resumed[0]["index"] > 0
+    # Resumed inside epoch 1 (or, stopped in its validation, at epoch 2), after the
+    # batches of run 0, at the scheduled LR.
+    assert (resumed[0]["epoch"], resumed[0]["index"] > 0) in {(1, True), (2, False)}
     assert resumed[0]["global_step"] > first[-1]["global_step"]
+    assert any(r.get("validating") == 1 for r in records)
     # StepLR(gamma=0.5) steps once per epoch, across the restart too.
     for r in first + resumed:
         assert r["lr"] == pytest.approx(0.05 * 0.5 ** r["epoch"]), r

@@ -4,8 +4,9 @@ Every replica appends one JSON line per trained batch to
 ``$E2E_RECORD_DIR/run<R>-rank<k>.jsonl`` (the records of
 ``tests/e2e/test_elastic_restarts.py``: the dataset indices the training step
 received, which of them core's sharding calls padding, the batch sizes), one at
-the start and one as it exits (its exit status). ``E2E_AUTOSCALE=1`` lets the
-batch size adapt, with accumulation.
+the start, one as each epoch's validation starts and one as it exits (its exit
+status). ``E2E_AUTOSCALE=1`` lets the batch size adapt, with accumulation;
+``E2E_EVAL_SLEEP`` slows validation down (seconds per batch).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tests.e2e.train_elastic import EPOCHS, RECORD_DIR, RUN, STEP_SLEEP, N, Regr
 
 BATCH_SIZE = int(os.environ.get("E2E_BATCH_SIZE", "2"))
 AUTOSCALE = os.environ.get("E2E_AUTOSCALE") == "1"
+EVAL_SLEEP = float(os.environ.get("E2E_EVAL_SLEEP", "0"))  # per validation batch
 
 
 class Data(pl.LightningDataModule):
@@ -85,8 +87,14 @@ class Model(pl.LightningModule):
             time.sleep(STEP_SLEEP)
         return loss
 
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.record(validating=self.trainer.current_epoch)
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         _, x, y = batch
+        if EVAL_SLEEP and not self.trainer.sanity_checking:
+            time.sleep(EVAL_SLEEP)
         self.log("val_loss", torch.nn.functional.mse_loss(self.linear(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> Any:

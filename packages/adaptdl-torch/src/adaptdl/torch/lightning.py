@@ -442,10 +442,12 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
                 job.epoch.finished_epochs = epoch
             last = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 2**31
             self._epochs = job.remaining_epochs_until(last)
-        if job.epoch.current_epoch == epoch:
-            return
-        got = next(self._epochs, None)
-        if got != epoch:
+        # Lightning may finish an epoch without iterating the loader (it resumed in that
+        # epoch's validation, after the loop had ended): AdaptDL's epoch loop catches up.
+        while job.epoch.current_epoch != epoch:
+            got = next(self._epochs, None)
+            if got is not None and got <= epoch:
+                continue
             raise RuntimeError(
                 f"Lightning runs epoch {epoch} but the AdaptDL job's next epoch is {got}: "
                 "the Lightning state and the AdaptDL checkpoint disagree (was the checkpoint "
