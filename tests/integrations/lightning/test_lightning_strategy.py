@@ -186,6 +186,14 @@ def test_fit_refuses_a_plain_train_dataloader() -> None:
         trainer().fit(Model(), datamodule=Data(lambda: DataLoader(dataset(), batch_size=4)))
 
 
+def test_fit_refuses_several_train_dataloaders() -> None:
+    def two() -> list[adl.AdaptiveDataLoader]:
+        return [adl.AdaptiveDataLoader(dataset(), batch_size=4) for _ in range(2)]
+
+    with pytest.raises(ValueError, match="returned several"):
+        trainer().fit(Model(), datamodule=Data(two))
+
+
 class SaveAndStop(pl.Callback):
     """Save a Lightning checkpoint after batch ``at`` of epoch 0, then stop the fit."""
 

@@ -56,7 +56,6 @@ micro-batch; `adaptdl.torch.global_step` counts optimiser steps.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,8 +79,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 __all__ = ["AdaptiveStrategy"]
-
-LOG = logging.getLogger("adaptdl.torch.lightning")
 
 # Lightning fetches a batch ahead from a loader without a length (to know the last
 # batch), which would count a batch as consumed before it was trained; a sized
@@ -301,8 +298,6 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
     the Trainer sets up its environment, unless the program started it before.
     """
 
-    strategy_name = "adaptdl"
-
     def __init__(
         self,
         scaling_rule: ScalingRuleBase | None = None,
@@ -367,6 +362,7 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
         check_trainer(trainer)
         # An AdaptiveDataLoader samples for itself; Lightning must not swap its sampler.
         trainer._accelerator_connector.use_distributed_sampler = False
+        self.train_loader = None  # this fit's comes with its setup_data
         if not any(isinstance(cb, _Hooks) for cb in trainer.callbacks):
             trainer.callbacks.append(_Hooks(self))
         if not self._registered:
@@ -424,7 +420,13 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.trainer
         if trainer.training:
-            self.train_loader = TrainLoader(check_train_loader(dataloader), self)
+            loader = check_train_loader(dataloader)
+            if self.train_loader is not None and self.train_loader.loader is not loader:
+                raise ValueError(
+                    "AdaptiveStrategy trains on one AdaptiveDataLoader, but train_dataloader() "
+                    "returned several (a collection of loaders, or another one for this fit)"
+                )
+            self.train_loader = TrainLoader(loader, self)
             return self.train_loader
         stage = trainer.state.stage
         check_eval_loader(dataloader, stage.dataloader_prefix if stage is not None else "eval")
