@@ -206,17 +206,46 @@ class SaveAndStop(pl.Callback):
             raise KeyError("stop here")
 
 
-def test_a_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path) -> None:
+class SaveInValidation(pl.Callback):
+    """Save a Lightning checkpoint in the first validation of epoch 0, then stop the fit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.current_epoch == 0 and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path)
+            raise KeyError("stop here")
+
+
+class WithValidation(Data):
+    def val_dataloader(self) -> Any:
+        return DataLoader(dataset(), batch_size=8)
+
+
+class Validated(Model):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("where", ["after a batch", "in a validation mid-epoch"])
+def test_a_lightning_checkpoint_resumes_the_loader_mid_epoch(tmp_path: Path, where: str) -> None:
+    # Mid-epoch validation runs while the loader's next batch is already fetched:
+    # the checkpoint must count only the batches trained.
     path = tmp_path / "mid.ckpt"
-    first = Model()
+    first = Validated()
+    options: dict[str, Any] = {"callbacks": [SaveAndStop(path, at=2)]}
+    if where != "after a batch":
+        options = {"callbacks": [SaveInValidation(path)], "val_check_interval": 2}
     with pytest.raises(KeyError, match="stop here"):
-        trainer(callbacks=[SaveAndStop(path, at=2)]).fit(first, datamodule=Data())
+        trainer(**options).fit(first, datamodule=WithValidation())
     _context._reset()  # a new job, without an AdaptDL checkpoint
-    second = Model()
-    trainer(max_epochs=1).fit(second, datamodule=Data(), ckpt_path=path)
+    second = Validated()
+    trainer(max_epochs=1).fit(second, datamodule=WithValidation(), ckpt_path=path)
     epoch0 = [i for _, indices in first.seen for i in indices]
     epoch0 += [i for epoch, indices in second.seen if epoch == 0 for i in indices]
-    assert sorted(epoch0) == list(range(N))  # batches 0..2 before, the rest after
+    assert sorted(epoch0) == list(range(N))  # the first batches before, the rest after
+    assert len(first.seen) < N // 4
 
 
 def test_a_finished_fit_relaunched_trains_nothing_and_keeps_lightnings_state(
