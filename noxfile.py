@@ -53,21 +53,19 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def integrations(session: nox.Session) -> None:
-    """The framework integrations (tests/integrations) with Lightning and Accelerate installed.
+    """Tests of the framework integrations, with PyTorch Lightning and Accelerate installed.
 
-    Only this session installs the frameworks (the packages' optional extras): the
-    main ``tests`` session runs without them, and these tests skip there.
+    Kept out of ``tests`` so that the main suite runs without the frameworks (its
+    integration tests then skip).
     """
-    session.install(
-        *CONSTRAINTS,
-        "packages/adaptdl-core",
-        "packages/adaptdl-torch[lightning,accelerate]",
-        *TEST_DEPS,
-    )
+    extras = "packages/adaptdl-torch[lightning,accelerate]"
+    packages = [extras if p == "packages/adaptdl-torch" else p for p in PACKAGES]
+    session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
+    args = session.posargs or ["tests/integrations"]
     session.run(
         "pytest",
         "--timeout=600",
-        *(session.posargs or ["tests/integrations"]),
+        *args,
         env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
     )
 

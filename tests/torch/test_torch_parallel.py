@@ -331,3 +331,38 @@ def test_noise_statistics_of_several_param_groups_survive_a_restart(
     _context._reset()
     _, adp, _ = build()
     assert adp.gns.to_json() == before
+
+
+def _train_with_accumulation(use_closure: bool) -> tuple[list[int], torch.Tensor]:
+    """One epoch at 4 micro-batches per step; how often the closure ran, the weights."""
+    _context._reset()
+    loader = adl.AdaptiveDataLoader(data(), batch_size=16)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 3)
+    model, optimizer, adp = setup()
+    calls: list[int] = []
+    for _ in adl.remaining_epochs_until(1):
+        for i, (_, x, y) in enumerate(loader):
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y, i: int = i) -> torch.Tensor:
+                calls.append(i)
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(adp(x), y)
+                loss.backward()
+                return loss
+
+            if use_closure:
+                loss = optimizer.step(closure)
+                assert isinstance(loss, torch.Tensor)  # the closure's loss, as torch returns
+            else:
+                train_step(adp, optimizer, x, y)
+    return calls, model.weight.detach().clone()
+
+
+def test_a_closure_passed_to_step_runs_first_on_every_micro_batch() -> None:
+    # Lightning steps with a closure that runs forward and backward: it must run on
+    # accumulation micro-batches too, and the steps must equal a plain loop's.
+    calls, with_closure = _train_with_accumulation(use_closure=True)
+    assert calls == list(range(N // 4))
+    _, plain = _train_with_accumulation(use_closure=False)
+    torch.testing.assert_close(with_closure, plain)

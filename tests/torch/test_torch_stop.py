@@ -124,3 +124,15 @@ def test_a_model_the_checkpoint_lacks_is_an_error_unless_allowed(
     monkeypatch.setenv("ADAPTDL_ALLOW_MISSING_STATE", "adaptdl-dataparallel")
     with pytest.raises(Preempted):
         train_once(with_model=True)
+
+
+def test_reinstall_puts_the_stop_handlers_back_after_another_replaced_them() -> None:
+    from adaptdl.torch import _signals
+
+    adl.init_process_group("gloo")
+    ours = {s: signal.getsignal(s) for s in _signals.STOP_SIGNALS}
+    for signum in _signals.STOP_SIGNALS:  # as a framework's Trainer does
+        signal.signal(signum, signal.SIG_IGN)
+    _signals.reinstall()
+    assert {s: signal.getsignal(s) for s in _signals.STOP_SIGNALS} == ours
+    assert all(callable(handler) for handler in ours.values())

@@ -25,7 +25,7 @@ from typing import Any
 
 from adaptdl.core.job import Job
 
-__all__ = ["STOP_SIGNALS", "install", "restore", "shield_worker"]
+__all__ = ["STOP_SIGNALS", "install", "reinstall", "restore", "shield_worker"]
 
 LOG = logging.getLogger("adaptdl.torch")
 
@@ -71,6 +71,19 @@ def install(job: Callable[[], Job | None]) -> None:
     for signum in STOP_SIGNALS:
         handler.previous[signum] = signal.signal(signum, handler)
     _installed = handler
+
+
+def reinstall() -> None:
+    """Make the handlers `install` set current again, after other code replaced them.
+
+    A framework that installs its own SIGTERM handler (Lightning's ``Trainer``)
+    would otherwise act on the signal before the job reaches a step boundary.
+    Does nothing before `install` or outside the main thread.
+    """
+    if _installed is None or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _installed)
 
 
 def restore() -> None:

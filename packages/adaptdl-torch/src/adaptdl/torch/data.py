@@ -255,7 +255,9 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
                 raise ValueError(
                     f"AdaptiveDataLoader does not support a custom {name}: it samples with "
                     "an ElasticSampler so that restarts neither lose nor repeat data; "
-                    "use shuffle=True/False instead"
+                    "use shuffle=True/False instead (a Lightning Trainer adds a "
+                    "DistributedSampler unless its strategy is "
+                    "adaptdl.torch.lightning.AdaptiveStrategy)"
                 )
         stream = None
         if isinstance(dataset, IterableDataset):

@@ -350,9 +350,22 @@ class AdaptiveSteps:
         def adaptive_step(*args: Any, **kwargs: Any) -> Any:
             if self._plain:
                 return step(*args, **kwargs)
-            if self._accumulating():
-                return None  # the step comes with the last micro-batch of the batch
-            return self._step(step, *args, **kwargs)
+            closure = kwargs.pop("closure", None)
+            if closure is None and args:
+                closure, *rest = args
+                args = tuple(rest)
+            if closure is None:
+                if self._accumulating():
+                    return None  # the step comes with the last micro-batch of the batch
+                return self._step(step, *args, **kwargs)
+            # A closure (Lightning passes one) computes this micro-batch's loss and
+            # gradients: it runs first, as torch's optimisers run it, also on an
+            # accumulation micro-batch, so that the step below sees its gradients.
+            with torch.enable_grad():
+                loss = closure()
+            if not self._accumulating():
+                self._step(step, *args, **kwargs)
+            return loss
 
         @functools.wraps(zero_grad)
         def adaptive_zero_grad(*args: Any, **kwargs: Any) -> Any:
