@@ -17,7 +17,8 @@ from adaptdl.core.batchsize import BatchSizeQuery, even_split
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
 from adaptdl.core.job import CheckpointPolicy, Job, Preempted
-from adaptdl.core.loader import LoaderHelper, LoaderJob
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.loaderjob import LoaderJob
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
 
