@@ -25,7 +25,7 @@ from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import maximum
 from adaptdl.core.loaderjob import LoaderJob
 from adaptdl.core.loaderstate import LoaderState, check_local_bsz_bounds
-from adaptdl.core.passbatches import BatchesFn, ResizableBatches
+from adaptdl.core.passbatches import BatchesFn, IssuedSizes
 
 __all__ = ["LoaderHelper"]
 
@@ -348,7 +348,7 @@ class LoaderHelper:
         At each optimiser-step boundary, and at the loop's end (`end_loop`), the
         job's stop flag is checked; when set, the job checkpoints and raises
         `Preempted`. A batch size decided in the middle of a pass applies in place
-        when ``batches`` gives `ResizableBatches` (from a batch number all replicas
+        when ``batches`` gives `passbatches.ResizableBatches` (from a batch number all replicas
         agree on; the batches issued before it keep their size), and otherwise
         from a new call of ``batches`` at the current index.
         """
@@ -401,19 +401,24 @@ class LoaderHelper:
             made = batches(epoch, start, local_bsz)
             # The size of each batch as it arrives: read from the adapter's record of
             # what it issued when batches can change size in place.
-            sizes = made.sizes if isinstance(made, ResizableBatches) else None
+            # (Not isinstance of the protocol: that inspects the protocol at every call.)
+            sizes = getattr(made, "sizes", None)
+            if not isinstance(sizes, IssuedSizes):
+                sizes = None
             arrived = sizes.arrived if sizes is not None else None
             # What follows runs once per batch, where every Python call shows in the
             # loader's throughput: invariants of the pass are hoisted.
-            size = local_bsz
+            size, full = local_bsz, replicas * local_bsz
+            taking, counting = job.taking_samples, job.count_samples
             try:
                 for i, batch in enumerate(made):
                     if arrived is not None:
                         size = arrived()
+                        full = replicas * size
                     index = state.current_index
                     # The pass's last batch may be short: count only real positions.
-                    step = min(replicas * size, pass_end - index)
-                    job.taking_samples(step)
+                    step = full if index + full <= pass_end else pass_end - index
+                    taking(step)
                     self._in_flight = step
                     if i and job.training_loader is self:
                         # Profiled (the first micro-batch of a pass waits for the data).
@@ -424,7 +429,7 @@ class LoaderHelper:
                         yield batch
                     self._in_flight = 0
                     state.current_index = index + step
-                    job.count_samples(step)
+                    counting(step)
                     if self._count_micro_batch():
                         steps += 1
                         # Without a designated training loader, every loop trains.
