@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -335,7 +335,12 @@ class LoaderHelper:
         return True
 
     def iterate(
-        self, dataset_len: int, batches: BatchesFn[T], *, free_epoch: int = 0
+        self,
+        dataset_len: int,
+        batches: BatchesFn[T],
+        *,
+        free_epoch: int = 0,
+        after: Callable[[], object] | None = None,
     ) -> Iterator[T]:
         """Drive one loop: yield the batches that ``batches`` makes, pass after pass.
 
@@ -350,14 +355,16 @@ class LoaderHelper:
         `Preempted`. A batch size decided in the middle of a pass applies in place
         when ``batches`` gives `passbatches.ResizableBatches` (from a batch number all replicas
         agree on; the batches issued before it keep their size), and otherwise
-        from a new call of ``batches`` at the current index.
+        from a new call of ``batches`` at the current index. ``after``, when given,
+        is called once the loop has ended, however it ended (so that an adapter
+        needs no generator of its own around this one: each level costs every batch).
         """
         n = check_int("dataset length", dataset_len, min=1)
         check_int("free_epoch", free_epoch, min=0)
         job_epoch = self.job.epoch.current_epoch
         self._check_dataset_len(n)
         resume_epoch, accum_count = self._resume_epoch, self._accum_count
-        with self.context():
+        with self.context(), _calling(after):
             if self.skipdone():
                 return
             self.job.loop_resumes()
@@ -378,94 +385,92 @@ class LoaderHelper:
                 lifecycle.loop_resumed(
                     self.name, epoch=epoch, index=self._state.current_index, dataset_len=n
                 )
-            yield from self._passes(n, job_epoch, epoch, batches)
+            # The passes, from the current index until `_finished` (inline: a generator
+            # level more costs every batch).
+            job, state = self.job, self._state
+            replicas = job.topology.num_replicas
+            # Checked first too: a restart may land exactly where the loop had ended.
+            decided = False  # whether (local_bsz, accum) was just decided mid-pass
+            local_bsz, progress, steps = 0, 0.0, 0
+            while not self._finished(n, job_epoch):
+                if not decided:  # a pass starts
+                    local_bsz = self.sync_local_bsz()
+                    progress, steps = job.metrics.progress, 0
+                decided = False
+                start = state.current_index
+                pass_end = (start // n + 1) * n
+                made = batches(epoch, start, local_bsz)
+                # The size of each batch as it arrives: read from the adapter's record of
+                # what it issued when batches can change size in place.
+                # (Not isinstance of the protocol: that inspects the protocol at every call.)
+                sizes = getattr(made, "sizes", None)
+                if not isinstance(sizes, IssuedSizes):
+                    sizes = None
+                arrived = sizes.arrived if sizes is not None else None
+                # What follows runs once per batch, where every Python call shows in the
+                # loader's throughput: invariants of the pass are hoisted.
+                size, full = local_bsz, replicas * local_bsz
+                taking, counting = job.taking_samples, job.count_samples
+                try:
+                    for i, batch in enumerate(made):
+                        if arrived is not None:
+                            size = arrived()
+                            full = replicas * size
+                        index = state.current_index
+                        # The pass's last batch may be short: count only real positions.
+                        step = full if index + full <= pass_end else pass_end - index
+                        taking(step)
+                        self._in_flight = step
+                        if i and job.training_loader is self:
+                            # Profiled (the first micro-batch of a pass waits for the data).
+                            began = self._start_profile()
+                            yield batch
+                            self._record_profile(began, size)
+                        else:
+                            yield batch
+                        self._in_flight = 0
+                        state.current_index = index + step
+                        counting(step)
+                        if self._count_micro_batch():
+                            steps += 1
+                            # Without a designated training loader, every loop trains.
+                            trainer = job.training_loader
+                            trains = trainer is None or trainer is self
+                            boundary = job.step_boundary(training=trains)
+                            if self._max_batch_size is not None and self._finished(n, job_epoch):
+                                break
+                            if boundary.redecide and self._redecided():
+                                local_bsz = state.current_local_bsz
+                                if sizes is None:
+                                    # Go on from the current index with the new batch size.
+                                    decided = True
+                                    break
+                                # From the first batch no replica has issued yet.
+                                at = job.collective.allreduce(sizes.issued, maximum)
+                                sizes.resize(local_bsz, at)
+                    else:
+                        # The pass ran to its end.
+                        if start % n == 0 and state.current_index == start:
+                            raise self._empty_pass(n, local_bsz)
+                        if (
+                            self._max_batch_size is not None
+                            and steps > 0
+                            and job.metrics.progress == progress
+                            and not self._finished(n, job_epoch)
+                        ):
+                            raise RuntimeError(
+                                f"{self.name}: a whole pass with adaptive batch size made no "
+                                "training progress; train with AdaptiveDataParallel, which "
+                                "records it"
+                            )
+                        # The next pass starts at the next multiple of n.
+                        state.current_index = math.ceil(state.current_index / n) * n
+                finally:
+                    # Drop the pass's iterator (a DataLoader's, with its workers) now, also
+                    # when an exception (`Preempted`) keeps this frame alive in its traceback.
+                    made = sizes = arrived = None  # type: ignore[assignment]
             # Every replica ends the loop here, at the same boundary.
             self.job.end_loop()
-
-    def _passes(
-        self, n: int, job_epoch: int | None, epoch: int, batches: BatchesFn[T]
-    ) -> Iterator[T]:
-        """The passes of a loop, from the current index until `_finished`."""
-        job, state = self.job, self._state
-        replicas = job.topology.num_replicas
-        # Checked first too: a restart may land exactly where the loop had ended.
-        decided = False  # whether (local_bsz, accum) was just decided mid-pass
-        local_bsz, progress, steps = 0, 0.0, 0
-        while not self._finished(n, job_epoch):
-            if not decided:  # a pass starts
-                local_bsz = self.sync_local_bsz()
-                progress, steps = job.metrics.progress, 0
-            decided = False
-            start = state.current_index
-            pass_end = (start // n + 1) * n
-            made = batches(epoch, start, local_bsz)
-            # The size of each batch as it arrives: read from the adapter's record of
-            # what it issued when batches can change size in place.
-            # (Not isinstance of the protocol: that inspects the protocol at every call.)
-            sizes = getattr(made, "sizes", None)
-            if not isinstance(sizes, IssuedSizes):
-                sizes = None
-            arrived = sizes.arrived if sizes is not None else None
-            # What follows runs once per batch, where every Python call shows in the
-            # loader's throughput: invariants of the pass are hoisted.
-            size, full = local_bsz, replicas * local_bsz
-            taking, counting = job.taking_samples, job.count_samples
-            try:
-                for i, batch in enumerate(made):
-                    if arrived is not None:
-                        size = arrived()
-                        full = replicas * size
-                    index = state.current_index
-                    # The pass's last batch may be short: count only real positions.
-                    step = full if index + full <= pass_end else pass_end - index
-                    taking(step)
-                    self._in_flight = step
-                    if i and job.training_loader is self:
-                        # Profiled (the first micro-batch of a pass waits for the data).
-                        began = self._start_profile()
-                        yield batch
-                        self._record_profile(began, size)
-                    else:
-                        yield batch
-                    self._in_flight = 0
-                    state.current_index = index + step
-                    counting(step)
-                    if self._count_micro_batch():
-                        steps += 1
-                        # Without a designated training loader, every loop trains.
-                        trainer = job.training_loader
-                        boundary = job.step_boundary(training=trainer is None or trainer is self)
-                        if self._max_batch_size is not None and self._finished(n, job_epoch):
-                            break
-                        if boundary.redecide and self._redecided():
-                            local_bsz = state.current_local_bsz
-                            if sizes is None:
-                                # Go on from the current index with the new batch size.
-                                decided = True
-                                break
-                            # From the first batch no replica has issued yet.
-                            at = job.collective.allreduce(sizes.issued, maximum)
-                            sizes.resize(local_bsz, at)
-                else:
-                    # The pass ran to its end.
-                    if start % n == 0 and state.current_index == start:
-                        raise self._empty_pass(n, local_bsz)
-                    if (
-                        self._max_batch_size is not None
-                        and steps > 0
-                        and job.metrics.progress == progress
-                        and not self._finished(n, job_epoch)
-                    ):
-                        raise RuntimeError(
-                            f"{self.name}: a whole pass with adaptive batch size made no "
-                            "training progress; train with AdaptiveDataParallel, which records it"
-                        )
-                    # The next pass starts at the next multiple of n.
-                    state.current_index = math.ceil(state.current_index / n) * n
-            finally:
-                # Drop the pass's iterator (a DataLoader's, with its workers) now, also
-                # when an exception (`Preempted`) keeps this frame alive in its traceback.
-                made = sizes = arrived = None  # type: ignore[assignment]
 
     def _empty_pass(self, n: int, local_bsz: int) -> ValueError:
         """A whole pass yielded no batch: the loop would never end (nor see a SIGTERM)."""
@@ -530,3 +535,13 @@ class LoaderHelper:
             and self._accum_count == 0
             and self.job.metrics.progress >= n * (epoch + 1) / self.batch_size
         )
+
+
+@contextmanager
+def _calling(after: Callable[[], object] | None) -> Iterator[None]:
+    """Call ``after`` (unless None) on leaving the block, however it is left."""
+    try:
+        yield
+    finally:
+        if after is not None:
+            after()

@@ -366,8 +366,7 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
         helper = self._elastic
         rank = helper.job.topology.rank
         if isinstance(self.dataset, ShardedStream):
-            yield from helper.iterate(len(self.dataset), self._sharded_batches(rank))
-            return
+            return helper.iterate(len(self.dataset), self._sharded_batches(rank))
         sampler: ElasticSampler = self.sampler  # type: ignore[assignment]
         topology = helper.job.topology
         if (sampler.num_replicas, sampler.rank) != (topology.num_replicas, topology.rank):
@@ -388,16 +387,15 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
 
         # Outside epoch loops the epoch the program set on the sampler (set_epoch, as
         # for DistributedSampler; 0 by default) keys the order. The loop's own settings
-        # are undone after it, so that a replayed program sets the same again.
+        # are undone after it, so that a replayed program sets the same again. The loop
+        # is core's generator itself: a generator of ours around it would cost every batch.
         free_epoch = sampler.epoch
-        try:
-            yield from helper.iterate(
-                len(sampler.dataset),  # type: ignore[arg-type]
-                batches,
-                free_epoch=free_epoch,
-            )
-        finally:
-            sampler.set_epoch(free_epoch)
+        return helper.iterate(
+            len(sampler.dataset),  # type: ignore[arg-type]
+            batches,
+            free_epoch=free_epoch,
+            after=functools.partial(sampler.set_epoch, free_epoch),
+        )
 
     def _sharded_batches(self, rank: int) -> Callable[[int, int, int], Iterator[Any]]:
         stream: ShardedStream = self.dataset  # type: ignore[assignment]
