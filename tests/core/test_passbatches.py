@@ -9,13 +9,13 @@ of a pass is consumed once and the replicas stay in step.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.core.test_loader import Alternating
+from tests.core.test_loader import Alternating, assert_each_pass_once
 from tests.fakes import ManualClock
 
 from adaptdl.core.collective import ThreadCollective, run_replicas
@@ -130,15 +130,7 @@ def test_in_place_decisions_keep_every_sample_once_and_replicas_in_step(
     outcome = run_replicas(replicas, replica)
     # Every replica took batches of the same sizes, batch by batch.
     assert all(lengths == outcome[0][1] for _, lengths in outcome)
-    per_pass: dict[int, Counter[int]] = {}
-    for seen, _ in outcome:
-        for index, samples in seen:
-            per_pass.setdefault(index // n, Counter()).update(samples)
-    passes = sorted(per_pass)
-    assert passes == list(range(len(passes)))
-    for p in passes[:-1]:
-        assert per_pass[p] == Counter(range(n))
-    assert all(c == 1 for c in per_pass[passes[-1]].values())
+    assert_each_pass_once([seen for seen, _ in outcome], n)
     # No pass started anew for a decision: only at multiples of n.
     assert all(index % n == 0 for index in passes_started)
 
