@@ -142,7 +142,7 @@ def test_an_entry_of_the_wrong_shape_names_the_checkpoint_and_entry() -> None:
 
 
 def test_loader_state_with_a_list_for_a_mapping_names_the_entry() -> None:
-    from adaptdl.core.loader import LoaderState
+    from adaptdl.core.loaderstate import LoaderState
 
     store = MemoryCheckpointStore()
     job = Job(store=store)

@@ -15,7 +15,7 @@ from adaptdl.core.boundary import EXIT_CODE_PREEMPTED, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import ThreadCollective, run_replicas
 from adaptdl.core.job import Job
-from adaptdl.core.journal import Journal, Mark, encode_record
+from adaptdl.core.journal import Journal
 from adaptdl.core.lifecycle import LOGGER_NAME
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.storage import MemoryStorage
@@ -114,24 +114,6 @@ def test_a_checkpoint_without_a_step_count_restores_zero() -> None:
     entry.pop("steps")
     job.state.load_json(entry)
     assert job.global_step == 0
-
-
-@given(
-    samples=st.integers(0, 2**63 - 1),
-    replayed=st.integers(0, 2**63 - 1),
-    checkpoint=st.integers(0, 2**63 - 1),
-)
-def test_the_fast_record_is_the_json_of_the_mark(
-    samples: int, replayed: int, checkpoint: int
-) -> None:
-    record = encode_record(samples, replayed, checkpoint)
-    as_json = json.dumps(
-        {"samples": samples, "replayed": replayed, "checkpoint": checkpoint}, sort_keys=True
-    )
-    assert record == as_json.encode().ljust(len(record)) and len(record) == 128
-    journal = Journal(MemoryStorage())
-    journal.write_counts(samples, replayed, checkpoint)
-    assert journal.read() == Mark(samples, replayed, checkpoint)
 
 
 @given(batch=st.integers(1, 7), n=st.integers(1, 40))

@@ -18,7 +18,8 @@ from adaptdl.core.boundary import CheckpointPolicy, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper, LoaderJob
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.loaderjob import LoaderJob
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
 
@@ -406,6 +407,20 @@ class Alternating:
         return self.choices[self.calls % len(self.choices)]
 
 
+def assert_each_pass_once(outcome, n):
+    """Every pass but the last holds each sample once, the last none twice; the passes."""
+    per_pass: dict[int, Counter] = {}
+    for seen in outcome:
+        for index, samples in seen:
+            per_pass.setdefault(index // n, Counter()).update(samples)
+    passes = sorted(per_pass)
+    assert passes == list(range(len(passes)))
+    for p in passes[:-1]:
+        assert per_pass[p] == Counter(range(n))
+    assert all(c == 1 for c in per_pass[passes[-1]].values())
+    return passes
+
+
 @settings(max_examples=25)
 @given(
     n=st.integers(20, 80),
@@ -440,15 +455,7 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
         return seen
 
     outcome = run_replicas(replicas, replica)
-    per_pass: dict[int, Counter] = {}
-    for seen in outcome:
-        for index, samples in seen:
-            per_pass.setdefault(index // n, Counter()).update(samples)
-    passes = sorted(per_pass)
-    assert passes == list(range(len(passes)))
-    for p in passes[:-1]:
-        assert per_pass[p] == Counter(range(n))
-    assert all(c == 1 for c in per_pass[passes[-1]].values())
+    passes = assert_each_pass_once(outcome, n)
     # The clock runs fast enough that the job re-decided inside passes.
     assert decisions[0] > len(passes)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import adaptdl.torch as adl
 import torch
+from adaptdl.core.batchsize import RedecideSchedule
 from adaptdl.core.boundary import Preempted
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
@@ -290,3 +292,61 @@ def test_helper_gives_fine_grained_control_of_a_custom_loop() -> None:
                 helper.current_index += 4
     assert steps == [0, 4, 8]
     assert helper.current_index is None and helper.end_index == 12
+
+
+class WorkerPid(Dataset[Any]):
+    """Sample ``i`` with the process id of the worker that read it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, os.getpid()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_batch_size_change_mid_pass_keeps_the_workers_and_every_sample_once(
+    persistent: bool,
+) -> None:
+    n = 120
+    loader = AdaptiveDataLoader(
+        WorkerPid(n), batch_size=4, shuffle=True, num_workers=2, persistent_workers=persistent
+    )
+    loader.autoscale_batch_size(64, (1, 16))
+    job = _context.current_job()
+    choices = iter([(4, 0), (6, 0), (3, 0), (5, 0)] * 100)
+    job.batch_size_decision = lambda query: next(choices)
+    # Re-decide at every optimiser step (the schedule's first decision is 1 s away).
+    job.redecide_schedule = RedecideSchedule(first_seconds=1e-9, max_seconds=1e-9)
+    job._next_redecide = 0.0
+    passes: dict[tuple[int, int], list[int]] = {}
+    pids: dict[tuple[int, int], set[int]] = {}
+    sizes: dict[tuple[int, int], list[int]] = {}
+    iterators = set()
+    for epoch in adl.remaining_epochs_until(2):
+        for batch in loader:
+            helper = current_dataloader()
+            assert helper is not None
+            p = (epoch, (helper.current_index or 0) // n)
+            passes.setdefault(p, []).extend(batch[0].tolist())
+            pids.setdefault(p, set()).update(batch[1].tolist())
+            sizes.setdefault(p, []).append(len(batch[0]))
+            iterators.add(id(loader._iterator) if persistent else None)
+            if helper.is_optim_step():
+                job.metrics.add_progress(1.0)
+    complete = [p for p in passes if len(passes[p]) >= n]
+    assert complete, passes
+    for p in complete:
+        assert sorted(passes[p]) == list(range(n)), p  # every sample once
+        assert len(set(sizes[p][:-1])) > 1, sizes[p]  # the size changed inside the pass
+        assert len(pids[p]) == 2, pids  # read by the same two workers throughout
+    if persistent:  # and by the same two across passes
+        assert len(set().union(*pids.values())) == 2 and len(iterators) == 1
+
+
+def test_in_order_false_is_refused() -> None:
+    with pytest.raises(ValueError, match="in_order=True"):
+        AdaptiveDataLoader(indexed(8), batch_size=4, num_workers=1, in_order=False)

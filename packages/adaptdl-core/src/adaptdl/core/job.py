@@ -43,9 +43,7 @@ from adaptdl.core.topology import Topology
 if TYPE_CHECKING:
     from adaptdl.core.loader import LoaderHelper
 
-# Boundary, CheckpointPolicy and Store live in core.boundary and core.restore; they are
-# re-exported here only for core.loader and torch._context, which import them from here.
-__all__ = ["Boundary", "CheckpointPolicy", "Job", "Store"]
+__all__ = ["Job"]
 
 LOG = logging.getLogger("adaptdl.core.job")
 
@@ -99,7 +97,7 @@ class Job:
         self._checkpointing = False
         self._finishing = False
         # The reduction started at the last step boundary; with one replica, its result.
-        self._boundary_future: Future[Any] | tuple[bool, bool, bool] | None = None
+        self._boundary_future: Future[Any] | Boundary | None = None
         self._one_replica = getattr(self.collective, "in_process", False) is True
         self._rank0 = self.topology.rank == 0
         self._drains: list[Callable[[], None]] = []
@@ -391,12 +389,15 @@ class Job:
             self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
             self._next_redecide = now + self._redecide_interval
         flags = (self._stop_requested, due_now, redecide_now)
-        # One replica's reduction is its own flags: no future to build every step.
+        # One replica's reduction is its own flags, kept as their Boundary: no future
+        # to build every step.
         self._boundary_future = (
-            flags
+            Boundary.of(*flags)
             if self._one_replica
             else self.collective.allreduce_async(list(flags), logical_or)
         )
+        if agreed.redecide == (redecide and training):  # the common case: no new value
+            return agreed
         return Boundary.of(agreed.stop, agreed.checkpoint, redecide and training)
 
     def _settle(self) -> Boundary:
@@ -404,8 +405,8 @@ class Job:
         pending, self._boundary_future = self._boundary_future, None
         if pending is None:
             return Boundary.of(False, False, False)
-        if isinstance(pending, tuple):
-            return Boundary.of(*pending)
+        if isinstance(pending, Boundary):
+            return pending
         return Boundary.from_wire(pending.result())
 
     def _stop_here(self) -> NoReturn:

@@ -2,34 +2,54 @@
 
 A checkpoint records how many samples the job had consumed when it was written;
 after a SIGKILL the job resumes there and consumes again the samples taken
-since. To report how many, rank 0 overwrites one small record whenever the
-training loop takes a batch and at every step boundary, with the job's running
-count of samples (the batch taken included) and the replays counted so far. The
-replays travel in the record too because a run that resumed, counted a replay
-and died again before its next checkpoint would otherwise lose that count. The
-write goes to the page cache without fsync, so it costs a system call and
-survives the death of the process (not of the machine, where the count is then
-a lower bound). The record is a file of a :class:`~adaptdl.core.storage.Storage`
-(the checkpoints' own, beside them), named for the job (:func:`journal_name`) so
-that two jobs on one directory never share it. A fresh start ignores (and then
+since. To report how many, rank 0 records, whenever the training loop takes a
+batch, the job's running count of samples (the batch taken included) and the
+replays counted so far. The replays travel in the record too because a run that
+resumed, counted a replay and died again before its next checkpoint would
+otherwise lose that count.
+
+The record is written for every batch, so it costs no system call: the file is
+mapped into memory (:class:`~adaptdl.core.storage.MappableStorage`) and each
+record is a store into the page cache, which outlives the death of the process
+(not of the machine, where the count is then a lower bound). A store is not
+atomic, so the file holds two slots, written in turn, each with a sequence
+number and a CRC-32: a process killed in the middle of a store leaves that slot
+torn and the other one whole, holding the previous record, which is then the
+right one (the batch being recorded had not reached the loop). A reader takes
+the whole slot with the higher sequence number. A run's first record rewrites
+the whole file with one write, so no slot of an earlier run outlives it.
+Journals of the previous format (one JSON record) are still read.
+
+The record is a file of a :class:`~adaptdl.core.storage.Storage` (the
+checkpoints' own, beside them), named for the job (:func:`journal_name`) so that
+two jobs on one directory never share it. A fresh start ignores (and then
 overwrites) a journal written by a run that had checkpoints (they were removed),
 so only a crash before the first checkpoint counts there. A record holding
-anything but counts in ``[0, 2**63)`` is a
+anything but counts in ``[0, 2**63)``, or no whole slot, is a
 :class:`~adaptdl.core.checkpoint.CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
+import struct
+import zlib
 from typing import Any
 
 import attrs
 
 from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.storage import LocalStorage, Storage, owner_tag
+from adaptdl.core.storage import LocalStorage, MappableStorage, Storage, owner_tag
 
-_RECORD_SIZE = 128  # bytes; a record is JSON padded with spaces to this size
+_RECORD_SIZE = 128  # bytes of the file (and of a record of the previous, JSON format)
+_MAGIC = b"ADLJRNL2"  # the file's first bytes: two slots follow
+_SLOT = struct.Struct("<4Q")  # sequence number, samples, replayed, checkpoint
+_CRC = struct.Struct("<I")  # CRC-32 of the slot's packed fields, right after them
+_SLOT_SIZE = 40  # 32 bytes of fields, 4 of CRC, 4 unused
+_OFFSETS = (len(_MAGIC), len(_MAGIC) + _SLOT_SIZE)  # slot ``seq % 2`` takes sequence ``seq``
 
 
 @attrs.frozen
@@ -68,16 +88,30 @@ def _count(data: dict[str, Any], key: str) -> int:
     return value
 
 
-def encode_record(samples: int, replayed: int, checkpoint: int) -> bytes:
-    """The record of a mark: its fields as sorted JSON, padded with spaces to the record size."""
-    return (_RECORD_FORMAT % (checkpoint, replayed, samples)).ljust(_RECORD_SIZE)
+def _slot(seq: int, samples: int, replayed: int, checkpoint: int) -> bytes:
+    """A slot's bytes: its fields, then their CRC-32."""
+    body = _SLOT.pack(seq, samples, replayed, checkpoint)
+    return body + _CRC.pack(zlib.crc32(body))
 
 
-_RECORD_FORMAT = b'{"checkpoint": %d, "replayed": %d, "samples": %d}'
+def _newest_slot(raw: bytes) -> dict[str, int]:
+    """The fields of the whole slot with the higher sequence number; ValueError if none is."""
+    newest: tuple[int, ...] | None = None
+    for offset in _OFFSETS:
+        body = raw[offset : offset + _SLOT.size]
+        check = raw[offset + _SLOT.size : offset + _SLOT.size + _CRC.size]
+        if len(check) == _CRC.size and zlib.crc32(body) == _CRC.unpack(check)[0]:
+            fields = _SLOT.unpack(body)
+            if newest is None or fields[0] > newest[0]:
+                newest = fields
+    if newest is None:
+        raise ValueError("neither slot holds a whole record")
+    _, samples, replayed, checkpoint = newest
+    return {"samples": samples, "replayed": replayed, "checkpoint": checkpoint}
 
 
 class Journal:
-    """One fixed-size record, overwritten in place.
+    """Two slots of a progress record, written in turn (see the module docstring).
 
     ``where`` is a storage (the record is its file ``name``) or the path of the
     record's file on the local file system.
@@ -89,6 +123,11 @@ class Journal:
             where, name = LocalStorage(os.path.dirname(path) or "."), os.path.basename(path)
         self.storage = where
         self.name = name
+        # The file's bytes as this run writes them: the storage's map of the file, or
+        # (a storage without maps) a copy overwritten whole after each record.
+        self._buffer: mmap.mmap | bytearray | None = None
+        self._mapped = False
+        self._seq = 0  # of the newest record this run wrote; 0 before its first
 
     def read(self) -> Mark | None:
         """The last mark written, or None when there is none.
@@ -96,7 +135,7 @@ class Journal:
         A name that is not a regular file (a symlink, a FIFO) is no mark (the next
         :meth:`write` replaces it); an empty record (a machine crash before the page
         cache reached the disk) is none either. A record holding anything else
-        than two counts raises CheckpointError naming the file.
+        than counts raises CheckpointError naming the file.
         """
         try:
             raw = self.storage.read(self.name, limit=_RECORD_SIZE + 1)
@@ -105,7 +144,11 @@ class Journal:
         if not raw.strip(b" \0\n"):
             return None
         try:
-            data: Any = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+            data: Any
+            if raw.startswith(_MAGIC):
+                data = _newest_slot(raw)
+            else:  # the previous format: one JSON record
+                data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
             if not isinstance(data, dict) or "samples" not in data:
                 raise ValueError("not an object with 'samples'")
             return Mark(
@@ -121,18 +164,42 @@ class Journal:
             ) from None
 
     def write(self, mark: Mark) -> None:
-        """Overwrite the record with ``mark`` (no fsync: see the module docstring)."""
+        """Record ``mark`` (no fsync: see the module docstring)."""
         self.write_counts(mark.samples, mark.replayed, mark.checkpoint)
 
     def write_counts(self, samples: int, replayed: int, checkpoint: int) -> None:
         """`write` of ``Mark(samples, replayed, checkpoint)``, without building one.
 
-        The job calls this for every batch it hands out, so the record is formatted
-        directly (the same bytes as ``json.dumps(..., sort_keys=True)`` of the mark's
-        fields, a fraction of its cost).
+        The job calls this for every batch it hands out: a store into the slot not
+        holding the newest record, its fields first and their CRC last.
         """
-        record = (_RECORD_FORMAT % (checkpoint, replayed, samples)).ljust(_RECORD_SIZE)
-        self.storage.overwrite(self.name, record)  # encode_record, inlined: once per batch
+        buffer = self._buffer
+        if buffer is None:
+            self._start(samples, replayed, checkpoint)
+            return
+        seq = self._seq + 1
+        self._seq = seq
+        body = _SLOT.pack(seq, samples, replayed, checkpoint)
+        offset = _OFFSETS[seq & 1]
+        buffer[offset : offset + 32] = body
+        _CRC.pack_into(buffer, offset + 32, zlib.crc32(body))
+        if not self._mapped:
+            self.storage.overwrite(self.name, bytes(buffer))
+
+    def _start(self, samples: int, replayed: int, checkpoint: int) -> None:
+        """This run's first record: the whole file in one write, then a map of it."""
+        self._seq = 1
+        record = bytearray(_MAGIC.ljust(_RECORD_SIZE, b"\0"))
+        first = _slot(1, samples, replayed, checkpoint)
+        record[_OFFSETS[1] : _OFFSETS[1] + len(first)] = first
+        self.storage.overwrite(self.name, bytes(record))
+        self._buffer, self._mapped = record, False
+        if isinstance(self.storage, MappableStorage):
+            # A file that cannot be mapped is overwritten whole after each record instead.
+            with contextlib.suppress(OSError):
+                self._buffer, self._mapped = self.storage.mapped(self.name, _RECORD_SIZE), True
 
     def close(self) -> None:
+        """Release the file; a later record starts the file anew."""
+        self._buffer, self._mapped, self._seq = None, False, 0
         self.storage.close()

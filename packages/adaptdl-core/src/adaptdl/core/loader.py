@@ -14,139 +14,24 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from adaptdl.core import lifecycle
 from adaptdl.core._validate import check_int
 from adaptdl.core.batchsize import BatchSizeDecision, batch_size_query
-from adaptdl.core.checkpoint import CheckpointError, JsonState, State
+from adaptdl.core.checkpoint import CheckpointError
+from adaptdl.core.collective import maximum
+from adaptdl.core.loaderjob import LoaderJob
+from adaptdl.core.loaderstate import LoaderState, check_local_bsz_bounds
+from adaptdl.core.passbatches import BatchesFn, IssuedSizes
 
-if TYPE_CHECKING:
-    from adaptdl.core.collective import Collective
-    from adaptdl.core.epoch import EpochState
-    from adaptdl.core.job import Boundary, Store
-    from adaptdl.core.metrics import MetricsState
-    from adaptdl.core.topology import Topology
+__all__ = ["LoaderHelper"]
 
 LOG = logging.getLogger("adaptdl.core.loader")
 _POSITION_FORMAT = 1
 T = TypeVar("T")
-
-# (epoch, index, local_bsz) -> the batches of one pass, starting at that index.
-BatchesFn = Callable[[int, int, int], Iterable[T]]
-
-
-class LoaderJob(Protocol):
-    """What a loader needs of its job: `adaptdl.core.job.Job` has it all.
-
-    Read-only: the topology, collective, clock, batch-size decision, epoch
-    counter, metrics (progress and profiler), checkpoint store and the loops
-    that run; the loader changes the job only through the methods below.
-    """
-
-    @property
-    def topology(self) -> Topology: ...
-
-    @property
-    def collective(self) -> Collective: ...
-
-    @property
-    def clock(self) -> Callable[[], float]: ...
-
-    @property
-    def batch_size_decision(self) -> BatchSizeDecision: ...
-
-    @property
-    def epoch(self) -> EpochState: ...
-
-    @property
-    def metrics(self) -> MetricsState: ...
-
-    @property
-    def store(self) -> Store | None: ...
-
-    @property
-    def restored_from(self) -> str | None: ...
-
-    @property
-    def current_loader(self) -> LoaderHelper | None: ...
-
-    @property
-    def training_loader(self) -> LoaderHelper | None: ...
-
-    def register(self, state: State, *, allow_missing: bool = False) -> None: ...
-
-    def unique_name(self, prefix: str) -> str: ...
-
-    def set_training_loader(self, loader: LoaderHelper) -> None: ...
-
-    def enter_loader(self, loader: LoaderHelper) -> None: ...
-
-    def exit_loader(self, loader: LoaderHelper) -> None: ...
-
-    def take_sync_time(self) -> float: ...
-
-    def taking_samples(self, samples: int) -> None: ...
-
-    def count_samples(self, samples: int) -> None: ...
-
-    def step_boundary(self, *, training: bool = True) -> Boundary: ...
-
-    def loop_resumes(self) -> None: ...
-
-    def end_loop(self) -> None: ...
-
-
-class LoaderState(JsonState):
-    """What a loader persists across restarts."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.current_index = 0
-        self.end_index = 0
-        # epoch -> position (0, 1, ...) of the last loop that finished in that epoch;
-        # None: loops run outside epoch loops.
-        self.last_position: dict[int | None, int] = {}
-        self.current_local_bsz = 0
-        self.accumulation_steps = 0
-        self.dataset_len = 0  # of the newest loop; 0 before the first
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "dataset_len": self.dataset_len,
-            "current_index": self.current_index,
-            "end_index": self.end_index,
-            "last_position": {_epoch_key(k): v for k, v in self.last_position.items()},
-            "current_local_bsz": self.current_local_bsz,
-            "accumulation_steps": self.accumulation_steps,
-        }
-
-    def load_json(self, data: dict[str, Any]) -> None:
-        self.current_index = check_int("current_index", data["current_index"], min=0)
-        self.end_index = check_int("end_index", data["end_index"], min=0)
-        self.last_position = {
-            _key_epoch(k): check_int("last_position", v, min=0)
-            for k, v in data["last_position"].items()
-        }
-        self.current_local_bsz = check_int("current_local_bsz", data["current_local_bsz"], min=0)
-        self.accumulation_steps = check_int(
-            "accumulation_steps", data["accumulation_steps"], min=0
-        )
-        # Absent from checkpoints written before it was recorded.
-        self.dataset_len = check_int("dataset_len", data.get("dataset_len", 0), min=0)
-
-
-_NO_EPOCH = "none"  # the JSON key of loops run outside epoch loops
-
-
-def _epoch_key(epoch: int | None) -> str:
-    return _NO_EPOCH if epoch is None else str(epoch)
-
-
-def _key_epoch(key: str) -> int | None:
-    return None if key == _NO_EPOCH else check_int("last_position epoch", int(key), min=0)
 
 
 class LoaderHelper:
@@ -176,6 +61,7 @@ class LoaderHelper:
         self._accum_count = 0
         self._skipped = False  # whether the loop in `context` was skipped by replay
         self._in_flight = 0  # samples of the batch the loop has yielded and not yet counted
+        self._arrived_bsz: int | None = None  # the batch in hand's size, when resizable
         self._loop_epoch: int | None = None  # the epoch keying the running loop's passes
         self._resume_epoch: int | None = None  # set by load_position: keys the next loop
 
@@ -218,8 +104,14 @@ class LoaderHelper:
 
     @property
     def current_local_bsz(self) -> int:
-        """The logical local batch size of one micro-batch on each replica."""
-        return self._state.current_local_bsz
+        """The logical local batch size of one micro-batch on each replica.
+
+        Inside a pass, the size of the batch in hand: batches issued ahead before a
+        decision (DataLoader workers' prefetch) arrive at the size they were issued
+        with, and the gradient's scaling and noise estimate must read that size.
+        """
+        arrived = self._arrived_bsz
+        return self._state.current_local_bsz if arrived is None else arrived
 
     @property
     def accumulation_steps(self) -> int:
@@ -272,7 +164,7 @@ class LoaderHelper:
                 f"max_batch_size must be an int >= batch_size={self.batch_size}, "
                 f"got {max_batch_size!r}"
             )
-        bounds = _check_bounds(local_bsz_bounds, self.batch_size)
+        bounds = check_local_bsz_bounds(local_bsz_bounds, self.batch_size)
         if not isinstance(gradient_accumulation, bool):
             raise ValueError(
                 f"gradient_accumulation must be a bool, got {gradient_accumulation!r}"
@@ -414,11 +306,15 @@ class LoaderHelper:
 
     @contextmanager
     def profile(self, commit: bool) -> Iterator[None]:
-        """Time one micro-batch; record it in the job's profiler when ``commit``."""
+        """Time one micro-batch; record it in the job's profiler when ``commit``.
+
+        For a custom loop (the seed's helper API); `iterate` does the same for its
+        batches.
+        """
         start = self._start_profile()
         yield
         if commit:
-            self._record_profile(start)
+            self._record_profile(start, self._state.current_local_bsz)
         self._count_micro_batch()
 
     def _start_profile(self) -> float:
@@ -426,24 +322,32 @@ class LoaderHelper:
         self.job.take_sync_time()
         return start
 
-    def _record_profile(self, start: float) -> None:
+    def _record_profile(self, start: float, local_bsz: int) -> None:
         topo = self.job.topology
         self.job.metrics.profiler.record(
             topo.num_nodes,
             topo.num_replicas,
-            self.current_local_bsz,
+            local_bsz,
             accum_step=self.is_accum_step(),
             step_time=self.job.clock() - start,
             sync_time=self.job.take_sync_time(),
         )
 
-    def _count_micro_batch(self) -> None:
-        """Count one micro-batch: the next one starts a new optimiser step after the last."""
-        accum = self._accum_count
-        self._accum_count = 0 if accum >= self._state.accumulation_steps else accum + 1
+    def _count_micro_batch(self) -> bool:
+        """Count one micro-batch; True when it ends an optimiser step (the next starts one)."""
+        if self._accum_count < self._state.accumulation_steps:
+            self._accum_count += 1
+            return False
+        self._accum_count = 0
+        return True
 
     def iterate(
-        self, dataset_len: int, batches: BatchesFn[T], *, free_epoch: int = 0
+        self,
+        dataset_len: int,
+        batches: BatchesFn[T],
+        *,
+        free_epoch: int = 0,
+        after: Callable[[], object] | None = None,
     ) -> Iterator[T]:
         """Drive one loop: yield the batches that ``batches`` makes, pass after pass.
 
@@ -454,15 +358,20 @@ class LoaderHelper:
         (``batches`` drops a short last batch, as ``drop_last=True`` does, and the
         local batch size exceeds a replica's share): such a loop would never end.
         At each optimiser-step boundary, and at the loop's end (`end_loop`), the
-        job's stop flag is
-        checked; when set, the job checkpoints and raises `Preempted`.
+        job's stop flag is checked; when set, the job checkpoints and raises
+        `Preempted`. A batch size decided in the middle of a pass applies in place
+        when ``batches`` gives `passbatches.ResizableBatches` (from a batch number all replicas
+        agree on; the batches issued before it keep their size), and otherwise
+        from a new call of ``batches`` at the current index. ``after``, when given,
+        is called once the loop has ended, however it ended (so that an adapter
+        needs no generator of its own around this one: each level costs every batch).
         """
         n = check_int("dataset length", dataset_len, min=1)
         check_int("free_epoch", free_epoch, min=0)
         job_epoch = self.job.epoch.current_epoch
         self._check_dataset_len(n)
         resume_epoch, accum_count = self._resume_epoch, self._accum_count
-        with self.context():
+        with self.context(), _calling(after):
             if self.skipdone():
                 return
             self.job.loop_resumes()
@@ -483,70 +392,91 @@ class LoaderHelper:
                 lifecycle.loop_resumed(
                     self.name, epoch=epoch, index=self._state.current_index, dataset_len=n
                 )
-            replicas = self.job.topology.num_replicas
+            # The passes, from the current index until `_finished` (inline: a generator
+            # level more costs every batch).
+            job, state = self.job, self._state
+            replicas = job.topology.num_replicas
             # Checked first too: a restart may land exactly where the loop had ended.
             decided = False  # whether (local_bsz, accum) was just decided mid-pass
             local_bsz, progress, steps = 0, 0.0, 0
             while not self._finished(n, job_epoch):
                 if not decided:  # a pass starts
                     local_bsz = self.sync_local_bsz()
-                    progress, steps = self.job.metrics.progress, 0
+                    progress, steps = job.metrics.progress, 0
                 decided = False
-                # What follows runs once per batch, where every Python call shows in the
-                # loader's throughput: invariants of the pass are hoisted, the micro-batch
-                # count is kept inline (accumulation steps change only with a decision,
-                # which ends this loop).
-                job, state = self.job, self._state
-                full = replicas * local_bsz
                 start = state.current_index
                 pass_end = (start // n + 1) * n
-                accumulation = state.accumulation_steps
-                for i, batch in enumerate(batches(epoch, start, local_bsz)):
-                    index = state.current_index
-                    # The pass's last batch may be short: count only real positions.
-                    step = min(full, pass_end - index)
-                    job.taking_samples(step)
-                    self._in_flight = step
-                    if i and job.training_loader is self:
-                        # Profiled (the first micro-batch of a pass waits for the data).
-                        began = self._start_profile()
-                        yield batch
-                        self._record_profile(began)
+                made = batches(epoch, start, local_bsz)
+                # The size of each batch as it arrives: read from the adapter's record of
+                # what it issued when batches can change size in place.
+                # (Not isinstance of the protocol: that inspects the protocol at every call.)
+                sizes = getattr(made, "sizes", None)
+                if not isinstance(sizes, IssuedSizes):
+                    sizes = None
+                arrived = sizes.arrived if sizes is not None else None
+                # What follows runs once per batch, where every Python call shows in the
+                # loader's throughput: invariants of the pass are hoisted.
+                size, full = local_bsz, replicas * local_bsz
+                taking, counting = job.taking_samples, job.count_samples
+                try:
+                    for i, batch in enumerate(made):
+                        if arrived is not None:
+                            size = self._arrived_bsz = arrived()
+                            full = replicas * size
+                        index = state.current_index
+                        # The pass's last batch may be short: count only real positions.
+                        step = full if index + full <= pass_end else pass_end - index
+                        taking(step)
+                        self._in_flight = step
+                        if i and job.training_loader is self:
+                            # Profiled (the first micro-batch of a pass waits for the data).
+                            began = self._start_profile()
+                            yield batch
+                            self._record_profile(began, size)
+                        else:
+                            yield batch
+                        self._in_flight = 0
+                        state.current_index = index + step
+                        counting(step)
+                        if self._count_micro_batch():
+                            steps += 1
+                            # Without a designated training loader, every loop trains.
+                            trainer = job.training_loader
+                            trains = trainer is None or trainer is self
+                            boundary = job.step_boundary(training=trains)
+                            if self._max_batch_size is not None and self._finished(n, job_epoch):
+                                break
+                            if boundary.redecide and self._redecided():
+                                local_bsz = state.current_local_bsz
+                                if sizes is None:
+                                    # Go on from the current index with the new batch size.
+                                    decided = True
+                                    break
+                                # From the first batch no replica has issued yet.
+                                at = job.collective.allreduce(sizes.issued, maximum)
+                                sizes.resize(local_bsz, at)
                     else:
-                        yield batch
-                    self._in_flight = 0
-                    state.current_index = index + step
-                    job.count_samples(step)
-                    if self._accum_count < accumulation:
-                        self._accum_count += 1
-                    else:
-                        self._accum_count = 0
-                        steps += 1
-                        # Without a designated training loader, every loop trains.
-                        trainer = job.training_loader
-                        boundary = job.step_boundary(training=trainer is None or trainer is self)
-                        if self._max_batch_size is not None and self._finished(n, job_epoch):
-                            break
-                        if boundary.redecide and self._redecided():
-                            # Go on from the current index with the new batch size.
-                            decided, local_bsz = True, self.current_local_bsz
-                            break
-                else:
-                    # The pass ran to its end.
-                    if start % n == 0 and self._state.current_index == start:
-                        raise self._empty_pass(n, local_bsz)
-                    if (
-                        self._max_batch_size is not None
-                        and steps > 0
-                        and self.job.metrics.progress == progress
-                        and not self._finished(n, job_epoch)
-                    ):
-                        raise RuntimeError(
-                            f"{self.name}: a whole pass with adaptive batch size made no "
-                            "training progress; train with AdaptiveDataParallel, which records it"
-                        )
-                    # The next pass starts at the next multiple of n.
-                    self._state.current_index = math.ceil(self._state.current_index / n) * n
+                        # The pass ran to its end.
+                        if start % n == 0 and state.current_index == start:
+                            raise self._empty_pass(n, local_bsz)
+                        if (
+                            self._max_batch_size is not None
+                            and steps > 0
+                            and job.metrics.progress == progress
+                            and not self._finished(n, job_epoch)
+                        ):
+                            raise RuntimeError(
+                                f"{self.name}: a whole pass with adaptive batch size made no "
+                                "training progress; train with AdaptiveDataParallel, which "
+                                "records it"
+                            )
+                        # The next pass starts at the next multiple of n.
+                        state.current_index = math.ceil(state.current_index / n) * n
+                finally:
+                    # Drop the pass's iterator (a DataLoader's, with its workers) now, also
+                    # when an exception (`Preempted`) keeps this frame alive in its traceback.
+                    made = sizes = arrived = None  # type: ignore[assignment]
+                    self._arrived_bsz = None
             # Every replica ends the loop here, at the same boundary.
             self.job.end_loop()
 
@@ -615,29 +545,11 @@ class LoaderHelper:
         )
 
 
-def _check_bounds(
-    bounds: tuple[int | None, int | None] | None, batch_size: int
-) -> tuple[int | None, int | None] | None:
-    if bounds is None:
-        return None
-    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
-        raise ValueError(f"local_bsz_bounds must be a pair (min, max), got {bounds!r}")
-    lo, hi = bounds
-    for label, value in (("min", lo), ("max", hi)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(
-                f"local_bsz_bounds {label} must be None or an int >= 1, got {bounds!r}"
-            )
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"local_bsz_bounds must have min <= max, got {bounds!r}")
-    if lo is not None and lo > batch_size:
-        raise ValueError(
-            f"local_bsz_bounds min must be <= batch_size={batch_size}, got {bounds!r}"
-        )
-    if hi is not None and hi < batch_size:
-        raise ValueError(
-            f"local_bsz_bounds max must be >= batch_size={batch_size}, got {bounds!r}"
-        )
-    return (lo, hi)
+@contextmanager
+def _calling(after: Callable[[], object] | None) -> Iterator[None]:
+    """Call ``after`` (unless None) on leaving the block, however it is left."""
+    try:
+        yield
+    finally:
+        if after is not None:
+            after()

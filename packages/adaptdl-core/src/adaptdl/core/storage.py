@@ -32,6 +32,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -42,7 +43,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-__all__ = ["LOCK", "TMP_PREFIX", "LocalStorage", "MemoryStorage", "Storage", "StorageLocked"]
+__all__ = [
+    "LOCK",
+    "TMP_PREFIX",
+    "LocalStorage",
+    "MappableStorage",
+    "MemoryStorage",
+    "Storage",
+    "StorageLocked",
+]
 
 TMP_PREFIX = ".tmp-"
 """Names the storage uses for its own work in progress; never listed."""
@@ -133,6 +142,25 @@ class Storage(Protocol):
         ...
 
 
+@runtime_checkable
+class MappableStorage(Storage, Protocol):
+    """A storage whose overwritten files can also be written through memory.
+
+    Optional: the journal writes through :meth:`mapped` where a storage offers it,
+    and through :meth:`~Storage.overwrite` otherwise.
+    """
+
+    def mapped(self, name: str, size: int) -> mmap.mmap | bytearray:
+        """The first ``size`` bytes of file ``name``, writable in place.
+
+        The file must exist, written by :meth:`~Storage.overwrite`, with at least
+        ``size`` bytes. A write to the buffer reaches the file without a system call
+        and outlives the process, as an :meth:`~Storage.overwrite` does; :meth:`close`
+        releases it. Raises OSError when the file cannot be mapped.
+        """
+        ...
+
+
 class LocalStorage:
     """A directory ``root`` of the local file system (created when first written).
 
@@ -155,6 +183,7 @@ class LocalStorage:
         self._owner = owner
         self._tag = owner_tag(owner) if owner is not None else None
         self._open: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._lock_fd: int | None = None
 
     @property
@@ -280,7 +309,8 @@ class LocalStorage:
         if fd is None:
             path = self._root / name
             try:
-                fd = open_regular(path, os.O_WRONLY | os.O_CREAT)
+                # Read-write: `mapped` maps the same descriptor, and a shared map needs both.
+                fd = open_regular(path, os.O_RDWR | os.O_CREAT)
             except OSError:
                 # Not a regular file (a planted symlink, a FIFO): the name is this
                 # storage's own file, so the debris is replaced, never written through.
@@ -293,9 +323,28 @@ class LocalStorage:
                 if not debris:
                     raise
                 os.unlink(path)
-                fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             self._open[name] = fd
         os.pwrite(fd, data, 0)
+
+    def mapped(self, name: str, size: int) -> mmap.mmap:
+        """A shared memory map of the first ``size`` bytes of the file :meth:`overwrite` wrote.
+
+        Its writes land in the page cache, like :meth:`overwrite`'s, so they outlive
+        the process but not the machine. Raises OSError if ``name`` was not written
+        by :meth:`overwrite` or is shorter than ``size``.
+        """
+        view = self._maps.get(name)
+        if view is None or len(view) != size:
+            fd = self._open.get(name)
+            if fd is None:
+                raise FileNotFoundError(errno.ENOENT, "not written by overwrite()", name)
+            if os.fstat(fd).st_size < size:
+                raise OSError(errno.EINVAL, f"shorter than {size} bytes", name)
+            if view is not None:
+                view.close()
+            view = self._maps[name] = mmap.mmap(fd, size)
+        return view
 
     def lock(self, wait: float) -> None:
         """Hold the directory for this owner until :meth:`unlock` or the process ends.
@@ -355,7 +404,10 @@ class LocalStorage:
         return f"process {holder.get('pid', '?')} on host {holder.get('host', '?')!s}"
 
     def close(self) -> None:
-        """Close the files :meth:`overwrite` keeps open (the :meth:`lock` stays held)."""
+        """Close the files :meth:`overwrite` keeps open and the maps of :meth:`mapped`
+        (the :meth:`lock` stays held)."""
+        while self._maps:
+            self._maps.popitem()[1].close()
         while self._open:
             os.close(self._open.popitem()[1])
 
@@ -370,8 +422,9 @@ class MemoryStorage:
     """Directories and files held in memory; :meth:`put` replaces a file's bytes (for tests)."""
 
     def __init__(self) -> None:
-        self._directories: dict[str, dict[str, bytes]] = {}
-        self._files: dict[str, bytes] = {}
+        self._directories: dict[str, dict[str, bytes | bytearray]] = {}
+        # A file handed out by `mapped` is a bytearray, changed in place by its holder.
+        self._files: dict[str, bytes | bytearray] = {}
 
     def __repr__(self) -> str:
         return f"MemoryStorage({len(self._directories)} directories)"
@@ -385,7 +438,7 @@ class MemoryStorage:
     def list(self) -> list[str]:
         return list(self._directories)
 
-    def _split(self, name: str) -> tuple[dict[str, bytes], str]:
+    def _split(self, name: str) -> tuple[dict[str, bytes | bytearray], str]:
         directory, _, file = name.rpartition("/")
         if not directory:
             return self._files, file
@@ -400,14 +453,17 @@ class MemoryStorage:
             data = files[file]
         except KeyError:
             raise FileNotFoundError(f"no file {name!r}") from None
-        return data if limit is None else data[:limit]
+        return bytes(data if limit is None else data[:limit])
 
     def put(self, name: str, data: bytes) -> None:
         """Replace the bytes of the existing file ``name`` (to damage it on purpose)."""
         files, file = self._split(name)
         if file not in files:
             raise FileNotFoundError(f"no file {name!r}")
-        files[file] = bytes(data)
+        if isinstance(files[file], bytearray):  # mapped: damage the buffer its holder writes
+            files[file][:] = data  # type: ignore[index]
+        else:
+            files[file] = bytes(data)
 
     def write_directory(self, name: str, files: Mapping[str, bytes]) -> None:
         if name in self._directories or name in self._files:
@@ -422,7 +478,22 @@ class MemoryStorage:
 
     def overwrite(self, name: str, data: bytes) -> None:
         old = self._files.get(name, b"")
-        self._files[name] = bytes(data) + old[len(data) :]
+        new = bytes(data) + old[len(data) :]
+        if isinstance(old, bytearray):  # mapped: its holder keeps writing this very buffer
+            old[:] = new
+        else:
+            self._files[name] = new
+
+    def mapped(self, name: str, size: int) -> bytearray:
+        """The file's bytes as a bytearray that stays the file: writes to it are the file's."""
+        data = self._files.get(name)
+        if data is None:
+            raise FileNotFoundError(f"no file {name!r}: write it with overwrite() first")
+        if len(data) < size:
+            raise OSError(errno.EINVAL, f"shorter than {size} bytes", name)
+        if not isinstance(data, bytearray):
+            data = self._files[name] = bytearray(data)
+        return data
 
     def close(self) -> None:
         """Nothing is held open."""

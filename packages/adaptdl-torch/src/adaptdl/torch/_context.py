@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from adaptdl.core.boundary import CheckpointPolicy
 from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
-from adaptdl.core.job import CheckpointPolicy, Job
+from adaptdl.core.job import Job
 from adaptdl.core.journal import Journal, journal_name
 from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
 from adaptdl.core.storage import LocalStorage, Storage

@@ -9,6 +9,7 @@ wires them into a real ``torch.utils.data.DataLoader``.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import numpy as np
 
 import torch
 from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.passbatches import IssuedSizes
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
@@ -126,6 +128,55 @@ class ElasticSampler(Sampler[int]):
     def __len__(self) -> int:
         """How many indices `__iter__` yields."""
         return len(self._shard())
+
+
+class _ResizableBatchSampler(Sampler[list[int]]):
+    """Batches of a sampler whose size may change between batches, without a new iterator.
+
+    Each batch takes the size `IssuedSizes` gives as it is issued (to a worker,
+    with ``num_workers > 0``, ahead of the loop), which also records it for the
+    loop to read when the batch arrives.
+    """
+
+    def __init__(self, sampler: Sampler[int], sizes: IssuedSizes, drop_last: bool) -> None:
+        self.sampler = sampler
+        self.sizes = sizes
+        self.drop_last = drop_last
+
+    @property
+    def batch_size(self) -> int:
+        """The size of the batches issued now."""
+        return self.sizes.size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices, issue, islice = iter(self.sampler), self.sizes.issue, itertools.islice
+        while True:
+            size = issue()
+            batch = [*islice(indices, size)]
+            # A batch not made stays recorded: nothing reads it, the next pass starts anew.
+            if not batch or (self.drop_last and len(batch) < size):
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        count, size = len(self.sampler), self.sizes.size  # type: ignore[arg-type]
+        return count // size if self.drop_last else -(-count // size)
+
+
+class _Pass:
+    """One pass of the DataLoader's iterator, with the sizes of the batches it issues.
+
+    Core's `ResizableBatches`: iterating it is iterating the DataLoader's iterator.
+    """
+
+    __slots__ = ("iterator", "sizes")
+
+    def __init__(self, iterator: Iterator[Any], sizes: IssuedSizes) -> None:
+        self.iterator = iterator
+        self.sizes = sizes
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterator
 
 
 class AdaptiveDataLoaderHelper(LoaderHelper):
@@ -239,8 +290,14 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
     A `adaptdl.torch.shards.ShardedDataset` (shard files streamed in order) is read
     micro-batch by micro-batch in core's block order (see that module).
 
-    Raises ValueError if ``sampler`` or ``batch_sampler`` is given, or if the
-    dataset is an ``IterableDataset`` other than a ``ShardedDataset``.
+    A batch size decided in the middle of a pass changes in place: the batches the
+    workers already fetch keep their size, later ones take the new one, and the
+    workers go on (with ``persistent_workers=True`` they also last across passes).
+
+    Raises ValueError if ``sampler`` or ``batch_sampler`` is given, if
+    ``in_order=False`` (batches out of order would leave a consumed set that is no
+    prefix of the pass), or if the dataset is an ``IterableDataset`` other than a
+    ``ShardedDataset``.
     """
 
     def __init__(
@@ -259,6 +316,11 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
                     "DistributedSampler unless its strategy is "
                     "adaptdl.torch.lightning.AdaptiveStrategy)"
                 )
+        if kwargs.get("in_order", True) is not True:
+            raise ValueError(
+                f"AdaptiveDataLoader needs in_order=True, got {kwargs['in_order']!r}: its "
+                "position after a restart is the prefix of the pass consumed in order"
+            )
         stream = None
         if isinstance(dataset, IterableDataset):
             stream = ShardedStream.for_loader(dataset, shuffle, SHUFFLE_SEED, kwargs)
@@ -289,6 +351,11 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
             worker_init_fn=worker_init_fn,
             **kwargs,
         )
+        # DataLoader takes no batch sampler beside batch_size and drop_last, and
+        # refuses attributes set after its __init__: set past its __setattr__, so that
+        # batch_size and drop_last keep the values given.
+        resizable = _ResizableBatchSampler(sampler, IssuedSizes(batch_size), self.drop_last)
+        object.__setattr__(self, "batch_sampler", resizable)
         AdaptiveDataLoaderMixin.__init__(self, batch_size)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -301,8 +368,7 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
         helper = self._elastic
         rank = helper.job.topology.rank
         if isinstance(self.dataset, ShardedStream):
-            yield from helper.iterate(len(self.dataset), self._sharded_batches(rank))
-            return
+            return helper.iterate(len(self.dataset), self._sharded_batches(rank))
         sampler: ElasticSampler = self.sampler  # type: ignore[assignment]
         topology = helper.job.topology
         if (sampler.num_replicas, sampler.rank) != (topology.num_replicas, topology.rank):
@@ -312,25 +378,26 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
                 f"{topology.num_replicas}: an AdaptiveDataLoader reads the job's share"
             )
 
-        def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
+        sizes = self.batch_sampler.sizes  # type: ignore[union-attr]
+
+        def batches(epoch: int, index: int, local_bsz: int) -> _Pass:
             sampler.set_epoch(epoch, index)
-            self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
+            sizes.start(local_bsz)
             if self.generator is not None:
                 self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
-            return DataLoader.__iter__(self)
+            return _Pass(DataLoader.__iter__(self), sizes)
 
         # Outside epoch loops the epoch the program set on the sampler (set_epoch, as
         # for DistributedSampler; 0 by default) keys the order. The loop's own settings
-        # are undone after it, so that a replayed program sets the same again.
+        # are undone after it, so that a replayed program sets the same again. The loop
+        # is core's generator itself: a generator of ours around it would cost every batch.
         free_epoch = sampler.epoch
-        try:
-            yield from helper.iterate(
-                len(sampler.dataset),  # type: ignore[arg-type]
-                batches,
-                free_epoch=free_epoch,
-            )
-        finally:
-            sampler.set_epoch(free_epoch)
+        return helper.iterate(
+            len(sampler.dataset),  # type: ignore[arg-type]
+            batches,
+            free_epoch=free_epoch,
+            after=functools.partial(sampler.set_epoch, free_epoch),
+        )
 
     def _sharded_batches(self, rank: int) -> Callable[[int, int, int], Iterator[Any]]:
         stream: ShardedStream = self.dataset  # type: ignore[assignment]

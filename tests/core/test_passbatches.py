@@ -1,0 +1,152 @@
+"""Batch sizes that change in place: the loop counts each batch at the size it was issued at.
+
+An adapter that draws batches ahead (DataLoader workers) hands the loop
+`ResizableBatches`; a decision in the middle of a pass then changes the size of
+the batches issued from a batch number all replicas agree on, and neither the
+pass nor its readers start anew. Whatever each replica drew ahead, every sample
+of a pass is consumed once and the replicas stay in step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.core.test_loader import Alternating, assert_each_pass_once
+from tests.fakes import ManualClock
+
+from adaptdl.core.collective import ThreadCollective, run_replicas
+from adaptdl.core.job import Job
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.passbatches import IssuedSizes, ResizableBatches
+from adaptdl.core.sampling import Shard
+from adaptdl.core.topology import Topology
+
+Batch = list[tuple[int, bool]]
+
+
+class Prefetching:
+    """A replica's batches of a pass, issued ``depth`` batches ahead of the loop.
+
+    As torch's DataLoader does: the next batch is issued when one is handed to the
+    loop, before the loop trains on it.
+    """
+
+    def __init__(self, shard: Shard, depth: int, sizes: IssuedSizes) -> None:
+        self.shard, self.depth, self.sizes = shard, depth, sizes
+
+    def __iter__(self) -> Iterator[Batch]:
+        shard, pending, lo = self.shard, deque[Batch](), 0
+
+        def issue() -> None:
+            nonlocal lo
+            if lo < shard.count:
+                hi = min(lo + self.sizes.issue(), shard.count)
+                indices, padding = shard.indices(lo, hi).tolist(), shard.is_padding(lo, hi)
+                pending.append(list(zip(indices, padding.tolist(), strict=True)))
+                lo = hi
+
+        for _ in range(self.depth + 1):
+            issue()
+        while pending:
+            batch = pending.popleft()
+            issue()
+            yield batch
+
+
+def test_a_new_size_applies_from_the_agreed_batch() -> None:
+    sizes = IssuedSizes(4)
+    sizes.start(4)
+    assert [sizes.issue() for _ in range(3)] == [4, 4, 4]
+    sizes.resize(2, at=5)
+    assert [sizes.issue() for _ in range(4)] == [4, 4, 2, 2]
+    assert [sizes.arrived() for _ in range(7)] == [4, 4, 4, 4, 4, 2, 2]
+    sizes.resize(3, at=sizes.issued)  # at once
+    assert sizes.issue() == 3 and sizes.pending() == 1
+
+
+def test_every_resize_applies_at_its_batch_even_when_several_wait() -> None:
+    """A replica that issued little applies each decision at the batch agreed for it."""
+    sizes = IssuedSizes(4)
+    sizes.resize(2, at=2)
+    sizes.resize(3, at=3)
+    assert [sizes.issue() for _ in range(5)] == [4, 4, 2, 3, 3]
+
+
+def test_issued_batches_keep_their_size() -> None:
+    sizes = IssuedSizes(4)
+    sizes.issue()
+    with pytest.raises(ValueError, match="at must be"):
+        sizes.resize(2, at=0)
+    with pytest.raises(ValueError, match="size must be"):
+        sizes.resize(0, at=1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(20, 80),
+    depths=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    choices=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 2)), min_size=2, max_size=4),
+    tick=st.floats(0.3, 2.0),
+)
+def test_in_place_decisions_keep_every_sample_once_and_replicas_in_step(
+    n: int, depths: list[int], choices: list[tuple[int, int]], tick: float
+) -> None:
+    """Each replica draws its own number of batches ahead; sizes change mid-pass."""
+    replicas = len(depths)
+    passes_started: list[int] = []
+
+    def replica(collective: ThreadCollective) -> tuple[list[tuple[int, list[int]]], list[int]]:
+        rank = collective.rank
+        job = Job(
+            Topology(rank=rank, num_replicas=replicas),
+            collective=collective,
+            clock=ManualClock(tick),
+            batch_size_decision=Alternating(choices),
+        )
+        loader = LoaderHelper(job, batch_size=1)
+        loader.autoscale_batch_size(64, gradient_accumulation=True)
+        sizes = IssuedSizes()
+
+        def batches(epoch: int, index: int, local_bsz: int) -> Prefetching:
+            if rank == 0:
+                passes_started.append(index)
+            sizes.start(local_bsz)
+            shard = Shard(n, index, replicas, rank, epoch=epoch)
+            return Prefetching(shard, depths[rank], sizes)
+
+        seen, lengths = [], []
+        for _epoch in job.epoch.remaining_epochs_until(1):
+            for batch in loader.iterate(n, batches):
+                seen.append((loader.current_index, [i for i, pad in batch if not pad]))
+                lengths.append(len(batch))
+                # The size reported is the batch's in hand (what scaling and the noise
+                # estimate read), also while batches issued before a decision arrive.
+                left = (loader.current_index // n + 1) * n - loader.current_index
+                assert len(batch) == loader.current_local_bsz or (
+                    left < replicas * loader.current_local_bsz
+                ), (len(batch), loader.current_local_bsz)
+                if loader.is_optim_step():
+                    job.metrics.add_progress(1.0)
+        return seen, lengths
+
+    outcome = run_replicas(replicas, replica)
+    # Every replica took batches of the same sizes, batch by batch.
+    assert all(lengths == outcome[0][1] for _, lengths in outcome)
+    assert_each_pass_once([seen for seen, _ in outcome], n)
+    # No pass started anew for a decision: only at multiples of n.
+    assert all(index % n == 0 for index in passes_started)
+
+
+def test_the_torch_adapter_s_pass_is_resizable() -> None:
+    class Pass:
+        sizes = IssuedSizes()
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(())
+
+    assert isinstance(Pass(), ResizableBatches)
+    assert not isinstance(iter(()), ResizableBatches)
