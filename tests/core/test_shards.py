@@ -16,6 +16,8 @@ from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
     ShardIndex,
+    _mix,
+    _mix_array,
     micro_batches,
     replica_chunk,
 )
@@ -146,6 +148,35 @@ def test_orders_are_pinned_and_differ_by_seed_epoch_and_pass() -> None:
 
 
 GOLDEN = [15, 13, 14, 12, 17, 18, 16, 19, 0, 3, 1, 2, 5, 6, 4, 7, 9, 10, 8, 11]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=50),
+    key=st.integers(0, 2**64 - 1),
+)
+def test_the_vectorised_mix_is_the_scalar_one(values: list[int], key: int) -> None:
+    """Runs take block rotations from a page mixed at once; rotation() mixes one."""
+    mixed = _mix_array(np.array(values, dtype=np.int64), key)
+    assert mixed.tolist() == [_mix(v, key) for v in values]
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 3000), block_size=st.integers(1, 64), seed=seeds, lo_frac=st.floats(0, 1))
+def test_runs_rotate_each_full_block_as_rotation_says(
+    n: int, block_size: int, seed: int, lo_frac: float
+) -> None:
+    """Offsets at place u of a full block are inner[(u + rotation(block)) % B]."""
+    order = BlockOrder(n, block_size, seed=seed)
+    slots = {order.block_at(s): s for s in range(order.num_full_blocks)}
+    inner = order._inner[:block_size].tolist()
+    lo = int(lo_frac * n)
+    for run in order.runs(lo, n):
+        if run.block in slots:
+            first = max(lo - slots[run.block] * block_size, 0)
+            shift = order.rotation(run.block)
+            places = range(first, first + len(run.offsets))
+            assert run.offsets == [inner[(u + shift) % block_size] for u in places]
 
 
 @pytest.mark.parametrize("n", [2**40 + 7, MAX_N])

@@ -41,6 +41,7 @@ run), and never more than the number of readers; see README "Streaming data".
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -93,12 +94,25 @@ _PAGE = 1024
 _MASK64 = (1 << 64) - 1
 
 
+_MIX_1, _MIX_2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def _mix(value: int, key: int) -> int:
     """A keyed 64-bit mix (splitmix64's finaliser) of ``value``: pure integer arithmetic."""
-    h = ((value ^ key) * 0xBF58476D1CE4E5B9) & _MASK64
+    h = ((value ^ key) * _MIX_1) & _MASK64
     h ^= h >> 31
-    h = (h * 0x94D049BB133111EB) & _MASK64
+    h = (h * _MIX_2) & _MASK64
     return h ^ (h >> 29)
+
+
+def _mix_array(values: npt.NDArray[np.int64], key: int) -> npt.NDArray[np.uint64]:
+    """:func:`_mix` of each value (uint64 arithmetic wraps modulo 2**64 as ``& _MASK64`` does)."""
+    h: npt.NDArray[np.uint64] = values.astype(np.uint64) ^ np.uint64(key)
+    h *= np.uint64(_MIX_1)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(_MIX_2)
+    h ^= h >> np.uint64(29)
+    return h
 
 
 def _check_names(value: Any) -> tuple[str, ...]:
@@ -224,6 +238,10 @@ class BlockRun(NamedTuple):
     offsets: list[int]
 
 
+# BlockRun(...) runs a Python-level __new__; tuple.__new__ builds the same in C.
+_new_run = functools.partial(tuple.__new__, BlockRun)
+
+
 @attrs.frozen
 class BlockOrder:
     """The order of one pass over ``n`` samples in blocks of ``block_size``.
@@ -243,7 +261,7 @@ class BlockOrder:
     # The in-block permutation twice over, so that a rotated run of it is one slice.
     _inner: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
     _inner_last: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
-    # [first slot, blocks of the slots from it]: block order drawn a page at a time.
+    # [first slot, blocks, rotations of the slots from it]: drawn a page at a time.
     _page: list[Any] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -260,7 +278,7 @@ class BlockOrder:
         object.__setattr__(self, "_rotation_key", rotation_key)
         object.__setattr__(self, "_inner", np.concatenate([inner, inner]))
         object.__setattr__(self, "_inner_last", inner_last)
-        object.__setattr__(self, "_page", [-1, []])
+        object.__setattr__(self, "_page", [-1, [], []])
 
     @property
     def num_full_blocks(self) -> int:
@@ -275,19 +293,29 @@ class BlockOrder:
         return self._block_at(check_int("slot", slot, min=0, max=self.num_blocks - 1))
 
     def _block_at(self, slot: int) -> int:
-        full = self.num_full_blocks
-        if slot >= full:
+        if slot >= self.num_full_blocks:
             return slot  # the short last block stays last
-        assert self._blocks is not None
-        first, blocks = self._page
-        if not first <= slot < first + len(blocks):
-            # Draw the block order a page of slots at a time, vectorised: readers walk
-            # slots forwards, and a page is a bounded number of ints.
+        return int(self._page_at(slot)[1][slot - self._page[0]])
+
+    def _page_at(self, slot: int) -> list[Any]:
+        """``[first slot, blocks, rotations]`` of the page of full-block slots holding ``slot``.
+
+        The block order is drawn a page of slots at a time, vectorised: readers walk
+        slots forwards, and a page is a bounded number of ints.
+        """
+        page = self._page
+        if not 0 <= slot - page[0] < len(page[1]):
+            assert self._blocks is not None
             first = slot - slot % _PAGE
-            span = np.arange(first, min(full, first + _PAGE), dtype=np.int64)
-            blocks = self._blocks.take(span).tolist()
-            self._page[:] = [first, blocks]
-        return int(blocks[slot - first])
+            span = np.arange(first, min(self.num_full_blocks, first + _PAGE), dtype=np.int64)
+            blocks = self._blocks.take(span)
+            if self._rotation_key:
+                shifts = _mix_array(blocks, self._rotation_key) % np.uint64(self.block_size)
+                rotations = shifts.astype(np.int64).tolist()
+            else:
+                rotations = [0] * len(span)
+            page[:] = [first, blocks.tolist(), rotations]
+        return page
 
     def block_span(self, block: int) -> tuple[int, int]:
         """The global ids ``[start, stop)`` of block ``block``."""
@@ -305,17 +333,24 @@ class BlockOrder:
         """Positions ``[lo, hi)`` (``0 <= lo <= hi <= n``) grouped by block, in order."""
         lo = check_int("lo", lo, min=0, max=self.n)
         hi = check_int("hi", hi, min=lo, max=self.n)
+        # The per-block work of every reader: kept to list look-ups and slices.
         b, n, full = self.block_size, self.n, self.num_full_blocks
+        inner, page = self._inner, self._page
         for slot in range(lo // b, -(-hi // b)):
-            block = self._block_at(slot)
-            start = block * b
-            first, last = max(lo, slot * b) - slot * b, min(hi, (slot + 1) * b) - slot * b
-            if block < full:
-                shift = self.rotation(block)
-                offsets = self._inner[first + shift : last + shift]
+            base = slot * b
+            first = lo - base if lo > base else 0
+            last = hi - base if hi < base + b else b
+            if slot < full:
+                i = slot - page[0]
+                if not 0 <= i < len(page[1]):
+                    page = self._page_at(slot)
+                    i = slot - page[0]
+                block, shift = page[1][i], page[2][i]
+                offsets = inner[first + shift : last + shift]
             else:
-                offsets = self._inner_last[first:last]
-            yield BlockRun(block, start, min(n, start + b), offsets.tolist())
+                block, offsets = slot, self._inner_last[first:last]
+            start = block * b
+            yield _new_run((block, start, min(n, start + b), offsets.tolist()))
 
     def __getitem__(self, position: int) -> int:
         p = check_int("position", position, min=0, max=self.n - 1)
