@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smaller smoke run")
     parser.add_argument("--words", type=int, default=150, help="words of text per sample")
     args = parser.parse_args()
-    shards, per_shard, rounds = (8, 1000, 4) if args.quick else (16, 2500, 21)
+    shards, per_shard, rounds = (8, 1000, 4) if args.quick else (32, 2500, 15)
     n = shards * per_shard
     torch.set_num_threads(1)
     adl.init_process_group("gloo")

@@ -366,14 +366,14 @@ class BlockOrder:
         return self.n
 
 
-@attrs.frozen
-class Chunk:
+class Chunk(NamedTuple):
     """One replica's part of the micro-batch at global ``index``.
 
     Pass positions ``[lo, hi)`` are its real samples; when ``pad`` is not None it
     also takes pass position ``pad`` once more as padding (a duplicate), so that
     every replica yields ``size`` samples. ``step`` is what the micro-batch adds to
-    the global index (all replicas together).
+    the global index (all replicas together). (A named tuple: one is made per
+    micro-batch on every reader's path.)
     """
 
     lo: int
@@ -381,6 +381,9 @@ class Chunk:
     pad: int | None
     size: int
     step: int
+
+
+_new_chunk = functools.partial(tuple.__new__, Chunk)
 
 
 def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: int) -> Chunk:
@@ -391,11 +394,23 @@ def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: i
     first ``m % num_replicas`` replicas taking one more, the others a padding
     sample instead (the position after their run, modulo ``n``).
     """
-    n = check_n(n)
-    index = check_int("index", index, min=0)
+    return _chunk(*_check_chunk_args(n, index, num_replicas, rank, local_bsz))
+
+
+def _check_chunk_args(
+    n: int, index: int, num_replicas: int, rank: int, local_bsz: int
+) -> tuple[int, int, int, int, int]:
     replicas = check_int("num_replicas", num_replicas, min=1)
-    rank = check_int("rank", rank, min=0, max=replicas - 1)
-    local_bsz = check_int("local_bsz", local_bsz, min=1)
+    return (
+        check_n(n),
+        check_int("index", index, min=0),
+        replicas,
+        check_int("rank", rank, min=0, max=replicas - 1),
+        check_int("local_bsz", local_bsz, min=1),
+    )
+
+
+def _chunk(n: int, index: int, replicas: int, rank: int, local_bsz: int) -> Chunk:
     start = index % n
     m = min(replicas * local_bsz, n - start)
     base, extra = divmod(m, replicas)
@@ -403,15 +418,19 @@ def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: i
     hi = lo + base + (rank < extra)
     size = base + (extra > 0)
     pad = hi % n if hi - lo < size else None
-    return Chunk(lo, hi, pad, size, m)
+    return _new_chunk((lo, hi, pad, size, m))
 
 
 def micro_batches(
     n: int, index: int, num_replicas: int, rank: int, local_bsz: int
 ) -> Iterator[Chunk]:
     """Replica ``rank``'s chunks from global ``index`` to the end of its pass."""
+    # Checked once: the loop is on every reader's path, a chunk per micro-batch.
+    n, index, replicas, rank, local_bsz = _check_chunk_args(
+        n, index, num_replicas, rank, local_bsz
+    )
     end = (index // n + 1) * n
     while index < end:
-        chunk = replica_chunk(n, index, num_replicas, rank, local_bsz)
+        chunk = _chunk(n, index, replicas, rank, local_bsz)
         yield chunk
         index += chunk.step

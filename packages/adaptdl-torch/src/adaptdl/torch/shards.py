@@ -105,7 +105,7 @@ class JsonLinesReader:
     def split(self, data: bytes) -> list[str]:
         # A BytesIO finds line ends with memchr, several times faster than str.split
         # (which compares character by character); filter drops blank lines in C.
-        return [line.decode("utf-8") for line in filter(bytes.strip, io.BytesIO(data))]
+        return list(map(bytes.decode, filter(bytes.strip, io.BytesIO(data))))
 
     # json.loads itself, not a method calling it: one Python frame less per sample.
     decode = staticmethod(json.loads)
@@ -360,7 +360,7 @@ class ShardedDataset(IterableDataset[Any]):
         if not isinstance(handle, int):
             handle.seek(begin)
             return handle.read(end - begin)
-        parts = []
+        parts = []  # pread may return less than asked: read on until the end or EOF
         while begin < end:
             if _PREAD is not None:
                 part = _PREAD(handle, end - begin, begin)
@@ -404,8 +404,14 @@ class ShardedDataset(IterableDataset[Any]):
             records = self._read_across(block, shard, offset, size)
         else:
             seeks = self._seeks if self._seeks is not None else self._seek_table()
+            begin = int(seeks[block])
             end = int(seeks[block + 1]) if size < rest else self._sizes[shard]
-            data = self._read_span(shard, int(seeks[block]), end)
+            handle = self._handles.get(shard)
+            data = b""
+            if type(handle) is int and _PREAD is not None:
+                data = _PREAD(handle, end - begin, begin)  # the usual case: one read
+            if len(data) != end - begin:
+                data = self._read_span(shard, begin, end)
             records = self._split(data) if self._split is not None else self._records(data)
             if len(records) != size:
                 self._mismatch(shard, offset, size, records, size == rest)
@@ -456,9 +462,13 @@ class ShardedDataset(IterableDataset[Any]):
         Only the records taken are decoded (and transformed).
         """
         decode, out = self.reader.decode, list[Any]()
-        for run in order.runs(lo, hi):
-            records = self.read_block(run.block, run.start, run.stop)
-            out += map(decode, map(records.__getitem__, run.offsets))
+        for block, start, stop, offsets in order.runs(lo, hi):
+            cached = self._block
+            if cached is not None and cached[0] == block:
+                records = cached[1]
+            else:
+                records = self.read_block(block, start, stop)
+            out += map(decode, map(records.__getitem__, offsets))
         self.stats["decoded"] += len(out)
         if self.transform is not None:
             out = list(map(self.transform, out))
