@@ -19,6 +19,8 @@ when it is installed (``pip install 'adaptdl-torch[fsspec]'``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -42,6 +44,7 @@ from adaptdl.core.shards import (
     check_block_size,
     micro_batches,
 )
+from adaptdl.core.storage import open_regular
 from torch.utils.data import IterableDataset, get_worker_info
 
 __all__ = [
@@ -193,6 +196,26 @@ def _size(path: str) -> int:
     return os.stat(path.removeprefix("file://")).st_size
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing), waiting for it if held.
+
+    The kernel releases it when the holder's process ends, however it ends; on a
+    network file system it is as good as the file system's locks.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            LOG.info("waiting for another process to build %s (it holds %s)", what, path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as out:
@@ -262,10 +285,41 @@ class ShardedDataset(IterableDataset[Any]):
     def seek_path(self) -> Path:
         return self.index_path.with_suffix(".seek")
 
+    @property
+    def lock_path(self) -> Path:
+        """The file whose lock the process building the index holds (kept, never removed)."""
+        return self.index_path.with_suffix(".lock")
+
     def _load_or_build(self, names: list[str]) -> ShardIndex:
+        """The cached index if it is current, else the one this or another process builds.
+
+        Every replica (and every DataLoader worker) may construct the dataset, before
+        or after the process group exists, so no collective is used: the first
+        process to lock :attr:`lock_path` builds, the others wait for its lock and
+        then read what it wrote. A builder that dies releases the lock with its
+        process, and the next one builds. The lock only saves the repeated scans:
+        the index and seek files are each replaced atomically, so even two builders
+        (a file system without locks) leave a consistent index.
+        """
         sizes = [_size(n) for n in names]
         self._sizes = tuple(sizes)  # where each shard's last span ends
         expected = {"version": INDEX_VERSION, "block_size": self.block_size, "sizes": sizes}
+        index, why = self._load_cached(names, expected)
+        if index is not None:
+            return index
+        with _exclusive(self.lock_path, f"the shard index {self.index_path}"):
+            # Whoever held the lock before may have just built it.
+            index, why = self._load_cached(names, expected)
+            if index is not None:
+                return index
+            if why:
+                LOG.warning("shard index %s is %s: rebuilding it", self.index_path, why)
+            return self._build(names, expected)
+
+    def _load_cached(
+        self, names: list[str], expected: dict[str, Any]
+    ) -> tuple[ShardIndex | None, str]:
+        """(the cached index, "") if it is current, else (None, why not; "" if missing)."""
         try:
             data = json.loads(self.index_path.read_text(encoding="utf-8"))
             index = ShardIndex.from_json(data)
@@ -276,13 +330,12 @@ class ShardedDataset(IterableDataset[Any]):
                 and current == expected
                 and self.seek_path.stat().st_size == 8 * blocks
             ):
-                return index
-            LOG.warning("shard index %s is stale: rebuilding it", self.index_path)
+                return index, ""
+            return None, "stale"
         except FileNotFoundError:
-            pass
+            return None, ""
         except ValueError as exc:
-            LOG.warning("shard index %s is unreadable (%s): rebuilding it", self.index_path, exc)
-        return self._build(names, expected)
+            return None, f"unreadable ({exc})"
 
     def _build(self, names: list[str], header: dict[str, Any]) -> ShardIndex:
         """Count every shard by one sequential read; record each block start's byte position."""
