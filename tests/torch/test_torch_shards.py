@@ -21,7 +21,7 @@ from adaptdl.core.shards import BlockOrder
 from adaptdl.torch import _context
 from adaptdl.torch import shards as shards_module
 from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
-from adaptdl.torch.shards import JsonLinesReader, ShardedDataset, TarReader
+from adaptdl.torch.shards import JsonLinesReader, ParquetReader, ShardedDataset, TarReader
 
 COUNTS = [7, 30, 1, 0, 45, 37]  # 120 samples, an empty shard, one of a single sample
 
@@ -286,6 +286,26 @@ def test_remote_shards_without_fsspec_name_the_extra(
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"adaptdl-torch\[fsspec\]"):
         ShardedDataset(["s3://bucket/a.jsonl"], JsonLinesReader(), index_path=tmp_path / "i.json")
+
+
+def test_parquet_without_pyarrow_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    path = tmp_path / "part-000.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match=r"adaptdl-torch\[parquet\]"):
+        ShardedDataset([path], ParquetReader())
+
+
+def test_a_positioned_reader_needs_read_at(tmp_path: Path) -> None:
+    class HalfPositioned(JsonLinesReader):
+        def open_state(self, stream: IO[bytes]) -> IO[bytes]:
+            return stream
+
+    with pytest.raises(ValueError, match="open_state but no read_at"):
+        ShardedDataset(write_jsonl(tmp_path, [3]), HalfPositioned())
 
 
 # -- AdaptiveDataLoader over shards ------------------------------------------------------

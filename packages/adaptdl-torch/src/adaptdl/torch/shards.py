@@ -45,11 +45,13 @@ from adaptdl.core.shards import (
     micro_batches,
 )
 from adaptdl.core.storage import open_regular
+from adaptdl.torch.parquet import ParquetReader
 from torch.utils.data import IterableDataset, get_worker_info
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "JsonLinesReader",
+    "ParquetReader",
     "ShardReader",
     "ShardedDataset",
     "ShardedStream",
@@ -79,6 +81,12 @@ class ShardReader(Protocol):
     A reader may also define ``split(data: bytes) -> list`` (the records of such a
     span of bytes, all at once): the dataset then calls it instead of ``records``,
     which saves a stream and a generator step per record.
+
+    A format that cannot be cut at byte positions (Parquet: see
+    `adaptdl.torch.parquet.ParquetReader`) is read by position instead: its
+    ``scan`` yields positions of its own (row numbers), ``open_state(stream)``
+    returns a per-shard state (with ``close()``) and ``read_at(state, position,
+    count)`` the ``count`` records from a position ``scan`` yielded (or 0).
     """
 
     def scan(self, stream: IO[bytes]) -> Iterator[int]: ...
@@ -271,6 +279,15 @@ class ShardedDataset(IterableDataset[Any]):
         self.reader = reader
         # A reader's optional split(data) -> records, looked up once (see ShardReader).
         self._split: Callable[[bytes], list[Any]] | None = getattr(reader, "split", None)
+        # A positioned reader's read_at(state, position, count) (see ShardReader).
+        self._read_at: Callable[[Any, int, int], list[Any]] | None = None
+        if callable(getattr(reader, "open_state", None)):
+            self._read_at = getattr(reader, "read_at", None)
+            if not callable(self._read_at):
+                raise ValueError(
+                    f"reader has open_state but no read_at (a positioned ShardReader "
+                    f"needs both), got {reader!r}"
+                )
         self.block_size = block_size
         self.transform = transform
         if index_path is None:
@@ -366,7 +383,7 @@ class ShardedDataset(IterableDataset[Any]):
     def _reset_caches(self) -> None:
         # Open shards by index: an int for a local file (read with pread), else the
         # file object fsspec opened; at most _OPEN_FILES, the oldest closed first.
-        self._handles: dict[int, int | IO[bytes]] = {}
+        self._handles: dict[int, Any] = {}  # or a positioned reader's state
         self._seek_map: mmap.mmap | None = None
         self._seeks: Any = None  # the seek file's numbers, indexable: block -> byte position
         self._block: tuple[int, list[Any]] | None = None
@@ -392,7 +409,7 @@ class ShardedDataset(IterableDataset[Any]):
             self._seek_map.close()
         self._reset_caches()
 
-    def _handle(self, shard: int) -> int | IO[bytes]:
+    def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
         if handle is None:
             if len(self._handles) >= _OPEN_FILES:
@@ -400,7 +417,9 @@ class ShardedDataset(IterableDataset[Any]):
                 closing = self._handles.pop(oldest)
                 os.close(closing) if isinstance(closing, int) else closing.close()
             name = self.index.names[shard]
-            if _is_remote(name):
+            if self._read_at is not None:
+                handle = self.reader.open_state(open_shard(name))  # type: ignore[attr-defined]
+            elif _is_remote(name):
                 handle = open_shard(name)
             else:
                 handle = os.open(name.removeprefix("file://"), os.O_RDONLY | _O_BINARY)
@@ -409,7 +428,7 @@ class ShardedDataset(IterableDataset[Any]):
 
     def _read_span(self, shard: int, begin: int, end: int) -> bytes:
         """Bytes ``[begin, end)`` of a shard: one positioned read where the OS has one."""
-        handle = self._handle(shard)
+        handle: int | IO[bytes] = self._handle(shard)
         if not isinstance(handle, int):
             handle.seek(begin)
             return handle.read(end - begin)
@@ -453,7 +472,7 @@ class ShardedDataset(IterableDataset[Any]):
         # The hot path of every reader: once per block, so look-ups are kept local.
         shard, offset = self.index.locate(start)
         size, rest = stop - start, self.index.counts[shard] - offset
-        if size > rest:
+        if size > rest or self._read_at is not None:
             records = self._read_across(block, shard, offset, size)
         else:
             seeks = self._seeks if self._seeks is not None else self._seek_table()
@@ -474,16 +493,23 @@ class ShardedDataset(IterableDataset[Any]):
         return records
 
     def _read_across(self, block: int, shard: int, offset: int, size: int) -> list[Any]:
-        """A block that spans shard boundaries: each shard's part, then the next's from 0."""
+        """Each shard's part of a block, the next shard's from its start (position 0).
+
+        For a block that spans shard boundaries, and for a positioned reader.
+        """
         counts, records = self.index.counts, list[Any]()
         begin = self._seek_position(block)
         while True:
             want = min(size - len(records), counts[shard] - offset)
             if want > 0:
                 to_end = offset + want == counts[shard]
-                end = self._sizes[shard] if to_end else self._seek_position(block + 1)
-                got = self._records(self._read_span(shard, begin, end))
+                if self._read_at is not None:
+                    got = self._read_at(self._handle(shard), begin, want)
+                else:
+                    end = self._sizes[shard] if to_end else self._seek_position(block + 1)
+                    got = self._records(self._read_span(shard, begin, end))
                 if len(got) != want:
+                    # Filling up from the next shard would put samples at wrong ids.
                     self._mismatch(shard, offset, want, got, to_end)
                 records += got
                 if len(records) == size:
