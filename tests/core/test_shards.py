@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.permutation import MAX_N
@@ -277,6 +277,40 @@ def test_consumed_positions_stay_a_prefix_through_random_resizes_and_restarts(
     if n <= 20_000:
         ids = BlockOrder(n, block_size, seed=seed).take(0, consumed)
         np.testing.assert_array_equal(np.sort(ids), np.arange(n))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 10**4), min_size=1, max_size=1000),
+    block_size=st.integers(16, 300),
+    seed=seeds,
+    epoch=st.integers(0, 3),
+    picks=st.lists(st.integers(0, 2**32), max_size=50),
+)
+@example(counts=[10**4] * 1000, block_size=16, seed=7, epoch=1, picks=list(range(0, 10**6, 997)))
+@example(counts=[1] * 1000, block_size=16, seed=7, epoch=0, picks=[3, 5])
+def test_a_large_pass_covers_every_sample_once_block_by_block(
+    counts: list[int], block_size: int, seed: int, epoch: int, picks: list[int]
+) -> None:
+    """Exactly once at corpus sizes where listing every id is too slow (up to 10^7).
+
+    The pass lays out slots of ``block_size`` positions; each sample is used once
+    iff every block is laid out in exactly one slot and each slot's run lists each
+    of its block's samples once. The first is checked for every slot, the second
+    for the blocks of random slots (and the short last one).
+    """
+    n = index_of(counts).total
+    order = BlockOrder(n, block_size, seed=seed, epoch=epoch)
+    blocks = np.fromiter(
+        (order.block_at(s) for s in range(order.num_blocks)), np.int64, order.num_blocks
+    )
+    np.testing.assert_array_equal(np.sort(blocks), np.arange(order.num_blocks))
+    last = order.num_blocks - 1
+    slots = {last, *(pick % order.num_blocks for pick in picks)}
+    for slot in slots:
+        (run,) = order.runs(slot * block_size, min(n, (slot + 1) * block_size))
+        assert run.block == blocks[slot]
+        assert sorted(run.offsets) == list(range(run.stop - run.start))
 
 
 def simulate_reads(order: BlockOrder, replicas: int, workers: int, local_bsz: int) -> int:
