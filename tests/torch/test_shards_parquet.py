@@ -61,22 +61,22 @@ class DecodeLog:
         monkeypatch.setattr(pq.ParquetFile, "read_row_group", recording)
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    counts=st.lists(st.integers(0, 60), min_size=1, max_size=6).filter(lambda c: sum(c) > 0),
-    row_group_size=st.integers(1, 25),
-    block_size=st.integers(1, 20),
-    seed=st.integers(0, 100),
-    lo_frac=st.floats(0, 1),
+# (rows per shard, rows per row group, block size, seed, where the read starts)
+layouts = st.tuples(
+    st.lists(st.integers(0, 60), min_size=1, max_size=6).filter(lambda c: sum(c) > 0),
+    st.integers(1, 25),
+    st.integers(1, 20),
+    st.integers(0, 100),
+    st.floats(0, 1),
 )
+
+
+@settings(max_examples=20, deadline=None)
+@given(layout=layouts)
 def test_take_reads_the_rows_of_the_order(
-    tmp_path_factory: pytest.TempPathFactory,
-    counts: list[int],
-    row_group_size: int,
-    block_size: int,
-    seed: int,
-    lo_frac: float,
+    tmp_path_factory: pytest.TempPathFactory, layout: tuple[list[int], int, int, int, float]
 ) -> None:
+    counts, row_group_size, block_size, seed, lo_frac = layout
     paths = write_parquet(tmp_path_factory.mktemp("pq"), counts, row_group_size)
     ds = ShardedDataset(paths, ParquetReader(), block_size=block_size)
     assert list(ds.index.counts) == counts
