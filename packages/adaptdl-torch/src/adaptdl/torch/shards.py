@@ -61,8 +61,12 @@ __all__ = [
 LOG = logging.getLogger("adaptdl.torch.shards")
 
 INDEX_VERSION = 1
-# Open shard files kept per process: blocks come from shards in shuffled order.
+# Open shards kept per process: blocks come from shards in shuffled order, so with
+# more shards than this most blocks would reopen their file. A local shard costs a
+# descriptor (a quarter of the soft limit at most is used); a remote one, or a
+# positioned reader's state, holds buffers, so fewer of those are kept.
 _OPEN_FILES = 8
+_OPEN_DESCRIPTORS = 256
 _U64 = struct.Struct("<Q")
 # One system call per span where the platform has it (not Windows).
 _PREAD: Callable[[int, int, int], bytes] | None = getattr(os, "pread", None)
@@ -197,6 +201,15 @@ def open_shard(path: str) -> IO[bytes]:
     return open(path.removeprefix("file://"), "rb")
 
 
+def _descriptor_limit() -> int:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 4 * _OPEN_FILES
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def _size(path: str) -> int:
     if _is_remote(path):
         fs, _, (target,) = _fsspec().get_fs_token_paths(path)
@@ -295,6 +308,9 @@ class ShardedDataset(IterableDataset[Any]):
         else:
             self.index_path = Path(index_path)
         self.index = self._load_or_build(names)
+        self._max_open = _OPEN_FILES
+        if self._read_at is None and not any(_is_remote(n) for n in names):
+            self._max_open = max(_OPEN_FILES, min(_OPEN_DESCRIPTORS, _descriptor_limit() // 4))
         self._reset_caches()
 
     # -- the index ----------------------------------------------------------------------
@@ -382,7 +398,7 @@ class ShardedDataset(IterableDataset[Any]):
 
     def _reset_caches(self) -> None:
         # Open shards by index: an int for a local file (read with pread), else the
-        # file object fsspec opened; at most _OPEN_FILES, the oldest closed first.
+        # file object fsspec opened; at most _max_open, the oldest closed first.
         self._handles: dict[int, Any] = {}  # or a positioned reader's state
         self._seek_map: mmap.mmap | None = None
         self._seeks: Any = None  # the seek file's numbers, indexable: block -> byte position
@@ -412,7 +428,7 @@ class ShardedDataset(IterableDataset[Any]):
     def _handle(self, shard: int) -> Any:
         handle = self._handles.get(shard)
         if handle is None:
-            if len(self._handles) >= _OPEN_FILES:
+            if len(self._handles) >= self._max_open:
                 oldest = next(iter(self._handles))
                 closing = self._handles.pop(oldest)
                 os.close(closing) if isinstance(closing, int) else closing.close()
