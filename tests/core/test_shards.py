@@ -179,6 +179,16 @@ def test_runs_rotate_each_full_block_as_rotation_says(
             assert run.offsets == [inner[(u + shift) % block_size] for u in places]
 
 
+def test_large_blocks_read_their_offsets_from_the_array_not_a_list() -> None:
+    """Blocks above 4096 samples keep the in-block permutation as an array only."""
+    order = BlockOrder(12_345, 5000, seed=2)
+    assert order._inner_list is None
+    ids = order.take(0, 12_345)
+    np.testing.assert_array_equal(np.sort(ids), np.arange(12_345))
+    small = BlockOrder(12_345, 4096, seed=2)
+    assert small._inner_list == small._inner.tolist()
+
+
 @pytest.mark.parametrize("n", [2**40 + 7, MAX_N])
 def test_memory_does_not_grow_with_the_corpus(n: int) -> None:
     order = BlockOrder(n, 64, seed=3)

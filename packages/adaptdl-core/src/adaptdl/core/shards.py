@@ -91,6 +91,8 @@ MAX_BLOCK_SIZE = 1 << 20
 _ROTATION_SALT = 0x5A17
 # Slots of the block order drawn at once (a page of ints, cached by the order).
 _PAGE = 1024
+# Largest block whose in-block permutation is also kept as a list (2 * B ints).
+_LIST_BLOCK = 4096
 _MASK64 = (1 << 64) - 1
 
 
@@ -261,6 +263,9 @@ class BlockOrder:
     # The in-block permutation twice over, so that a rotated run of it is one slice.
     _inner: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
     _inner_last: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
+    # The same as a list for blocks up to _LIST_BLOCK: slicing a list is cheaper than
+    # slicing an array and converting the slice, once per block read.
+    _inner_list: list[int] | None = attrs.field(init=False, repr=False, eq=False)
     # [first slot, blocks, rotations of the slots from it]: drawn a page at a time.
     _page: list[Any] = attrs.field(init=False, repr=False, eq=False)
 
@@ -277,6 +282,8 @@ class BlockOrder:
         object.__setattr__(self, "_blocks", blocks)
         object.__setattr__(self, "_rotation_key", rotation_key)
         object.__setattr__(self, "_inner", np.concatenate([inner, inner]))
+        small = self._inner.tolist() if b <= _LIST_BLOCK else None
+        object.__setattr__(self, "_inner_list", small)
         object.__setattr__(self, "_inner_last", inner_last)
         object.__setattr__(self, "_page", [-1, [], []])
 
@@ -335,7 +342,7 @@ class BlockOrder:
         hi = check_int("hi", hi, min=lo, max=self.n)
         # The per-block work of every reader: kept to list look-ups and slices.
         b, n, full = self.block_size, self.n, self.num_full_blocks
-        inner, page = self._inner, self._page
+        inner, page = self._inner_list, self._page
         for slot in range(lo // b, -(-hi // b)):
             base = slot * b
             first = lo - base if lo > base else 0
@@ -346,11 +353,14 @@ class BlockOrder:
                     page = self._page_at(slot)
                     i = slot - page[0]
                 block, shift = page[1][i], page[2][i]
-                offsets = inner[first + shift : last + shift]
+                if inner is not None:
+                    offsets = inner[first + shift : last + shift]
+                else:
+                    offsets = self._inner[first + shift : last + shift].tolist()
             else:
-                block, offsets = slot, self._inner_last[first:last]
+                block, offsets = slot, self._inner_last[first:last].tolist()
             start = block * b
-            yield _new_run((block, start, min(n, start + b), offsets.tolist()))
+            yield _new_run((block, start, min(n, start + b), offsets))
 
     def __getitem__(self, position: int) -> int:
         p = check_int("position", position, min=0, max=self.n - 1)
