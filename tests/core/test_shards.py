@@ -51,6 +51,7 @@ def test_locate_names_the_shard_and_offset_of_every_global_id(
     shard, offset = index.locate(g)
     assert counts[shard] > 0 and 0 <= offset < counts[shard]
     assert index.offset(shard) + offset == g
+    assert index.offsets == (0, *itertools.accumulate(counts))
     assert ShardIndex.from_json(json.loads(json.dumps(index.to_json()))) == index
 
 

@@ -169,6 +169,11 @@ class ShardIndex:
     def num_shards(self) -> int:
         return len(self.names)
 
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """``offsets[s]``: the global id of shard ``s``'s first sample; ``offsets[-1]``: total."""
+        return self._offsets
+
     def offset(self, shard: int) -> int:
         """The global id of shard ``shard``'s first sample."""
         return self._offsets[check_int("shard", shard, min=0, max=self.num_shards - 1)]

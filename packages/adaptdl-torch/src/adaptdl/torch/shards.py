@@ -19,6 +19,7 @@ when it is installed (``pip install 'adaptdl-torch[fsspec]'``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -486,7 +487,9 @@ class ShardedDataset(IterableDataset[Any]):
         if cached is not None and cached[0] == block:
             return cached[1]
         # The hot path of every reader: once per block, so look-ups are kept local.
-        shard, offset = self.index.locate(start)
+        offsets = self.index.offsets
+        shard = bisect.bisect_right(offsets, start) - 1  # index.locate, unchecked
+        offset = start - offsets[shard]
         size, rest = stop - start, self.index.counts[shard] - offset
         if size > rest or self._read_at is not None:
             records = self._read_across(block, shard, offset, size)
