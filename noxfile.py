@@ -71,6 +71,28 @@ def integrations(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def streaming(session: nox.Session) -> None:
+    """The sharded-dataset tests with the optional readers' extras (pyarrow, fsspec).
+
+    Not in the default sessions: CI's ``tests`` runs them without the extras, where
+    the Parquet and remote-storage tests skip.
+    """
+    _install(session, *TEST_DEPS, "pyarrow>=14", "fsspec>=2023.1")
+    args = session.posargs or [
+        "tests/core/test_shards.py",
+        "tests/torch/test_torch_shards.py",
+        "tests/torch/test_shards_parquet.py",
+        "tests/torch/test_shard_index_build.py",
+    ]
+    session.run(
+        "pytest",
+        "--timeout=600",
+        *args,
+        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
+    )
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     session.install("ruff>=0.6")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.permutation import MAX_N
@@ -16,6 +16,8 @@ from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
     ShardIndex,
+    _mix,
+    _mix_array,
     micro_batches,
     replica_chunk,
 )
@@ -49,6 +51,7 @@ def test_locate_names_the_shard_and_offset_of_every_global_id(
     shard, offset = index.locate(g)
     assert counts[shard] > 0 and 0 <= offset < counts[shard]
     assert index.offset(shard) + offset == g
+    assert index.offsets == (0, *itertools.accumulate(counts))
     assert ShardIndex.from_json(json.loads(json.dumps(index.to_json()))) == index
 
 
@@ -146,6 +149,45 @@ def test_orders_are_pinned_and_differ_by_seed_epoch_and_pass() -> None:
 
 
 GOLDEN = [15, 13, 14, 12, 17, 18, 16, 19, 0, 3, 1, 2, 5, 6, 4, 7, 9, 10, 8, 11]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=50),
+    key=st.integers(0, 2**64 - 1),
+)
+def test_the_vectorised_mix_is_the_scalar_one(values: list[int], key: int) -> None:
+    """Runs take block rotations from a page mixed at once; rotation() mixes one."""
+    mixed = _mix_array(np.array(values, dtype=np.int64), key)
+    assert mixed.tolist() == [_mix(v, key) for v in values]
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 3000), block_size=st.integers(1, 64), seed=seeds, lo_frac=st.floats(0, 1))
+def test_runs_rotate_each_full_block_as_rotation_says(
+    n: int, block_size: int, seed: int, lo_frac: float
+) -> None:
+    """Offsets at place u of a full block are inner[(u + rotation(block)) % B]."""
+    order = BlockOrder(n, block_size, seed=seed)
+    slots = {order.block_at(s): s for s in range(order.num_full_blocks)}
+    inner = order._inner[:block_size].tolist()
+    lo = int(lo_frac * n)
+    for run in order.runs(lo, n):
+        if run.block in slots:
+            first = max(lo - slots[run.block] * block_size, 0)
+            shift = order.rotation(run.block)
+            places = range(first, first + len(run.offsets))
+            assert run.offsets == [inner[(u + shift) % block_size] for u in places]
+
+
+def test_large_blocks_read_their_offsets_from_the_array_not_a_list() -> None:
+    """Blocks above 4096 samples keep the in-block permutation as an array only."""
+    order = BlockOrder(12_345, 5000, seed=2)
+    assert order._inner_list is None
+    ids = order.take(0, 12_345)
+    np.testing.assert_array_equal(np.sort(ids), np.arange(12_345))
+    small = BlockOrder(12_345, 4096, seed=2)
+    assert small._inner_list == small._inner.tolist()
 
 
 @pytest.mark.parametrize("n", [2**40 + 7, MAX_N])
@@ -246,6 +288,40 @@ def test_consumed_positions_stay_a_prefix_through_random_resizes_and_restarts(
     if n <= 20_000:
         ids = BlockOrder(n, block_size, seed=seed).take(0, consumed)
         np.testing.assert_array_equal(np.sort(ids), np.arange(n))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 10**4), min_size=1, max_size=1000),
+    block_size=st.integers(16, 300),
+    seed=seeds,
+    epoch=st.integers(0, 3),
+    picks=st.lists(st.integers(0, 2**32), max_size=50),
+)
+@example(counts=[10**4] * 1000, block_size=16, seed=7, epoch=1, picks=list(range(0, 10**6, 997)))
+@example(counts=[1] * 1000, block_size=16, seed=7, epoch=0, picks=[3, 5])
+def test_a_large_pass_covers_every_sample_once_block_by_block(
+    counts: list[int], block_size: int, seed: int, epoch: int, picks: list[int]
+) -> None:
+    """Exactly once at corpus sizes where listing every id is too slow (up to 10^7).
+
+    The pass lays out slots of ``block_size`` positions; each sample is used once
+    iff every block is laid out in exactly one slot and each slot's run lists each
+    of its block's samples once. The first is checked for every slot, the second
+    for the blocks of random slots (and the short last one).
+    """
+    n = index_of(counts).total
+    order = BlockOrder(n, block_size, seed=seed, epoch=epoch)
+    blocks = np.fromiter(
+        (order.block_at(s) for s in range(order.num_blocks)), np.int64, order.num_blocks
+    )
+    np.testing.assert_array_equal(np.sort(blocks), np.arange(order.num_blocks))
+    last = order.num_blocks - 1
+    slots = {last, *(pick % order.num_blocks for pick in picks)}
+    for slot in slots:
+        (run,) = order.runs(slot * block_size, min(n, (slot + 1) * block_size))
+        assert run.block == blocks[slot]
+        assert sorted(run.offsets) == list(range(run.stop - run.start))
 
 
 def simulate_reads(order: BlockOrder, replicas: int, workers: int, local_bsz: int) -> int:

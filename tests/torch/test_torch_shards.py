@@ -19,8 +19,9 @@ import adaptdl.torch as adl
 from adaptdl.core.boundary import Preempted
 from adaptdl.core.shards import BlockOrder
 from adaptdl.torch import _context
+from adaptdl.torch import shards as shards_module
 from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
-from adaptdl.torch.shards import JsonLinesReader, ShardedDataset, TarReader
+from adaptdl.torch.shards import JsonLinesReader, ParquetReader, ShardedDataset, TarReader
 
 COUNTS = [7, 30, 1, 0, 45, 37]  # 120 samples, an empty shard, one of a single sample
 
@@ -69,19 +70,36 @@ def consume(loader: AdaptiveDataLoader, key: str = "i") -> list[int]:
 
 
 class Recording(JsonLinesReader):
-    """A JSON-lines reader that records where each sequential read starts."""
+    """A JSON-lines reader that counts the shards it scans."""
 
     def __init__(self) -> None:
         self.scans = 0
-        self.starts: list[int] = []
 
     def scan(self, stream: IO[bytes]) -> Iterator[int]:
         self.scans += 1
         return super().scan(stream)
 
-    def records(self, stream: IO[bytes]) -> Iterator[bytes]:
-        self.starts.append(stream.tell())
-        return super().records(stream)
+
+def record_spans(
+    ds: ShardedDataset, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int, int, int]]:
+    """Every (shard, begin, end) byte span the dataset reads from now on."""
+    spans: list[tuple[int, int, int]] = []
+    read_span, pread = ds._read_span, shards_module._PREAD
+    assert pread is not None
+
+    def recording_span(shard: int, begin: int, end: int) -> bytes:
+        spans.append((shard, begin, end))
+        return read_span(shard, begin, end)
+
+    def recording_pread(fd: int, size: int, begin: int) -> bytes:
+        (shard,) = [s for s, h in ds._handles.items() if h == fd]
+        spans.append((shard, begin, begin + size))
+        return pread(fd, size, begin)
+
+    monkeypatch.setattr(ds, "_read_span", recording_span)
+    monkeypatch.setattr(shards_module, "_PREAD", recording_pread)
+    return spans
 
 
 # -- the dataset and its index -----------------------------------------------------------
@@ -129,6 +147,22 @@ def test_tar_samples_group_members_by_key(tmp_path: Path) -> None:
     assert samples[4] == {"i": 4, "key": "samples/000004", "txt": "text 4"}
 
 
+class RecordsOnly:
+    """A reader with only the protocol's required methods (no split): read through records."""
+
+    def __init__(self) -> None:
+        self.inner = JsonLinesReader()
+
+    def scan(self, stream: IO[bytes]) -> Iterator[int]:
+        return self.inner.scan(stream)
+
+    def records(self, stream: IO[bytes]) -> Iterator[bytes]:
+        return (line for line in stream if line.strip())
+
+    def decode(self, record: bytes) -> Any:
+        return json.loads(record)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     counts=st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda c: sum(c) > 0),
@@ -144,26 +178,45 @@ def test_take_reads_the_samples_of_the_order_sequentially_from_block_starts(
     lo_frac: float,
 ) -> None:
     for kind, write, reader, transform in (
-        ("jsonl", write_jsonl, Recording(), None),
+        ("jsonl", write_jsonl, JsonLinesReader(), None),
+        ("records", write_jsonl, RecordsOnly(), None),
         ("tar", write_tar, TarReader(), tar_sample),
     ):
-        ds = ShardedDataset(
-            write(tmp_path_factory.mktemp(kind), counts),
-            reader,
-            block_size=block_size,
-            transform=transform,
-        )
+        paths = write(tmp_path_factory.mktemp(kind), counts)
+        ds = ShardedDataset(paths, reader, block_size=block_size, transform=transform)
         n = len(ds)
         order = BlockOrder(n, block_size, seed=seed)
         lo = int(lo_frac * n)
-        assert [s["i"] for s in ds.take(order, lo, n)] == order.take(lo, n).tolist()
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            spans = record_spans(ds, monkeypatch)
+            assert [s["i"] for s in ds.take(order, lo, n)] == order.take(lo, n).tolist()
+        assert spans or lo == n
         # One block cached, a bounded number of open files, whatever was read.
-        assert ds._block is not None and len(ds._block[1]) <= block_size
-        assert len(ds._files) <= 8
-        if isinstance(reader, Recording):
-            # Each sequential read starts at a block start or at a shard's start.
-            block_starts = {ds._seek_position(b) for b in range(order.num_blocks)}
-            assert set(reader.starts) <= block_starts | {0}
+        assert lo == n or (ds._block is not None and len(ds._block[1]) <= block_size)
+        assert len(ds._handles) <= ds._max_open <= 256
+        # Each read is one span from a block start (or a shard's start, where a block
+        # goes on into the next shard) to the next block start or the shard's end.
+        block_starts = {ds._seek_position(b) for b in range(order.num_blocks)}
+        sizes = [path.stat().st_size for path in paths]
+        for shard, begin, end in spans:
+            assert begin in block_starts | {0}
+            assert end in block_starts | {sizes[shard]} and begin < end
+        # Every block the positions fall in is read once, nothing else is read.
+        blocks = {run.block for run in order.runs(lo, n)}
+        assert ds.stats["blocks"] == len(blocks)
+        assert ds.stats["records"] == sum(len(range(*order.block_span(b))) for b in blocks)
+
+
+def test_open_shards_are_bounded_the_oldest_closed_first(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, [3] * 12), JsonLinesReader(), block_size=2)
+    assert ds._max_open >= 8  # local shards: descriptors, many kept
+    ds._max_open = 3
+    order = BlockOrder(len(ds), 2, seed=4)
+    assert [s["i"] for s in ds.take(order, 0, 36)] == order.take(0, 36).tolist()
+    assert len(ds._handles) == 3
+    ds.close()
+    assert ds._handles == {}
+    assert [s["i"] for s in ds.take(order, 5, 9)] == order.take(5, 9).tolist()
 
 
 def test_a_sole_reader_reads_each_sample_once_and_decodes_only_what_it_uses(
@@ -208,6 +261,17 @@ def test_a_shard_shorter_than_its_index_is_an_error_not_other_samples(tmp_path: 
         ds.read_block(0, 0, 8)
 
 
+def test_a_block_holding_more_records_than_its_index_is_an_error(tmp_path: Path) -> None:
+    paths = write_jsonl(tmp_path, [6])
+    ds = ShardedDataset(paths, JsonLinesReader(), block_size=4)
+    # Rewritten in place with the same size: line 1 becomes two lines.
+    lines = paths[0].read_text().splitlines(keepends=True)
+    lines[1] = "1" + " " * (len(lines[1]) - 4) + "\n2\n"
+    paths[0].write_text("".join(lines))
+    with pytest.raises(ValueError, match=r"holds 5 samples where its index counts 4 .* delete"):
+        ds.read_block(0, 0, 4)
+
+
 def test_shards_without_samples_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must hold 1 to"):
         ShardedDataset(write_jsonl(tmp_path, [0, 0]), JsonLinesReader())
@@ -224,6 +288,7 @@ def test_remote_shards_go_through_fsspec(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="index_path is needed for remote shards"):
         ShardedDataset(urls, JsonLinesReader())
     ds = ShardedDataset(urls, JsonLinesReader(), index_path=tmp_path / "index.json", block_size=3)
+    assert ds._max_open == 8  # remote files hold buffers: few are kept open
     order = BlockOrder(len(ds), 3, seed=1)
     assert [s["i"] for s in ds.take(order, 0, 14)] == order.take(0, 14).tolist()
 
@@ -234,6 +299,26 @@ def test_remote_shards_without_fsspec_name_the_extra(
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"adaptdl-torch\[fsspec\]"):
         ShardedDataset(["s3://bucket/a.jsonl"], JsonLinesReader(), index_path=tmp_path / "i.json")
+
+
+def test_parquet_without_pyarrow_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    path = tmp_path / "part-000.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ImportError, match=r"adaptdl-torch\[parquet\]"):
+        ShardedDataset([path], ParquetReader())
+
+
+def test_a_positioned_reader_needs_read_at(tmp_path: Path) -> None:
+    class HalfPositioned(JsonLinesReader):
+        def open_state(self, stream: IO[bytes]) -> IO[bytes]:
+            return stream
+
+    with pytest.raises(ValueError, match="open_state but no read_at"):
+        ShardedDataset(write_jsonl(tmp_path, [3]), HalfPositioned())
 
 
 # -- AdaptiveDataLoader over shards ------------------------------------------------------

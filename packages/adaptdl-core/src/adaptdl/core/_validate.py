@@ -29,9 +29,12 @@ def check_int(name: str, value: Any, *, min: int | None = None, max: int | None 
 
     Booleans are rejected: ``True`` is not a batch size.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is int:  # the common case, without the costlier ABC check
+        result = value
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    result = int(value)
+    else:
+        result = int(value)
     _check_range(name, result, min, max)
     return result
 

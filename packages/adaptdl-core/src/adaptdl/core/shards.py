@@ -41,6 +41,7 @@ run), and never more than the number of readers; see README "Streaming data".
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -90,15 +91,30 @@ MAX_BLOCK_SIZE = 1 << 20
 _ROTATION_SALT = 0x5A17
 # Slots of the block order drawn at once (a page of ints, cached by the order).
 _PAGE = 1024
+# Largest block whose in-block permutation is also kept as a list (2 * B ints).
+_LIST_BLOCK = 4096
 _MASK64 = (1 << 64) - 1
+
+
+_MIX_1, _MIX_2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _mix(value: int, key: int) -> int:
     """A keyed 64-bit mix (splitmix64's finaliser) of ``value``: pure integer arithmetic."""
-    h = ((value ^ key) * 0xBF58476D1CE4E5B9) & _MASK64
+    h = ((value ^ key) * _MIX_1) & _MASK64
     h ^= h >> 31
-    h = (h * 0x94D049BB133111EB) & _MASK64
+    h = (h * _MIX_2) & _MASK64
     return h ^ (h >> 29)
+
+
+def _mix_array(values: npt.NDArray[np.int64], key: int) -> npt.NDArray[np.uint64]:
+    """:func:`_mix` of each value (uint64 arithmetic wraps modulo 2**64 as ``& _MASK64`` does)."""
+    h: npt.NDArray[np.uint64] = values.astype(np.uint64) ^ np.uint64(key)
+    h *= np.uint64(_MIX_1)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(_MIX_2)
+    h ^= h >> np.uint64(29)
+    return h
 
 
 def _check_names(value: Any) -> tuple[str, ...]:
@@ -152,6 +168,11 @@ class ShardIndex:
     @property
     def num_shards(self) -> int:
         return len(self.names)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """``offsets[s]``: the global id of shard ``s``'s first sample; ``offsets[-1]``: total."""
+        return self._offsets
 
     def offset(self, shard: int) -> int:
         """The global id of shard ``shard``'s first sample."""
@@ -224,6 +245,10 @@ class BlockRun(NamedTuple):
     offsets: list[int]
 
 
+# BlockRun(...) runs a Python-level __new__; tuple.__new__ builds the same in C.
+_new_run = functools.partial(tuple.__new__, BlockRun)
+
+
 @attrs.frozen
 class BlockOrder:
     """The order of one pass over ``n`` samples in blocks of ``block_size``.
@@ -243,7 +268,10 @@ class BlockOrder:
     # The in-block permutation twice over, so that a rotated run of it is one slice.
     _inner: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
     _inner_last: npt.NDArray[np.int64] = attrs.field(init=False, repr=False, eq=False)
-    # [first slot, blocks of the slots from it]: block order drawn a page at a time.
+    # The same as a list for blocks up to _LIST_BLOCK: slicing a list is cheaper than
+    # slicing an array and converting the slice, once per block read.
+    _inner_list: list[int] | None = attrs.field(init=False, repr=False, eq=False)
+    # [first slot, blocks, rotations of the slots from it]: drawn a page at a time.
     _page: list[Any] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -259,8 +287,10 @@ class BlockOrder:
         object.__setattr__(self, "_blocks", blocks)
         object.__setattr__(self, "_rotation_key", rotation_key)
         object.__setattr__(self, "_inner", np.concatenate([inner, inner]))
+        small = self._inner.tolist() if b <= _LIST_BLOCK else None
+        object.__setattr__(self, "_inner_list", small)
         object.__setattr__(self, "_inner_last", inner_last)
-        object.__setattr__(self, "_page", [-1, []])
+        object.__setattr__(self, "_page", [-1, [], []])
 
     @property
     def num_full_blocks(self) -> int:
@@ -275,19 +305,29 @@ class BlockOrder:
         return self._block_at(check_int("slot", slot, min=0, max=self.num_blocks - 1))
 
     def _block_at(self, slot: int) -> int:
-        full = self.num_full_blocks
-        if slot >= full:
+        if slot >= self.num_full_blocks:
             return slot  # the short last block stays last
-        assert self._blocks is not None
-        first, blocks = self._page
-        if not first <= slot < first + len(blocks):
-            # Draw the block order a page of slots at a time, vectorised: readers walk
-            # slots forwards, and a page is a bounded number of ints.
+        return int(self._page_at(slot)[1][slot - self._page[0]])
+
+    def _page_at(self, slot: int) -> list[Any]:
+        """``[first slot, blocks, rotations]`` of the page of full-block slots holding ``slot``.
+
+        The block order is drawn a page of slots at a time, vectorised: readers walk
+        slots forwards, and a page is a bounded number of ints.
+        """
+        page = self._page
+        if not 0 <= slot - page[0] < len(page[1]):
+            assert self._blocks is not None
             first = slot - slot % _PAGE
-            span = np.arange(first, min(full, first + _PAGE), dtype=np.int64)
-            blocks = self._blocks.take(span).tolist()
-            self._page[:] = [first, blocks]
-        return int(blocks[slot - first])
+            span = np.arange(first, min(self.num_full_blocks, first + _PAGE), dtype=np.int64)
+            blocks = self._blocks.take(span)
+            if self._rotation_key:
+                shifts = _mix_array(blocks, self._rotation_key) % np.uint64(self.block_size)
+                rotations = shifts.astype(np.int64).tolist()
+            else:
+                rotations = [0] * len(span)
+            page[:] = [first, blocks.tolist(), rotations]
+        return page
 
     def block_span(self, block: int) -> tuple[int, int]:
         """The global ids ``[start, stop)`` of block ``block``."""
@@ -305,17 +345,27 @@ class BlockOrder:
         """Positions ``[lo, hi)`` (``0 <= lo <= hi <= n``) grouped by block, in order."""
         lo = check_int("lo", lo, min=0, max=self.n)
         hi = check_int("hi", hi, min=lo, max=self.n)
+        # The per-block work of every reader: kept to list look-ups and slices.
         b, n, full = self.block_size, self.n, self.num_full_blocks
+        inner, page = self._inner_list, self._page
         for slot in range(lo // b, -(-hi // b)):
-            block = self._block_at(slot)
-            start = block * b
-            first, last = max(lo, slot * b) - slot * b, min(hi, (slot + 1) * b) - slot * b
-            if block < full:
-                shift = self.rotation(block)
-                offsets = self._inner[first + shift : last + shift]
+            base = slot * b
+            first = lo - base if lo > base else 0
+            last = hi - base if hi < base + b else b
+            if slot < full:
+                i = slot - page[0]
+                if not 0 <= i < len(page[1]):
+                    page = self._page_at(slot)
+                    i = slot - page[0]
+                block, shift = page[1][i], page[2][i]
+                if inner is not None:
+                    offsets = inner[first + shift : last + shift]
+                else:
+                    offsets = self._inner[first + shift : last + shift].tolist()
             else:
-                offsets = self._inner_last[first:last]
-            yield BlockRun(block, start, min(n, start + b), offsets.tolist())
+                block, offsets = slot, self._inner_last[first:last].tolist()
+            start = block * b
+            yield _new_run((block, start, min(n, start + b), offsets))
 
     def __getitem__(self, position: int) -> int:
         p = check_int("position", position, min=0, max=self.n - 1)
@@ -331,14 +381,14 @@ class BlockOrder:
         return self.n
 
 
-@attrs.frozen
-class Chunk:
+class Chunk(NamedTuple):
     """One replica's part of the micro-batch at global ``index``.
 
     Pass positions ``[lo, hi)`` are its real samples; when ``pad`` is not None it
     also takes pass position ``pad`` once more as padding (a duplicate), so that
     every replica yields ``size`` samples. ``step`` is what the micro-batch adds to
-    the global index (all replicas together).
+    the global index (all replicas together). (A named tuple: one is made per
+    micro-batch on every reader's path.)
     """
 
     lo: int
@@ -346,6 +396,9 @@ class Chunk:
     pad: int | None
     size: int
     step: int
+
+
+_new_chunk = functools.partial(tuple.__new__, Chunk)
 
 
 def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: int) -> Chunk:
@@ -356,11 +409,23 @@ def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: i
     first ``m % num_replicas`` replicas taking one more, the others a padding
     sample instead (the position after their run, modulo ``n``).
     """
-    n = check_n(n)
-    index = check_int("index", index, min=0)
+    return _chunk(*_check_chunk_args(n, index, num_replicas, rank, local_bsz))
+
+
+def _check_chunk_args(
+    n: int, index: int, num_replicas: int, rank: int, local_bsz: int
+) -> tuple[int, int, int, int, int]:
     replicas = check_int("num_replicas", num_replicas, min=1)
-    rank = check_int("rank", rank, min=0, max=replicas - 1)
-    local_bsz = check_int("local_bsz", local_bsz, min=1)
+    return (
+        check_n(n),
+        check_int("index", index, min=0),
+        replicas,
+        check_int("rank", rank, min=0, max=replicas - 1),
+        check_int("local_bsz", local_bsz, min=1),
+    )
+
+
+def _chunk(n: int, index: int, replicas: int, rank: int, local_bsz: int) -> Chunk:
     start = index % n
     m = min(replicas * local_bsz, n - start)
     base, extra = divmod(m, replicas)
@@ -368,15 +433,19 @@ def replica_chunk(n: int, index: int, num_replicas: int, rank: int, local_bsz: i
     hi = lo + base + (rank < extra)
     size = base + (extra > 0)
     pad = hi % n if hi - lo < size else None
-    return Chunk(lo, hi, pad, size, m)
+    return _new_chunk((lo, hi, pad, size, m))
 
 
 def micro_batches(
     n: int, index: int, num_replicas: int, rank: int, local_bsz: int
 ) -> Iterator[Chunk]:
     """Replica ``rank``'s chunks from global ``index`` to the end of its pass."""
+    # Checked once: the loop is on every reader's path, a chunk per micro-batch.
+    n, index, replicas, rank, local_bsz = _check_chunk_args(
+        n, index, num_replicas, rank, local_bsz
+    )
     end = (index // n + 1) * n
     while index < end:
-        chunk = replica_chunk(n, index, num_replicas, rank, local_bsz)
+        chunk = _chunk(n, index, replicas, rank, local_bsz)
         yield chunk
         index += chunk.step

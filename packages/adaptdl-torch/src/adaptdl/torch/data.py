@@ -404,6 +404,10 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
 
         def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
             stream.set_plan(epoch, index, self._elastic.job.topology.num_replicas, rank, local_bsz)
+            if self.num_workers == 0 and not self.pin_memory:
+                # The stream yields collated micro-batches: without workers or pinning
+                # the DataLoader would only hand them on, at a cost per batch.
+                return iter(stream)
             if self.generator is not None:
                 self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
             return DataLoader.__iter__(self)
