@@ -36,19 +36,21 @@ def _install(session: nox.Session, *extra: str) -> None:
     session.install(*CONSTRAINTS, *PACKAGES, *extra)
 
 
+def _pytest(session: nox.Session, *args: str) -> None:
+    session.run(
+        "pytest",
+        "--timeout=600",
+        *args,
+        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
+    )
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Unit, property and end-to-end tests (real torchrun processes on CPU with gloo)."""
     _install(session, *TEST_DEPS)
     args = session.posargs or ["tests"]
-    session.run(
-        "pytest",
-        "--cov=adaptdl.core",
-        "--cov-report=term",
-        "--timeout=600",
-        *args,
-        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
-    )
+    _pytest(session, "--cov=adaptdl.core", "--cov-report=term", *args)
 
 
 @nox.session(python=PYTHON)
@@ -62,12 +64,7 @@ def integrations(session: nox.Session) -> None:
     packages = [extras if p == "packages/adaptdl-torch" else p for p in PACKAGES]
     session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
     args = session.posargs or ["tests/integrations"]
-    session.run(
-        "pytest",
-        "--timeout=600",
-        *args,
-        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
-    )
+    _pytest(session, *args)
 
 
 @nox.session(python=PYTHON)
@@ -84,12 +81,7 @@ def streaming(session: nox.Session) -> None:
         "tests/torch/test_shards_parquet.py",
         "tests/torch/test_shard_index_build.py",
     ]
-    session.run(
-        "pytest",
-        "--timeout=600",
-        *args,
-        env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
-    )
+    _pytest(session, *args)
 
 
 @nox.session(python=PYTHON)
