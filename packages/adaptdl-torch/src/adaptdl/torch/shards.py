@@ -30,10 +30,9 @@ import mmap
 import os
 import struct
 import sys
-import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import numpy as np
 
@@ -47,6 +46,14 @@ from adaptdl.core.shards import (
 )
 from adaptdl.core.storage import open_regular
 from adaptdl.torch.parquet import ParquetReader
+from adaptdl.torch.shardreaders import (
+    JsonLinesReader,
+    ShardReader,
+    TarReader,
+    fsspec_module,
+    is_remote,
+    open_shard,
+)
 from torch.utils.data import IterableDataset, get_worker_info
 
 __all__ = [
@@ -74,134 +81,6 @@ _PREAD: Callable[[int, int, int], bytes] | None = getattr(os, "pread", None)
 _O_BINARY: int = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
 
 
-class ShardReader(Protocol):
-    """Reads the samples of one shard file sequentially.
-
-    ``scan`` yields the byte position of every sample of a whole shard (once, to
-    count and index it); ``records`` yields the raw records of a stream that starts
-    at a position ``scan`` yielded (or at 0) and ends at another (or at the shard's
-    end); ``decode`` turns a raw record into a sample (only for the samples a
-    micro-batch uses).
-
-    A reader may also define ``split(data: bytes) -> list`` (the records of such a
-    span of bytes, all at once): the dataset then calls it instead of ``records``,
-    which saves a stream and a generator step per record.
-
-    A format that cannot be cut at byte positions (Parquet: see
-    `adaptdl.torch.parquet.ParquetReader`) is read by position instead: its
-    ``scan`` yields positions of its own (row numbers), ``open_state(stream)``
-    returns a per-shard state (with ``close()``) and ``read_at(state, position,
-    count)`` the ``count`` records from a position ``scan`` yielded (or 0).
-    """
-
-    def scan(self, stream: IO[bytes]) -> Iterator[int]: ...
-
-    def records(self, stream: IO[bytes]) -> Iterator[Any]: ...
-
-    def decode(self, record: Any) -> Any: ...
-
-
-class JsonLinesReader:
-    """JSON lines: one JSON value per non-blank line, decoded with ``json.loads``.
-
-    Records are the lines as str (UTF-8), which ``json.loads`` takes without
-    detecting an encoding first.
-    """
-
-    def scan(self, stream: IO[bytes]) -> Iterator[int]:
-        position = stream.tell()
-        for line in stream:
-            if line.strip():
-                yield position
-            position += len(line)
-
-    def records(self, stream: IO[bytes]) -> Iterator[str]:
-        return iter(self.split(stream.read()))
-
-    def split(self, data: bytes) -> list[str]:
-        # A BytesIO finds line ends with memchr, several times faster than str.split
-        # (which compares character by character); filter drops blank lines in C.
-        return list(map(bytes.decode, filter(bytes.strip, io.BytesIO(data))))
-
-    # json.loads itself, not a method calling it: one Python frame less per sample.
-    decode = staticmethod(json.loads)
-
-
-def _split_key(name: str) -> tuple[str, str]:
-    """WebDataset's rule: the key is the path up to the first dot of the file name."""
-    directory, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    key = f"{directory}/{stem}" if directory else stem
-    return key, ext if dot else ""
-
-
-class TarReader:
-    """WebDataset-style tar shards: consecutive members with one key form a sample.
-
-    A sample is a dict ``{"__key__": key, ext: bytes, ...}`` (``images/0001.jpg`` and
-    ``images/0001.cls`` give key ``images/0001`` with ``jpg`` and ``cls``); decode
-    the bytes with the dataset's ``transform``.
-    """
-
-    def _members(self, stream: IO[bytes]) -> Iterator[tarfile.TarInfo]:
-        archive = tarfile.open(fileobj=stream, mode="r:")  # noqa: SIM115 - streamed
-        while (member := archive.next()) is not None:
-            archive.members.clear()  # type: ignore[attr-defined]  # tarfile keeps all it read
-            if member.isfile():
-                yield member
-
-    def scan(self, stream: IO[bytes]) -> Iterator[int]:
-        previous = None
-        for member in self._members(stream):
-            key, _ = _split_key(member.name)
-            if key != previous:
-                yield member.offset
-                previous = key
-
-    def records(self, stream: IO[bytes]) -> Iterator[dict[str, Any]]:
-        archive = tarfile.open(fileobj=stream, mode="r:")  # noqa: SIM115 - streamed
-        sample: dict[str, Any] | None = None
-        while (member := archive.next()) is not None:
-            archive.members.clear()  # type: ignore[attr-defined]
-            if not member.isfile():
-                continue
-            key, ext = _split_key(member.name)
-            if sample is not None and sample["__key__"] != key:
-                yield sample
-                sample = None
-            if sample is None:
-                sample = {"__key__": key}
-            data = archive.extractfile(member)
-            assert data is not None  # a regular file always has data
-            sample[ext] = data.read()
-        if sample is not None:
-            yield sample
-
-    def decode(self, record: dict[str, Any]) -> dict[str, Any]:
-        return record
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-def _fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as exc:
-        raise ImportError(
-            "reading remote shards needs fsspec: pip install 'adaptdl-torch[fsspec]'"
-        ) from exc
-    return fsspec
-
-
-def open_shard(path: str) -> IO[bytes]:
-    """Open a shard for binary reading: a local path, or a URL through fsspec."""
-    if _is_remote(path):
-        return _fsspec().open(path, "rb").open()  # type: ignore[no-any-return]
-    return open(path.removeprefix("file://"), "rb")
-
-
 def _descriptor_limit() -> int:
     try:
         import resource
@@ -212,8 +91,8 @@ def _descriptor_limit() -> int:
 
 
 def _size(path: str) -> int:
-    if _is_remote(path):
-        fs, _, (target,) = _fsspec().get_fs_token_paths(path)
+    if is_remote(path):
+        fs, _, (target,) = fsspec_module().get_fs_token_paths(path)
         return int(fs.size(target))
     return os.stat(path.removeprefix("file://")).st_size
 
@@ -310,7 +189,7 @@ class ShardedDataset(IterableDataset[Any]):
             self.index_path = Path(index_path)
         self.index = self._load_or_build(names)
         self._max_open = _OPEN_FILES
-        if self._read_at is None and not any(_is_remote(n) for n in names):
+        if self._read_at is None and not any(is_remote(n) for n in names):
             self._max_open = max(_OPEN_FILES, min(_OPEN_DESCRIPTORS, _descriptor_limit() // 4))
         self._reset_caches()
 
@@ -436,7 +315,7 @@ class ShardedDataset(IterableDataset[Any]):
             name = self.index.names[shard]
             if self._read_at is not None:
                 handle = self.reader.open_state(open_shard(name))  # type: ignore[attr-defined]
-            elif _is_remote(name):
+            elif is_remote(name):
                 handle = open_shard(name)
             else:
                 handle = os.open(name.removeprefix("file://"), os.O_RDONLY | _O_BINARY)
@@ -582,7 +461,7 @@ class ShardedDataset(IterableDataset[Any]):
 
 
 def _default_index(names: list[str], block_size: int) -> Path:
-    if _is_remote(names[0]):
+    if is_remote(names[0]):
         raise ValueError(
             f"index_path is needed for remote shards (first shard {names[0]!r}): "
             "name a local file for the cached index"
