@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,6 +104,15 @@ def record_spans(
 
 
 # -- the dataset and its index -----------------------------------------------------------
+
+
+def test_a_numpy_block_size_builds_and_reuses_the_index(tmp_path: Path) -> None:
+    # Configuration files and argparse with numpy types give numpy integers: the index
+    # (JSON) holds the checked plain int.
+    paths = write_jsonl(tmp_path, COUNTS)
+    ds = ShardedDataset(paths, Recording(), block_size=np.int64(4))
+    assert type(ds.block_size) is int and len(ds) == 120
+    assert ShardedDataset(paths, Recording(), block_size=4).index_path == ds.index_path
 
 
 def test_jsonl_shards_are_counted_once_and_the_index_is_cached(tmp_path: Path) -> None:

@@ -88,13 +88,10 @@ class Boundary:
     checkpoint: bool = False
     redecide: bool = False
 
-    def to_wire(self) -> list[bool]:
-        """The three flags as a collective carries them (reduced with ``logical_or``)."""
-        return [self.stop, self.checkpoint, self.redecide]
-
     @classmethod
     def from_wire(cls, flags: Any) -> Boundary:
-        """The value of :meth:`to_wire`'s list (after the reduction)."""
+        """The boundary of ``[stop, checkpoint, redecide]`` as a collective carries them
+        (`Job.step_boundary` reduces the list with ``logical_or``)."""
         stop, checkpoint, redecide = flags
         return cls.of(bool(stop), bool(checkpoint), bool(redecide))
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from adaptdl.core.boundary import EXIT_CODE_INTERRUPTED, EXIT_CODE_PREEMPTED
+
 LOGGER_NAME = "adaptdl.lifecycle"
 LOG = logging.getLogger(LOGGER_NAME)
 
@@ -70,8 +72,9 @@ def batch_size_changed(
 def stopping(*, epoch: int | None, steps: int, exit_code: int) -> None:
     """A stop was requested (a signal): the job checkpoints now and exits with ``exit_code``."""
     at = "between epochs" if epoch is None else f"in epoch {epoch}"
-    # 128 + the signal's number, as a shell reports it: 143 SIGTERM, 130 SIGINT.
-    cause = {143: "SIGTERM", 130: "SIGINT"}.get(exit_code, "requested")
+    cause = {EXIT_CODE_PREEMPTED: "SIGTERM", EXIT_CODE_INTERRUPTED: "SIGINT"}.get(
+        exit_code, "requested"
+    )
     LOG.info(
         "stop requested (%s): checkpointing %s at step %d, then exiting with status %d",
         cause,

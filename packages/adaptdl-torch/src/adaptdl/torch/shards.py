@@ -166,7 +166,8 @@ class ShardedDataset(IterableDataset[Any]):
                 raise ValueError(
                     f"reader must implement ShardReader ({method} is missing), got {reader!r}"
                 )
-        check_block_size(block_size)  # core's rule, before an index is built for it
+        # core's rule, before an index is built for it (a plain int: it goes into JSON)
+        block_size = check_block_size(block_size)
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable or None, got {transform!r}")
         self.reader = reader
