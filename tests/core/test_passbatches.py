@@ -118,7 +118,7 @@ def test_in_place_decisions_keep_every_sample_once_and_replicas_in_step(
             shard = Shard(n, index, replicas, rank, epoch=epoch)
             return Prefetching(shard, depths[rank], sizes)
 
-        seen, lengths = [], []
+        seen, lengths, step_lengths, step_passes = [], [], [], set[int]()
         for _epoch in job.epoch.remaining_epochs_until(1):
             for batch in loader.iterate(n, batches):
                 seen.append((loader.current_index, [i for i, pad in batch if not pad]))
@@ -129,8 +129,18 @@ def test_in_place_decisions_keep_every_sample_once_and_replicas_in_step(
                 assert len(batch) == loader.current_local_bsz or (
                     left < replicas * loader.current_local_bsz
                 ), (len(batch), loader.current_local_bsz)
+                step_lengths.append(len(batch))
+                step_passes.add(loader.current_index // n)
                 if loader.is_optim_step():
                     job.metrics.add_progress(1.0)
+                    # A step is whole micro-batches of the reported size and count, also
+                    # across an in-place decision (a step that crosses into the next pass,
+                    # decided anew at its start, or ends with its short batch, aside).
+                    if left > replicas * loader.current_local_bsz and len(step_passes) == 1:
+                        assert len(step_lengths) == loader.accumulation_steps + 1, step_lengths
+                        assert set(step_lengths) == {loader.current_local_bsz}, step_lengths
+                    step_lengths.clear()
+                    step_passes.clear()
         return seen, lengths
 
     outcome = run_replicas(replicas, replica)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -62,6 +62,10 @@ class LoaderHelper:
         self._skipped = False  # whether the loop in `context` was skipped by replay
         self._in_flight = 0  # samples of the batch the loop has yielded and not yet counted
         self._arrived_bsz: int | None = None  # the batch in hand's size, when resizable
+        # The accumulation count in force while batches issued before a decision arrive.
+        self._arrived_accum: int | None = None
+        # Decided counts still to apply: (from batch number, accumulation steps), in order.
+        self._accum_changes: deque[tuple[int, int]] = deque()
         self._loop_epoch: int | None = None  # the epoch keying the running loop's passes
         self._resume_epoch: int | None = None  # set by load_position: keys the next loop
 
@@ -115,8 +119,13 @@ class LoaderHelper:
 
     @property
     def accumulation_steps(self) -> int:
-        """Micro-batches accumulated before the one that takes the optimiser step."""
-        return self._state.accumulation_steps
+        """Micro-batches accumulated before the one that takes the optimiser step.
+
+        Inside a pass, the count in force for the batch in hand: it changes together
+        with `current_local_bsz`, at the first batch issued at the new size.
+        """
+        accum = self._arrived_accum
+        return self._state.accumulation_steps if accum is None else accum
 
     @property
     def current_batch_size(self) -> int:
@@ -131,7 +140,7 @@ class LoaderHelper:
 
     def is_accum_step(self) -> bool:
         """Whether the current micro-batch's gradient is accumulated (no optimiser step)."""
-        return self._accum_count < self._state.accumulation_steps
+        return self._accum_count < self.accumulation_steps
 
     def is_optim_step(self) -> bool:
         """Whether the optimiser step is taken after the current micro-batch."""
@@ -335,11 +344,25 @@ class LoaderHelper:
 
     def _count_micro_batch(self) -> bool:
         """Count one micro-batch; True when it ends an optimiser step (the next starts one)."""
-        if self._accum_count < self._state.accumulation_steps:
+        if self._accum_count < self.accumulation_steps:
             self._accum_count += 1
             return False
         self._accum_count = 0
         return True
+
+    def _defer_accumulation(self, arrived: int, at: int, before: int) -> int:
+        """Where a decision made after ``arrived`` batches applies, sizes issued up to
+        ``at`` kept: the first step boundary at or after ``at`` of the batches issued
+        before it (accumulation count ``before`` from ``arrived``, or the last pending
+        decision's from its batch). Until then `accumulation_steps` stays theirs."""
+        changes = self._accum_changes
+        base, period = changes[-1] if changes else (arrived, before)
+        period += 1
+        at = base + -(-max(at - base, 0) // period) * period
+        if self._arrived_accum is None:
+            self._arrived_accum = before
+        changes.append((at, self._state.accumulation_steps))
+        return at
 
     def iterate(
         self,
@@ -423,6 +446,11 @@ class LoaderHelper:
                         if arrived is not None:
                             size = self._arrived_bsz = arrived()
                             full = replicas * size
+                            changes = self._accum_changes
+                            if changes and i >= changes[0][0]:
+                                self._arrived_accum = changes.popleft()[1]
+                                if not changes:
+                                    self._arrived_accum = None  # the decided count
                         index = state.current_index
                         # The pass's last batch may be short: count only real positions.
                         step = full if index + full <= pass_end else pass_end - index
@@ -446,14 +474,18 @@ class LoaderHelper:
                             boundary = job.step_boundary(training=trains)
                             if self._max_batch_size is not None and self._finished(n, job_epoch):
                                 break
+                            before = self.accumulation_steps
                             if boundary.redecide and self._redecided():
                                 local_bsz = state.current_local_bsz
                                 if sizes is None:
                                     # Go on from the current index with the new batch size.
                                     decided = True
                                     break
-                                # From the first batch no replica has issued yet.
+                                # From the first batch no replica has issued yet, rounded
+                                # up to a step boundary: batches already issued make whole
+                                # steps of the old size and count, then both change.
                                 at = job.collective.allreduce(sizes.issued, maximum)
+                                at = self._defer_accumulation(i + 1, at, before)
                                 sizes.resize(local_bsz, at)
                     else:
                         # The pass ran to its end.
@@ -476,7 +508,8 @@ class LoaderHelper:
                     # Drop the pass's iterator (a DataLoader's, with its workers) now, also
                     # when an exception (`Preempted`) keeps this frame alive in its traceback.
                     made = sizes = arrived = None  # type: ignore[assignment]
-                    self._arrived_bsz = None
+                    self._arrived_bsz = self._arrived_accum = None
+                    self._accum_changes.clear()
             # Every replica ends the loop here, at the same boundary.
             self.job.end_loop()
 
