@@ -66,6 +66,8 @@ def test_bad_arguments_are_refused() -> None:
         AdaptiveDataParallel(model, "sgd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scaling_rule must be"):
         AdaptiveDataParallel(model, torch.optim.SGD(model.parameters(), lr=1), scaling_rule=2)
+    with pytest.raises(ValueError, match="LBFGS re-evaluates its closure"):
+        AdaptiveDataParallel(model, torch.optim.LBFGS(model.parameters()))
 
 
 def test_accumulated_micro_batches_take_one_full_batch_step() -> None:

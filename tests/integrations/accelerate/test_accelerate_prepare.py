@@ -109,6 +109,9 @@ def test_bad_input_is_refused_with_what_is_allowed() -> None:
         ada.prepare(accelerator, model, torch.nn.Linear(1, 1), optimizer, loader)
     with pytest.raises(ValueError, match="got 1 models and 0 optimizers"):
         ada.prepare(accelerator, model, loader)
+    lambdas = [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0) for _ in "ab"]
+    with pytest.raises(ValueError, match="at most one LR scheduler, got 2"):
+        ada.prepare(accelerator, model, optimizer, loader, *lambdas)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     with pytest.raises(TypeError, match="already a DistributedDataParallel: pass the plain"):
         ada.prepare(accelerator, ddp, optimizer, loader)

@@ -159,6 +159,24 @@ def test_each_epoch_consumes_every_sample_once_and_steps_its_scheduler() -> None
     assert adl.finished_epochs() == 2 and fit.current_epoch == 2
 
 
+class CountsValidations(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validations = 0
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validations += 1
+
+
+def test_an_int_val_check_interval_of_one_validates_after_every_batch() -> None:
+    # Lightning reads the int 1 as "every batch", the float 1.0 as "once an epoch".
+    data = Data()
+    data.val_dataloader = lambda: torch.utils.data.DataLoader(dataset(), batch_size=N)
+    every = CountsValidations()
+    trainer(max_epochs=1, val_check_interval=1, num_sanity_val_steps=0).fit(every, datamodule=data)
+    assert every.validations == N // 4  # one per batch of 4 (the float 1.0: one per epoch)
+
+
 def test_accumulation_steps_once_per_batch_and_so_does_a_step_scheduler() -> None:
     def make() -> adl.AdaptiveDataLoader:
         loader = adl.AdaptiveDataLoader(dataset(), batch_size=4)

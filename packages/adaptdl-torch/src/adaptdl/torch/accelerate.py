@@ -84,17 +84,19 @@ def prepare(
     """``accelerator.prepare(*objects)`` for a training loop fed by an `AdaptiveDataLoader`.
 
     ``objects`` are what ``accelerator.prepare`` takes, in any order: exactly one
-    model (``torch.nn.Module``) and one optimiser, and any number of
-    DataLoaders and LR schedulers. Returns them prepared, as a tuple in the same
+    model (``torch.nn.Module``) and one optimiser, at most one LR scheduler, and any
+    number of DataLoaders. Returns them prepared, as a tuple in the same
     order: each `AdaptiveDataLoader` (or other `AdaptiveDataLoaderMixin` loader)
     unchanged, the model wrapped in `AdaptiveDataParallel` (``scaling_rule`` and
     ``name`` are its arguments), the optimiser and schedulers Accelerate's. If the
     job resumed from a checkpoint, the model, optimiser and first scheduler are
-    restored now. See the module docstring for what each gets.
+    restored now (a second scheduler would be in no checkpoint). See the module
+    docstring for what each gets.
 
     Raises TypeError when ``accelerator`` is not an ``accelerate.Accelerator`` or
     the model is already wrapped for data parallelism; ValueError when the
-    objects do not hold exactly one model and one optimiser, when the
+    objects do not hold exactly one model and one optimiser or hold several LR
+    schedulers, when the
     accelerator's ``gradient_accumulation_steps`` is not 1, when it runs a mode
     that shards the model (DeepSpeed, FSDP, Megatron-LM) or XLA, or when its
     processes are not the job's replicas.
@@ -119,6 +121,12 @@ def prepare(
             "prepare wraps in AdaptiveDataParallel"
         )
     schedulers = [o for o in objects if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+    if len(schedulers) > 1:
+        raise ValueError(
+            f"adaptdl.torch.accelerate.prepare takes at most one LR scheduler, got "
+            f"{len(schedulers)}: AdaptDL's checkpoint holds one (chain them with "
+            "torch.optim.lr_scheduler.ChainedScheduler or SequentialLR)"
+        )
     wrapped = _prepare_model(accelerator, model, optimizer, schedulers, scaling_rule, name)
     accelerated = accelerator.prepare_optimizer(optimizer)
     prepared: list[Any] = []

@@ -268,7 +268,8 @@ class _Hooks(pl.Callback):  # type: ignore[misc,unused-ignore]
         _signals.reinstall()
         # The loader's loop, not a batch count, ends an epoch (see UNKNOWN_LENGTH).
         trainer.fit_loop.max_batches = float("inf")
-        if trainer.val_check_interval == 1.0:
+        interval = trainer.val_check_interval
+        if isinstance(interval, float) and interval == 1.0:  # an int 1: after every batch
             trainer.val_check_batch = float("inf")
 
     def on_train_batch_end(

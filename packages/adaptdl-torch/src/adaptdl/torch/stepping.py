@@ -91,6 +91,13 @@ def check_arguments(optimizer: Any, scaling_rule: Any, mp_scaler: Any = None) ->
     TypeError unless ``mp_scaler`` is a GradScaler or None."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # Its step re-evaluates the closure several times; the step here runs the closure
+        # once, for the micro-batch's gradients, and measures them before stepping.
+        raise ValueError(
+            "optimizer must take one step per closure evaluation: torch.optim.LBFGS "
+            "re-evaluates its closure within a step, which adaptive batches cannot follow"
+        )
     _check_mp_scaler(mp_scaler)
     if scaling_rule is not None and not isinstance(scaling_rule, ScalingRuleBase):
         raise ValueError(
