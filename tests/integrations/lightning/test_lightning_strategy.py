@@ -61,11 +61,12 @@ class Data(pl.LightningDataModule):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, interval: str = "epoch") -> None:
+    def __init__(self, interval: str = "epoch", frequency: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.linear = torch.nn.Linear(3, 1)
         self.interval = interval
+        self.frequency = frequency
         self.seen: list[tuple[int, list[int]]] = []
         self.lrs: list[float] = []
 
@@ -80,7 +81,11 @@ class Model(pl.LightningModule):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": self.interval},
+            "lr_scheduler": {
+                "scheduler": scheduler,
+                "interval": self.interval,
+                "frequency": self.frequency,
+            },
         }
 
 
@@ -191,6 +196,27 @@ def test_accumulation_steps_once_per_batch_and_so_does_a_step_scheduler() -> Non
     assert adl.global_step() == micro // 2  # one optimiser step per 2 micro-batches
     # The per-step scheduler halves the rate once per optimiser step, not per micro-batch.
     assert model.lrs == [0.1 * 0.5 ** (i // 2) for i in range(micro)]
+
+
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_a_step_scheduler_with_frequency_counts_optimiser_steps(accumulation: int) -> None:
+    # Lightning counts a "step" scheduler's frequency in micro-batches of the epoch
+    # (batch_idx + 1); with accumulation that is neither optimiser steps nor stable.
+    def make() -> adl.AdaptiveDataLoader:
+        loader = adl.AdaptiveDataLoader(dataset(), batch_size=4)
+        loader.autoscale_batch_size(4 * accumulation, (1, 4), gradient_accumulation=True)
+        _context.current_job().batch_size_decision = lambda query: (
+            max(1, 4 // accumulation),
+            accumulation - 1,
+        )
+        return loader
+
+    model = Model(interval="step", frequency=2)
+    trainer(max_epochs=1).fit(model, datamodule=Data(make))
+    micro = len(model.seen)
+    assert adl.global_step() == micro // accumulation
+    # Halved once per 2 optimiser steps: after optimiser steps 2, 4, ...
+    assert model.lrs == [0.1 * 0.5 ** ((i // accumulation) // 2) for i in range(micro)]
 
 
 @pytest.mark.parametrize("setting", [{"accumulate_grad_batches": 2}, {"max_steps": 3}])

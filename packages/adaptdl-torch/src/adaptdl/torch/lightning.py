@@ -24,7 +24,8 @@ ends, when to stop) is adaptdl.core's, exactly as without Lightning. What it add
   ``loader.autoscale_batch_size(max, (lo, hi), gradient_accumulation=True)``.
 - LR schedulers: Lightning steps them as usual, an ``"epoch"`` one once per epoch
   and a ``"step"`` one once per optimiser step (not per accumulation
-  micro-batch); the AdaScale factor multiplies the scheduled rate during each step.
+  micro-batch; a ``frequency`` counts optimiser steps); the AdaScale factor
+  multiplies the scheduled rate during each step.
 - SIGTERM and SIGINT are AdaptDL's (Lightning's own SIGTERM handling, which would
   exit before a checkpoint, is replaced once training starts).
 - Checkpoints. AdaptDL's checkpoints (``ADAPTDL_CHECKPOINT_PATH``) are what a
@@ -57,7 +58,7 @@ micro-batch; `adaptdl.torch.global_step` counts optimiser steps.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -416,7 +417,7 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
             **self._ddp_kwargs,
         )
         _optimizers_to_device(self.optimizers, self.root_device)
-        _step_schedulers_per_optimizer_step(self.lightning_module)
+        _step_schedulers_per_optimizer_step(self.lightning_module, self.lr_scheduler_configs)
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.trainer
@@ -469,22 +470,35 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
             epochs.close()  # type: ignore[attr-defined]
 
 
-def _step_schedulers_per_optimizer_step(module: Any) -> None:
-    """Have ``module``'s ``lr_scheduler_step`` skip accumulation micro-batches.
+def _step_schedulers_per_optimizer_step(module: Any, configs: Sequence[Any]) -> None:
+    """Have ``module``'s ``lr_scheduler_step`` count optimiser steps, not micro-batches.
 
     Lightning calls the optimiser, and a ``"step"`` scheduler, once per
-    micro-batch (the strategy handles accumulation); a scheduler counts optimiser
-    steps. Epoch schedulers are stepped outside the loader's loop, so never skipped.
+    micro-batch (the strategy handles accumulation), and counts a scheduler's
+    ``frequency`` in micro-batches of the epoch; a scheduler counts optimiser
+    steps. So accumulation micro-batches are skipped, and a ``"step"`` scheduler
+    of frequency ``f`` steps after every ``f``-th optimiser step of the job
+    (`adaptdl.torch.global_step`, which continues across restarts); Lightning's
+    own frequency check is set to 1 for it. Epoch schedulers are stepped outside
+    the loader's loop, so never skipped.
     """
-    step = module.lr_scheduler_step
-    if getattr(step, "adaptdl_wrapped", False):
-        return
+    every: dict[int, int] = {}
+    for config in configs:
+        if config.interval == "step" and config.frequency != 1:
+            every[id(config.scheduler)] = config.frequency
+            config.frequency = 1
+    step = getattr(module.lr_scheduler_step, "adaptdl_wrapped", module.lr_scheduler_step)
 
     def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-        loader = current_job().current_loader
+        job = current_job()
+        loader = job.current_loader
         if loader is not None and loader.is_accum_step():
+            return
+        # The step just taken is not counted yet: the loader's step boundary, which
+        # counts it, runs when Lightning asks for the next batch.
+        if (job.global_step + 1) % every.get(id(scheduler), 1):
             return
         step(scheduler, metric)
 
-    lr_scheduler_step.adaptdl_wrapped = True  # type: ignore[attr-defined]
+    lr_scheduler_step.adaptdl_wrapped = step  # type: ignore[attr-defined]
     module.lr_scheduler_step = lr_scheduler_step
