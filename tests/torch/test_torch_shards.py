@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from torch.utils.data import IterableDataset
 
 import adaptdl.torch as adl
+from adaptdl.core.batchsize import RedecideSchedule
 from adaptdl.core.boundary import Preempted
 from adaptdl.core.shards import BlockOrder
 from adaptdl.torch import _context
@@ -344,10 +346,67 @@ def test_another_iterable_dataset_is_refused_naming_the_sharded_api() -> None:
         AdaptiveDataLoader(Stream(), batch_size=2)
 
 
-def test_persistent_workers_are_refused_with_shards(tmp_path: Path) -> None:
-    ds = ShardedDataset(write_jsonl(tmp_path, [4]), JsonLinesReader())
-    with pytest.raises(ValueError, match="persistent_workers"):
-        AdaptiveDataLoader(ds, batch_size=2, num_workers=1, persistent_workers=True)
+def with_pid(sample: dict[str, Any]) -> tuple[int, int]:
+    """Sample ``i`` with the id of the process (a worker's, with workers) that read it."""
+    return sample["i"], os.getpid()
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_batch_size_change_mid_pass_keeps_the_reader_and_every_sample_once(
+    tmp_path: Path, workers: int, persistent: bool
+) -> None:
+    """A decision inside a pass changes the size in place: same workers, no new pass."""
+    n = 120
+    paths = write_jsonl(tmp_path, COUNTS)
+    ds = ShardedDataset(paths, JsonLinesReader(), block_size=4, transform=with_pid)
+    loader = AdaptiveDataLoader(
+        ds, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=persistent
+    )
+    loader.autoscale_batch_size(64, (1, 16))
+    job = _context.current_job()
+    choices = iter([(4, 0), (6, 0), (3, 0), (5, 0)] * 100)
+    job.batch_size_decision = lambda query: next(choices)
+    # Re-decide at every optimiser step (the schedule's first decision is 1 s away).
+    job.redecide_schedule = RedecideSchedule(first_seconds=1e-9, max_seconds=1e-9)
+    job._next_redecide = 0.0
+    calls = []
+    batches = loader._sharded_batches
+
+    def counting(rank: int) -> Any:
+        made = batches(rank)
+
+        def call(*args: int) -> Any:
+            calls.append(args)
+            return made(*args)
+
+        return call
+
+    loader._sharded_batches = counting  # type: ignore[method-assign]
+    passes: dict[tuple[int, int], list[int]] = {}
+    pids: dict[tuple[int, int], set[int]] = {}
+    sizes: dict[tuple[int, int], list[int]] = {}
+    iterators = set()
+    for epoch in adl.remaining_epochs_until(2):
+        for batch in loader:
+            helper = current_dataloader()
+            assert helper is not None
+            p = (epoch, (helper.current_index or 0) // n)
+            passes.setdefault(p, []).extend(batch[0].tolist())
+            pids.setdefault(p, set()).update(batch[1].tolist())
+            sizes.setdefault(p, []).append(len(batch[0]))
+            iterators.add(id(loader._iterator) if persistent else None)
+            if helper.is_optim_step():
+                job.metrics.add_progress(1.0)
+    complete = [p for p in passes if len(passes[p]) >= n]
+    assert complete, passes
+    for p in complete:
+        assert sorted(passes[p]) == list(range(n)), p  # every sample once
+        assert len(set(sizes[p][:-1])) > 1, sizes[p]  # the size changed inside the pass
+        assert len(pids[p]) == max(workers, 1), pids  # read by the same workers throughout
+    # One reader per pass: no pass was started again at the new size.
+    assert len(calls) == len(passes), calls
+    if persistent:  # and the same workers across passes
+        assert len(set().union(*pids.values())) == 2 and len(iterators) == 1
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
