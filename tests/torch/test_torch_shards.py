@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import sys
 import tarfile
@@ -86,22 +87,21 @@ class Recording(JsonLinesReader):
 def record_spans(
     ds: ShardedDataset, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[int, int, int]]:
-    """Every (shard, begin, end) byte span the dataset reads from now on."""
+    """Every (shard, begin, end) byte span the dataset reads from now on.
+
+    Local shards are then held as bytes instead of maps, which the dataset reads
+    through ``_read_span`` as it reads remote files.
+    """
     spans: list[tuple[int, int, int]] = []
-    read_span, pread = ds._read_span, shards_module._PREAD
-    assert pread is not None
+    read_span = ds._read_span
 
     def recording_span(shard: int, begin: int, end: int) -> bytes:
         spans.append((shard, begin, end))
         return read_span(shard, begin, end)
 
-    def recording_pread(fd: int, size: int, begin: int) -> bytes:
-        (shard,) = [s for s, h in ds._handles.items() if h == fd]
-        spans.append((shard, begin, begin + size))
-        return pread(fd, size, begin)
-
+    ds.close()
+    monkeypatch.setattr(shards_module, "_map_local", lambda path: Path(path).read_bytes())
     monkeypatch.setattr(ds, "_read_span", recording_span)
-    monkeypatch.setattr(shards_module, "_PREAD", recording_pread)
     return spans
 
 
@@ -226,6 +226,8 @@ def test_open_shards_are_bounded_the_oldest_closed_first(tmp_path: Path) -> None
     order = BlockOrder(len(ds), 2, seed=4)
     assert [s["i"] for s in ds.take(order, 0, 36)] == order.take(0, 36).tolist()
     assert len(ds._handles) == 3
+    # Local shards are read through read-only maps, a slice per block.
+    assert all(isinstance(h, mmap.mmap) for h in ds._handles.values())
     ds.close()
     assert ds._handles == {}
     assert [s["i"] for s in ds.take(order, 5, 9)] == order.take(5, 9).tolist()

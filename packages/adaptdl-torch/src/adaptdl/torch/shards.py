@@ -9,12 +9,17 @@ cached next to the shards: a JSON index and a binary seek file of one
 little-endian uint64 per block.
 
 `AdaptiveDataLoader` reads it micro-batch by micro-batch in the order that
-:mod:`adaptdl.core.shards` decides from (seed, epoch): blocks shuffled, samples
-shuffled inside each block, each replica a contiguous run of positions, each
-micro-batch read whole by one DataLoader worker. A reader seeks once per block and
-keeps the last block it read, so memory is one block per worker whatever the
-corpus size. Remote shards (``s3://``, ``gs://``, ...) are opened through fsspec
-when it is installed (``pip install 'adaptdl-torch[fsspec]'``).
+core's `StreamPlan` decides from (seed, epoch) and the loop's position: blocks
+shuffled, samples shuffled inside each block, each replica a contiguous run of
+positions, each micro-batch read whole by one DataLoader worker. A reader reads
+each block's bytes at once and keeps the last block it read, so its memory is one
+block whatever the corpus size. Local shards are read through read-only memory
+maps (a slice per block, no system call); their pages are the page cache's,
+shared and reclaimable. Like any mapped file, a shard must not be truncated while
+a job reads it (a read past the new end kills the reader with SIGBUS); a shard
+rewritten with other content is detected and refused. Remote shards (``s3://``,
+``gs://``, ...) are opened through fsspec when it is installed (``pip install
+'adaptdl-torch[fsspec]'``) and read with a seek and a read per block.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -81,13 +86,34 @@ INDEX_VERSION = 1
 _OPEN_FILES = 8
 _OPEN_DESCRIPTORS = 256
 _U64 = struct.Struct("<Q")
-# One system call per span (a module attribute, so that tests can watch the reads).
-_PREAD: Callable[[int, int, int], bytes] = os.pread
 
 
 def _descriptor_limit() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def _map_local(path: str) -> mmap.mmap | bytes:
+    """A read-only map of a local shard (``b""`` for an empty file, which has no map).
+
+    A block is then one slice of the map: no system call per block, which costs
+    more than the copy on a virtual machine. The pages are the page cache's, shared
+    and reclaimable, not memory of this process.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size == 0:
+            return b""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)  # the map holds a descriptor of its own
+
+
+def _close(handle: Any) -> None:
+    """Close an open shard: a map, a file object or a positioned reader's state."""
+    close = getattr(handle, "close", None)
+    if close is not None:
+        close()
 
 
 def _size(path: str) -> int:
@@ -284,9 +310,9 @@ class ShardedDataset(IterableDataset[Any]):
         return self.index.total
 
     def _reset_caches(self) -> None:
-        # Open shards by index: an int for a local file (read with pread), else the
-        # file object fsspec opened; at most _max_open, the oldest closed first.
-        self._handles: dict[int, Any] = {}  # or a positioned reader's state
+        # Open shards by index: a map of a local file, the file object fsspec opened,
+        # or a positioned reader's state; at most _max_open, the oldest closed first.
+        self._handles: dict[int, Any] = {}
         self._seek_map: mmap.mmap | None = None
         self._seeks: Any = None  # the seek file's numbers, indexable: block -> byte position
         self._block: tuple[int, list[Any]] | None = None
@@ -302,10 +328,7 @@ class ShardedDataset(IterableDataset[Any]):
     def close(self) -> None:
         """Close the files this process holds open (reopened on demand)."""
         for handle in self._handles.values():
-            if isinstance(handle, int):
-                os.close(handle)
-            else:
-                handle.close()
+            _close(handle)
         if isinstance(self._seeks, memoryview):
             self._seeks.release()  # before the map it views
         if self._seek_map is not None:
@@ -317,32 +340,24 @@ class ShardedDataset(IterableDataset[Any]):
         if handle is None:
             if len(self._handles) >= self._max_open:
                 oldest = next(iter(self._handles))
-                closing = self._handles.pop(oldest)
-                os.close(closing) if isinstance(closing, int) else closing.close()
+                _close(self._handles.pop(oldest))
             name = self.index.names[shard]
             if self._read_at is not None:
                 handle = self.reader.open_state(open_shard(name))  # type: ignore[attr-defined]
             elif is_remote(name):
                 handle = open_shard(name)
             else:
-                handle = os.open(name.removeprefix("file://"), os.O_RDONLY)
+                handle = _map_local(name.removeprefix("file://"))
             self._handles[shard] = handle
         return handle
 
     def _read_span(self, shard: int, begin: int, end: int) -> bytes:
-        """Bytes ``[begin, end)`` of a shard: one positioned read where the OS has one."""
-        handle: int | IO[bytes] = self._handle(shard)
-        if not isinstance(handle, int):
-            handle.seek(begin)
-            return handle.read(end - begin)
-        parts = []  # pread may return less than asked: read on until the end or EOF
-        while begin < end:
-            part = _PREAD(handle, end - begin, begin)
-            if not part:
-                break  # end of file: the caller finds records missing
-            parts.append(part)
-            begin += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        """Bytes ``[begin, end)`` of a shard (fewer where it ends before ``end``)."""
+        handle = self._handle(shard)
+        if isinstance(handle, (mmap.mmap, bytes)):
+            return handle[begin:end]
+        handle.seek(begin)
+        return handle.read(end - begin)  # type: ignore[no-any-return]
 
     def _seek_table(self) -> Any:
         if self._seeks is None:
@@ -380,10 +395,9 @@ class ShardedDataset(IterableDataset[Any]):
             begin = int(seeks[block])
             end = int(seeks[block + 1]) if size < rest else self._sizes[shard]
             handle = self._handles.get(shard)
-            data = b""
-            if type(handle) is int:
-                data = _PREAD(handle, end - begin, begin)  # the usual case: one read
-            if len(data) != end - begin:
+            if type(handle) is mmap.mmap:
+                data = handle[begin:end]  # the usual case: a local shard, mapped
+            else:
                 data = self._read_span(shard, begin, end)
             records = self._split(data) if self._split is not None else self._records(data)
             if len(records) != size:
