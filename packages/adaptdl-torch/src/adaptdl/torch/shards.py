@@ -39,6 +39,7 @@ import secrets
 import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,8 @@ class ShardedDataset(IterableDataset[Any]):
         else:
             self.index_path = Path(index_path)
         self.index = self._load_or_build(names)
+        # The index's numbers as plain tuples, looked up once per block read.
+        self._offsets, self._counts = self.index.offsets, self.index.counts
         self._max_open = _OPEN_FILES
         if self._read_at is None and not any(is_remote(n) for n in names):
             self._max_open = max(_OPEN_FILES, min(_OPEN_DESCRIPTORS, _descriptor_limit() // 4))
@@ -383,28 +386,34 @@ class ShardedDataset(IterableDataset[Any]):
         cached = self._block
         if cached is not None and cached[0] == block:
             return cached[1]
-        # The hot path of every reader: once per block, so look-ups are kept local.
-        offsets = self.index.offsets
-        shard = bisect.bisect_right(offsets, start) - 1  # index.locate, unchecked
+        return self._read(block, start, stop)
+
+    def _read(self, block: int, start: int, stop: int) -> list[Any]:
+        """`read_block` without its cache: reads, and caches what it read."""
+        # The hot path of every reader, once per block: its look-ups are kept local.
+        offsets = self._offsets
+        shard = bisect.bisect_right(offsets, start) - 1
         offset = start - offsets[shard]
-        size, rest = stop - start, self.index.counts[shard] - offset
-        if size > rest or self._read_at is not None:
-            records = self._read_across(block, shard, offset, size)
-        else:
-            seeks = self._seeks if self._seeks is not None else self._seek_table()
-            begin = int(seeks[block])
-            end = int(seeks[block + 1]) if size < rest else self._sizes[shard]
-            handle = self._handles.get(shard)
-            if type(handle) is mmap.mmap:
-                data = handle[begin:end]  # the usual case: a local shard, mapped
-            else:
-                data = self._read_span(shard, begin, end)
+        size, rest = stop - start, self._counts[shard] - offset
+        handle, seeks = self._handles.get(shard), self._seeks
+        if size <= rest and type(handle) is mmap.mmap and seeks is not None:
+            # The usual case: a block inside one local shard, a slice of its map.
+            data = handle[seeks[block] : seeks[block + 1] if size < rest else self._sizes[shard]]
             records = self._split(data) if self._split is not None else self._records(data)
             if len(records) != size:
                 self._mismatch(shard, offset, size, records, size == rest)
+        elif size > rest or self._read_at is not None:
+            records = self._read_across(block, shard, offset, size)
+        else:
+            begin = self._seek_position(block)
+            end = self._seek_position(block + 1) if size < rest else self._sizes[shard]
+            records = self._records(self._read_span(shard, begin, end))
+            if len(records) != size:
+                self._mismatch(shard, offset, size, records, size == rest)
         self._block = (block, records)
-        self.stats["blocks"] += 1
-        self.stats["records"] += size
+        stats = self.stats
+        stats["blocks"] += 1
+        stats["records"] += size
         return records
 
     def _read_across(self, block: int, shard: int, offset: int, size: int) -> list[Any]:
@@ -455,15 +464,19 @@ class ShardedDataset(IterableDataset[Any]):
 
         Only the records taken are decoded (and transformed).
         """
-        decode, out = self.reader.decode, list[Any]()
+        records: list[Any] = []
         for block, start, stop, offsets in order.runs(lo, hi):
             cached = self._block
             if cached is not None and cached[0] == block:
-                records = cached[1]
+                block_records = cached[1]
             else:
-                records = self.read_block(block, start, stop)
-            out += map(decode, map(records.__getitem__, offsets))
-        self.stats["decoded"] += len(out)
+                block_records = self._read(block, start, stop)
+            if len(offsets) > 1:
+                records += itemgetter(*offsets)(block_records)  # one C call for the run
+            else:
+                records += map(block_records.__getitem__, offsets)
+        self.stats["decoded"] += len(records)
+        out = list(map(self.reader.decode, records))
         if self.transform is not None:
             out = list(map(self.transform, out))
         return out
