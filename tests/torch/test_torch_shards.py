@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import mmap
 import os
@@ -364,13 +365,13 @@ def test_a_batch_size_change_mid_pass_keeps_the_reader_and_every_sample_once(
     loader = AdaptiveDataLoader(
         ds, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=persistent
     )
-    loader.autoscale_batch_size(64, (1, 16))
+    loader.autoscale_batch_size(48, (1, 12))
     job = _context.current_job()
-    choices = iter([(4, 0), (6, 0), (3, 0), (5, 0)] * 100)
-    job.batch_size_decision = lambda query: next(choices)
-    # Re-decide at every optimiser step (the schedule's first decision is 1 s away).
-    job.redecide_schedule = RedecideSchedule(first_seconds=1e-9, max_seconds=1e-9)
-    job._next_redecide = 0.0
+    # A new local size (no accumulation) decided at every optimiser step: the
+    # schedule would otherwise wait a second before its first decision.
+    decided = itertools.cycle([5, 3, 6, 4])
+    job.batch_size_decision = lambda query: (next(decided), 0)
+    job.redecide_schedule, job._next_redecide = RedecideSchedule(1e-9, 1e-9), 0.0
     calls = []
     batches = loader._sharded_batches
 
@@ -384,31 +385,32 @@ def test_a_batch_size_change_mid_pass_keeps_the_reader_and_every_sample_once(
         return call
 
     loader._sharded_batches = counting  # type: ignore[method-assign]
-    passes: dict[tuple[int, int], list[int]] = {}
-    pids: dict[tuple[int, int], set[int]] = {}
-    sizes: dict[tuple[int, int], list[int]] = {}
+    # (pass, sample ids, reading processes) of each batch, and the iterators seen.
+    seen: list[tuple[tuple[int, int], list[int], set[int]]] = []
     iterators = set()
     for epoch in adl.remaining_epochs_until(2):
-        for batch in loader:
+        for ids, readers in loader:
             helper = current_dataloader()
             assert helper is not None
             p = (epoch, (helper.current_index or 0) // n)
-            passes.setdefault(p, []).extend(batch[0].tolist())
-            pids.setdefault(p, set()).update(batch[1].tolist())
-            sizes.setdefault(p, []).append(len(batch[0]))
-            iterators.add(id(loader._iterator) if persistent else None)
+            seen.append((p, ids.tolist(), set(readers.tolist())))
+            iterators.add(id(loader._iterator))
             if helper.is_optim_step():
                 job.metrics.add_progress(1.0)
-    complete = [p for p in passes if len(passes[p]) >= n]
+    by_pass = itertools.groupby(seen, key=lambda batch: batch[0])
+    passes = {p: list(batches) for p, batches in by_pass}
+    assert len(passes) == len({p for p, _, _ in seen})  # each pass read in one run
+    complete = [b for b in passes.values() if sum(len(ids) for _, ids, _ in b) >= n]
     assert complete, passes
-    for p in complete:
-        assert sorted(passes[p]) == list(range(n)), p  # every sample once
-        assert len(set(sizes[p][:-1])) > 1, sizes[p]  # the size changed inside the pass
-        assert len(pids[p]) == max(workers, 1), pids  # read by the same workers throughout
+    for batches in complete:
+        assert sorted(i for _, ids, _ in batches for i in ids) == list(range(n))
+        assert len({len(ids) for _, ids, _ in batches[:-1]}) > 1  # sizes changed in the pass
+        # Read by the same processes throughout the pass (one, or each worker).
+        assert len(set().union(*(r for _, _, r in batches))) == max(workers, 1)
     # One reader per pass: no pass was started again at the new size.
     assert len(calls) == len(passes), calls
     if persistent:  # and the same workers across passes
-        assert len(set().union(*pids.values())) == 2 and len(iterators) == 1
+        assert len({pid for _, _, r in seen for pid in r}) == 2 and len(iterators) == 1
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
