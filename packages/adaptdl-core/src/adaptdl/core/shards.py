@@ -33,6 +33,12 @@ Which positions a replica reads
     the prefix invariant. A replica whose run is one short of the others takes one
     padding sample (a duplicate, explicitly flagged) so that all stay in step.
 
+One replica's pass
+    :class:`StreamPlan` puts the two together for an adapter: from ``(seed,
+    epoch)`` and the loop's ``index`` it gives the pass's order, the replica's
+    chunk of each micro-batch (whose local batch size may change between
+    micro-batches, the same on every replica) and how many there are.
+
 Read amplification (samples read over samples used) with a one-block cache per
 reader is about ``1 + (B - 1) / L`` (the two partly used blocks at the ends of a
 run), and never more than the number of readers; see README "Streaming data".
