@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 from typing import Any
@@ -16,8 +17,8 @@ from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
     ShardIndex,
+    StreamPlan,
     _mix,
-    _mix_array,
     micro_batches,
     replica_chunk,
 )
@@ -40,18 +41,19 @@ def index_of(counts: list[int]) -> ShardIndex:
 
 @settings(max_examples=100, deadline=None)
 @given(counts=st.lists(st.integers(0, 50), min_size=1, max_size=40), data=st.data())
-def test_locate_names_the_shard_and_offset_of_every_global_id(
+def test_offsets_name_the_shard_and_offset_of_every_global_id(
     counts: list[int], data: st.DataObject
 ) -> None:
+    """Readers find a global id's shard by bisecting the offsets (empty shards skipped)."""
     if sum(counts) == 0:
         counts[0] = 1
     index = index_of(counts)
     assert index.total == sum(counts) and index.num_shards == len(counts)
-    g = data.draw(st.integers(0, index.total - 1))
-    shard, offset = index.locate(g)
-    assert counts[shard] > 0 and 0 <= offset < counts[shard]
-    assert index.offset(shard) + offset == g
     assert index.offsets == (0, *itertools.accumulate(counts))
+    g = data.draw(st.integers(0, index.total - 1))
+    shard = bisect.bisect_right(index.offsets, g) - 1
+    offset = g - index.offsets[shard]
+    assert counts[shard] > 0 and 0 <= offset < counts[shard]
     assert ShardIndex.from_json(json.loads(json.dumps(index.to_json()))) == index
 
 
@@ -156,10 +158,18 @@ GOLDEN = [15, 13, 14, 12, 17, 18, 16, 19, 0, 3, 1, 2, 5, 6, 4, 7, 9, 10, 8, 11]
     values=st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=50),
     key=st.integers(0, 2**64 - 1),
 )
-def test_the_vectorised_mix_is_the_scalar_one(values: list[int], key: int) -> None:
-    """Runs take block rotations from a page mixed at once; rotation() mixes one."""
-    mixed = _mix_array(np.array(values, dtype=np.int64), key)
-    assert mixed.tolist() == [_mix(v, key) for v in values]
+def test_the_mix_is_splitmix64s_finaliser_on_integers(values: list[int], key: int) -> None:
+    """The rotations are a platform-independent integer formula, computed in uint64."""
+    mask = (1 << 64) - 1
+
+    def mix(value: int) -> int:
+        h = ((value ^ key) * 0xBF58476D1CE4E5B9) & mask
+        h ^= h >> 31
+        h = (h * 0x94D049BB133111EB) & mask
+        return h ^ (h >> 29)
+
+    mixed = _mix(np.array(values, dtype=np.int64), key)
+    assert mixed.tolist() == [mix(v) for v in values]
 
 
 @settings(max_examples=50, deadline=None)
@@ -358,3 +368,108 @@ def test_read_amplification_is_bounded_by_block_size_over_batch(
     # A sole reader reads every block exactly once.
     if replicas == workers == 1:
         assert read == n
+
+
+# --- the stream plan: one decision for every reader --------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=shard_counts,
+    block_size=block_sizes,
+    runs=st.lists(
+        st.tuples(
+            st.integers(1, 8),  # replicas after a restart
+            st.lists(st.integers(1, 64), min_size=1, max_size=5),  # sizes changed in place
+            st.integers(1, 40),  # micro-batches before the next restart
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=seeds,
+    epoch=st.integers(0, 3),
+)
+def test_plans_keep_a_prefix_and_read_each_sample_once_through_resizes_and_restarts(
+    counts: list[int],
+    block_size: int,
+    runs: list[tuple[int, list[int], int]],
+    seed: int,
+    epoch: int,
+) -> None:
+    """Each run restarts every replica's plan from the index a checkpoint would hold,
+    at a new replica count, and changes the local batch size in place between
+    micro-batches (the same sizes on every replica). After every micro-batch the
+    consumed positions are exactly [0, index); the real samples of a pass are each
+    sample once, padding is flagged and within the pass."""
+    n = index_of(counts).total
+    index, real = 0, []
+    for replicas, sizes, steps in [*runs, (3, [max(1, n // 7)], n + 1)]:
+        plans = [
+            StreamPlan(n, block_size, seed, epoch, index, replicas, r, sizes[0])
+            for r in range(replicas)
+        ]
+        assert {p.order() for p in plans} == {plans[0].order()}  # one order for all
+        streams = [p.chunks(itertools.cycle(sizes).__next__) for p in plans]
+        for _ in range(steps):
+            chunks = [next(s, None) for s in streams]
+            if chunks[0] is None:
+                assert set(chunks) == {None}
+                break
+            assert len({(c.size, c.step) for c in chunks}) == 1
+            assert chunks[0].lo == index
+            for a, b in itertools.pairwise(chunks):
+                assert a.hi == b.lo
+            assert chunks[-1].hi == index + chunks[0].step
+            for c in chunks:
+                assert c.pad is None or 0 <= c.pad < n
+                real.append((c.lo, c.hi))
+            index += chunks[0].step
+        if index >= n:
+            break
+    assert index == n
+    if n <= 20_000:
+        order = plans[0].order()
+        ids = np.concatenate([order.take(lo, hi) for lo, hi in real])
+        np.testing.assert_array_equal(np.sort(ids), np.arange(n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(1, 500),
+    data=st.data(),
+    replicas=st.integers(1, 6),
+    local_bsz=st.integers(1, 50),
+    drop_last=st.booleans(),
+)
+def test_num_batches_counts_the_chunks_of_a_fixed_size(
+    n: int, data: st.DataObject, replicas: int, local_bsz: int, drop_last: bool
+) -> None:
+    index = data.draw(st.integers(0, 2 * n))
+    rank = data.draw(st.integers(0, replicas - 1))
+    plan = StreamPlan(n, 4, 0, 0, index, replicas, rank, local_bsz, drop_last=drop_last)
+    chunks = list(plan.chunks())
+    assert plan.num_batches() == len(chunks)
+    assert chunks == list(micro_batches(n, index, replicas, rank, local_bsz))[: len(chunks)]
+    if drop_last:
+        assert all(c.step == replicas * local_bsz for c in chunks)
+    assert plan.order() == BlockOrder(n, 4, seed=0, epoch=0, pass_=index // n)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"index": -1}, "index must be >= 0"),
+        ({"num_replicas": 0}, "num_replicas must be >= 1"),
+        ({"rank": 2}, r"rank must be in \[0, 1\]"),
+        ({"local_bsz": 0}, "local_bsz must be >= 1"),
+        ({"drop_last": "yes"}, "drop_last must be a bool"),
+        ({"block_size": 0}, "block_size must be in"),
+    ],
+)
+def test_bad_plan_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    args = {"n": 10, "block_size": 4, "seed": 0, "epoch": 0, "index": 0}
+    args.update(num_replicas=2, rank=0, local_bsz=3)
+    with pytest.raises(ValueError, match=message):
+        StreamPlan(**{**args, **kwargs})
+    with pytest.raises(ValueError, match="sizes must be callable"):
+        StreamPlan(**args).chunks(3)  # type: ignore[arg-type]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import mmap
+import os
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 from torch.utils.data import IterableDataset
 
 import adaptdl.torch as adl
+from adaptdl.core.batchsize import RedecideSchedule
 from adaptdl.core.boundary import Preempted
 from adaptdl.core.shards import BlockOrder
 from adaptdl.torch import _context
@@ -84,22 +88,21 @@ class Recording(JsonLinesReader):
 def record_spans(
     ds: ShardedDataset, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[int, int, int]]:
-    """Every (shard, begin, end) byte span the dataset reads from now on."""
+    """Every (shard, begin, end) byte span the dataset reads from now on.
+
+    Local shards are then held as bytes instead of maps, which the dataset reads
+    through ``_read_span`` as it reads remote files.
+    """
     spans: list[tuple[int, int, int]] = []
-    read_span, pread = ds._read_span, shards_module._PREAD
-    assert pread is not None
+    read_span = ds._read_span
 
     def recording_span(shard: int, begin: int, end: int) -> bytes:
         spans.append((shard, begin, end))
         return read_span(shard, begin, end)
 
-    def recording_pread(fd: int, size: int, begin: int) -> bytes:
-        (shard,) = [s for s, h in ds._handles.items() if h == fd]
-        spans.append((shard, begin, begin + size))
-        return pread(fd, size, begin)
-
+    ds.close()
+    monkeypatch.setattr(shards_module, "_map_local", lambda path: Path(path).read_bytes())
     monkeypatch.setattr(ds, "_read_span", recording_span)
-    monkeypatch.setattr(shards_module, "_PREAD", recording_pread)
     return spans
 
 
@@ -224,6 +227,8 @@ def test_open_shards_are_bounded_the_oldest_closed_first(tmp_path: Path) -> None
     order = BlockOrder(len(ds), 2, seed=4)
     assert [s["i"] for s in ds.take(order, 0, 36)] == order.take(0, 36).tolist()
     assert len(ds._handles) == 3
+    # Local shards are read through read-only maps, a slice per block.
+    assert all(isinstance(h, mmap.mmap) for h in ds._handles.values())
     ds.close()
     assert ds._handles == {}
     assert [s["i"] for s in ds.take(order, 5, 9)] == order.take(5, 9).tolist()
@@ -344,10 +349,68 @@ def test_another_iterable_dataset_is_refused_naming_the_sharded_api() -> None:
         AdaptiveDataLoader(Stream(), batch_size=2)
 
 
-def test_persistent_workers_are_refused_with_shards(tmp_path: Path) -> None:
-    ds = ShardedDataset(write_jsonl(tmp_path, [4]), JsonLinesReader())
-    with pytest.raises(ValueError, match="persistent_workers"):
-        AdaptiveDataLoader(ds, batch_size=2, num_workers=1, persistent_workers=True)
+def with_pid(sample: dict[str, Any]) -> tuple[int, int]:
+    """Sample ``i`` with the id of the process (a worker's, with workers) that read it."""
+    return sample["i"], os.getpid()
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_batch_size_change_mid_pass_keeps_the_reader_and_every_sample_once(
+    tmp_path: Path, workers: int, persistent: bool
+) -> None:
+    """A decision inside a pass changes the size in place: same workers, no new pass."""
+    n = 120
+    paths = write_jsonl(tmp_path, COUNTS)
+    ds = ShardedDataset(paths, JsonLinesReader(), block_size=4, transform=with_pid)
+    loader = AdaptiveDataLoader(
+        ds, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=persistent
+    )
+    loader.autoscale_batch_size(48, (1, 12))
+    job = _context.current_job()
+    # A new local size (no accumulation) decided at every optimiser step: the
+    # schedule would otherwise wait a second before its first decision.
+    decided = itertools.cycle([5, 3, 6, 4])
+    job.batch_size_decision = lambda query: (next(decided), 0)
+    job.redecide_schedule, job._next_redecide = RedecideSchedule(1e-9, 1e-9), 0.0
+    calls = []
+    batches = loader._sharded_batches
+
+    def counting(rank: int) -> Any:
+        made = batches(rank)
+
+        def call(*args: int) -> Any:
+            calls.append(args)
+            return made(*args)
+
+        return call
+
+    loader._sharded_batches = counting  # type: ignore[method-assign]
+    # (pass, sample ids, reading processes) of each batch, and the iterators seen.
+    seen: list[tuple[tuple[int, int], list[int], set[int]]] = []
+    iterators = set()
+    for epoch in adl.remaining_epochs_until(2):
+        for ids, readers in loader:
+            helper = current_dataloader()
+            assert helper is not None
+            p = (epoch, (helper.current_index or 0) // n)
+            seen.append((p, ids.tolist(), set(readers.tolist())))
+            iterators.add(id(loader._iterator))
+            if helper.is_optim_step():
+                job.metrics.add_progress(1.0)
+    by_pass = itertools.groupby(seen, key=lambda batch: batch[0])
+    passes = {p: list(batches) for p, batches in by_pass}
+    assert len(passes) == len({p for p, _, _ in seen})  # each pass read in one run
+    complete = [b for b in passes.values() if sum(len(ids) for _, ids, _ in b) >= n]
+    assert complete, passes
+    for batches in complete:
+        assert sorted(i for _, ids, _ in batches for i in ids) == list(range(n))
+        assert len({len(ids) for _, ids, _ in batches[:-1]}) > 1  # sizes changed in the pass
+        # Read by the same processes throughout the pass (one, or each worker).
+        assert len(set().union(*(r for _, _, r in batches))) == max(workers, 1)
+    # One reader per pass: no pass was started again at the new size.
+    assert len(calls) == len(passes), calls
+    if persistent:  # and the same workers across passes
+        assert len({pid for _, _, r in seen for pid in r}) == 2 and len(iterators) == 1
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

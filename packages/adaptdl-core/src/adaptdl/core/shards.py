@@ -33,6 +33,12 @@ Which positions a replica reads
     the prefix invariant. A replica whose run is one short of the others takes one
     padding sample (a duplicate, explicitly flagged) so that all stay in step.
 
+One replica's pass
+    :class:`StreamPlan` puts the two together for an adapter: from ``(seed,
+    epoch)`` and the loop's ``index`` it gives the pass's order, the replica's
+    chunk of each micro-batch (whose local batch size may change between
+    micro-batches, the same on every replica) and how many there are.
+
 Read amplification (samples read over samples used) with a one-block cache per
 reader is about ``1 + (B - 1) / L`` (the two partly used blocks at the ends of a
 run), and never more than the number of readers; see README "Streaming data".
@@ -40,10 +46,9 @@ run), and never more than the number of readers; see README "Streaming data".
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -75,6 +80,7 @@ __all__ = [
     "BlockRun",
     "Chunk",
     "ShardIndex",
+    "StreamPlan",
     "check_block_size",
     "micro_batches",
     "replica_chunk",
@@ -93,22 +99,17 @@ _ROTATION_SALT = 0x5A17
 _PAGE = 1024
 # Largest block whose in-block permutation is also kept as a list (2 * B ints).
 _LIST_BLOCK = 4096
-_MASK64 = (1 << 64) - 1
 
 
 _MIX_1, _MIX_2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def _mix(value: int, key: int) -> int:
-    """A keyed 64-bit mix (splitmix64's finaliser) of ``value``: pure integer arithmetic."""
-    h = ((value ^ key) * _MIX_1) & _MASK64
-    h ^= h >> 31
-    h = (h * _MIX_2) & _MASK64
-    return h ^ (h >> 29)
+def _mix(values: npt.NDArray[np.int64], key: int) -> npt.NDArray[np.uint64]:
+    """A keyed 64-bit mix (splitmix64's finaliser) of each value.
 
-
-def _mix_array(values: npt.NDArray[np.int64], key: int) -> npt.NDArray[np.uint64]:
-    """:func:`_mix` of each value (uint64 arithmetic wraps modulo 2**64 as ``& _MASK64`` does)."""
+    uint64 arithmetic wraps modulo 2**64, so this is the integer formula
+    ``h = (v ^ key) * M1; h ^= h >> 31; h = h * M2; h ^ (h >> 29)`` mod 2**64.
+    """
     h: npt.NDArray[np.uint64] = values.astype(np.uint64) ^ np.uint64(key)
     h *= np.uint64(_MIX_1)
     h ^= h >> np.uint64(31)
@@ -173,16 +174,6 @@ class ShardIndex:
     def offsets(self) -> tuple[int, ...]:
         """``offsets[s]``: the global id of shard ``s``'s first sample; ``offsets[-1]``: total."""
         return self._offsets
-
-    def offset(self, shard: int) -> int:
-        """The global id of shard ``shard``'s first sample."""
-        return self._offsets[check_int("shard", shard, min=0, max=self.num_shards - 1)]
-
-    def locate(self, sample: int) -> tuple[int, int]:
-        """``(shard, offset in shard)`` of global id ``sample`` (never an empty shard)."""
-        g = check_int("sample", sample, min=0, max=self.total - 1)
-        shard = bisect.bisect_right(self._offsets, g) - 1
-        return shard, g - self._offsets[shard]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -322,7 +313,7 @@ class BlockOrder:
             span = np.arange(first, min(self.num_full_blocks, first + _PAGE), dtype=np.int64)
             blocks = self._blocks.take(span)
             if self._rotation_key:
-                shifts = _mix_array(blocks, self._rotation_key) % np.uint64(self.block_size)
+                shifts = _mix(blocks, self._rotation_key) % np.uint64(self.block_size)
                 rotations = shifts.astype(np.int64).tolist()
             else:
                 rotations = [0] * len(span)
@@ -339,7 +330,8 @@ class BlockOrder:
         """How far ``block``'s places are rotated through the in-block permutation."""
         if not self._rotation_key or block >= self.num_full_blocks:
             return 0
-        return _mix(block, self._rotation_key) % self.block_size
+        mixed = _mix(np.array([block], dtype=np.int64), self._rotation_key)
+        return int(mixed[0] % np.uint64(self.block_size))
 
     def runs(self, lo: int, hi: int) -> Iterator[BlockRun]:
         """Positions ``[lo, hi)`` (``0 <= lo <= hi <= n``) grouped by block, in order."""
@@ -444,8 +436,107 @@ def micro_batches(
     n, index, replicas, rank, local_bsz = _check_chunk_args(
         n, index, num_replicas, rank, local_bsz
     )
+    return _chunks(n, index, replicas, rank, itertools.repeat(local_bsz).__next__, False)
+
+
+def _chunks(
+    n: int, index: int, replicas: int, rank: int, sizes: Callable[[], int], drop_last: bool
+) -> Iterator[Chunk]:
+    """The chunks from ``index`` to the pass end, each of the local size ``sizes()`` gives."""
     end = (index // n + 1) * n
     while index < end:
-        chunk = _chunk(n, index, replicas, rank, local_bsz)
+        size = sizes()
+        chunk = _chunk(n, index, replicas, rank, size)
+        if drop_last and chunk.step < replicas * size:
+            return  # a short last micro-batch is dropped on every replica alike
         yield chunk
         index += chunk.step
+
+
+def _check_index(value: Any) -> int:
+    return check_int("index", value, min=0)
+
+
+def _check_replicas(value: Any) -> int:
+    return check_int("num_replicas", value, min=1)
+
+
+def _check_rank(value: Any) -> int:
+    return check_int("rank", value, min=0)
+
+
+def _check_local_bsz(value: Any) -> int:
+    return check_int("local_bsz", value, min=1)
+
+
+def _check_drop_last(value: Any) -> bool:
+    return check_bool("drop_last", value)
+
+
+def _check_sizes(value: Any) -> Callable[[], int]:
+    if not callable(value):
+        raise ArgumentTypeError(f"sizes must be callable (() -> int), got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+@attrs.frozen
+class StreamPlan:
+    """How replica ``rank`` reads one pass of a sharded dataset of ``n`` samples from ``index``.
+
+    The pass is ``index // n``; its order (:meth:`order`) is keyed by ``(seed, epoch,
+    pass)``. :meth:`chunks` gives the replica's part of each micro-batch from
+    ``index`` on (:func:`replica_chunk`): all replicas together consume the positions
+    ``[index, index + step)`` of each, so the consumed positions stay a prefix of the
+    pass whatever sizes and replica counts came before. With ``drop_last`` a last
+    micro-batch shorter than ``num_replicas * local_bsz`` is not read.
+    """
+
+    n: int = attrs.field(converter=check_n)
+    block_size: int = attrs.field(converter=check_block_size)
+    seed: int = attrs.field(converter=check_seed)
+    epoch: int = attrs.field(converter=check_epoch)
+    index: int = attrs.field(converter=_check_index)
+    num_replicas: int = attrs.field(converter=_check_replicas)
+    rank: int = attrs.field(converter=_check_rank)
+    local_bsz: int = attrs.field(converter=_check_local_bsz)
+    shuffle: bool = attrs.field(default=True, converter=_check_shuffle)
+    drop_last: bool = attrs.field(default=False, converter=_check_drop_last)
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank >= self.num_replicas:
+            raise ValueError(
+                f"rank must be in [0, {self.num_replicas - 1}] for num_replicas="
+                f"{self.num_replicas}, got {self.rank}"
+            )
+
+    @property
+    def pass_(self) -> int:
+        """Which pass ``index`` lies in."""
+        return self.index // self.n
+
+    def order(self) -> BlockOrder:
+        """The order of the pass: blocks and the samples inside them, from (seed, epoch, pass)."""
+        return BlockOrder(
+            self.n,
+            self.block_size,
+            seed=self.seed,
+            epoch=self.epoch,
+            pass_=self.pass_,
+            shuffle=self.shuffle,
+        )
+
+    def chunks(self, sizes: Callable[[], int] | None = None) -> Iterator[Chunk]:
+        """This replica's chunk of each micro-batch from ``index`` to the pass end.
+
+        ``sizes``, when given, is called once per micro-batch, as its chunk is made,
+        for its local batch size (so the size may change between micro-batches: each
+        replica must be given the same sizes); without it every micro-batch has
+        ``local_bsz``.
+        """
+        size = itertools.repeat(self.local_bsz).__next__ if sizes is None else _check_sizes(sizes)
+        return _chunks(self.n, self.index, self.num_replicas, self.rank, size, self.drop_last)
+
+    def num_batches(self) -> int:
+        """Micro-batches :meth:`chunks` yields at the fixed size ``local_bsz``."""
+        rest, step = self.n - self.index % self.n, self.num_replicas * self.local_bsz
+        return rest // step if self.drop_last else -(-rest // step)

@@ -399,18 +399,18 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
             after=functools.partial(sampler.set_epoch, free_epoch),
         )
 
-    def _sharded_batches(self, rank: int) -> Callable[[int, int, int], Iterator[Any]]:
+    def _sharded_batches(self, rank: int) -> Callable[[int, int, int], _Pass]:
         stream: ShardedStream = self.dataset  # type: ignore[assignment]
 
-        def batches(epoch: int, index: int, local_bsz: int) -> Iterator[Any]:
-            stream.set_plan(epoch, index, self._elastic.job.topology.num_replicas, rank, local_bsz)
+        def batches(epoch: int, index: int, local_bsz: int) -> _Pass:
+            stream.start(epoch, index, self._elastic.job.topology.num_replicas, rank, local_bsz)
             if self.num_workers == 0 and not self.pin_memory:
-                # The stream yields collated micro-batches: without workers or pinning
+                # The stream reads collated micro-batches: without workers or pinning
                 # the DataLoader would only hand them on, at a cost per batch.
-                return iter(stream)
+                return _Pass(stream.batches(), stream.sizes)
             if self.generator is not None:
                 self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
-            return DataLoader.__iter__(self)
+            return _Pass(DataLoader.__iter__(self), stream.sizes)
 
         return batches
 

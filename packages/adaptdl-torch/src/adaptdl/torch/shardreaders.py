@@ -11,6 +11,7 @@ import io
 import json
 import tarfile
 from collections.abc import Iterator
+from itertools import filterfalse
 from typing import IO, Any, Protocol
 
 __all__ = [
@@ -69,8 +70,9 @@ class JsonLinesReader:
 
     def split(self, data: bytes) -> list[str]:
         # A BytesIO finds line ends with memchr, several times faster than str.split
-        # (which compares character by character); filter drops blank lines in C.
-        return list(map(bytes.decode, filter(bytes.strip, io.BytesIO(data))))
+        # (which compares character by character). Blank lines are dropped in C by
+        # isspace, which stops at a line's first character (strip copies the line).
+        return list(map(bytes.decode, filterfalse(bytes.isspace, io.BytesIO(data))))
 
     # json.loads itself, not a method calling it: one Python frame less per sample.
     decode = staticmethod(json.loads)

@@ -9,12 +9,17 @@ cached next to the shards: a JSON index and a binary seek file of one
 little-endian uint64 per block.
 
 `AdaptiveDataLoader` reads it micro-batch by micro-batch in the order that
-:mod:`adaptdl.core.shards` decides from (seed, epoch): blocks shuffled, samples
-shuffled inside each block, each replica a contiguous run of positions, each
-micro-batch read whole by one DataLoader worker. A reader seeks once per block and
-keeps the last block it read, so memory is one block per worker whatever the
-corpus size. Remote shards (``s3://``, ``gs://``, ...) are opened through fsspec
-when it is installed (``pip install 'adaptdl-torch[fsspec]'``).
+core's `StreamPlan` decides from (seed, epoch) and the loop's position: blocks
+shuffled, samples shuffled inside each block, each replica a contiguous run of
+positions, each micro-batch read whole by one DataLoader worker. A reader reads
+each block's bytes at once and keeps the last block it read, so its memory is one
+block whatever the corpus size. Local shards are read through read-only memory
+maps (a slice per block, no system call); their pages are the page cache's,
+shared and reclaimable. Like any mapped file, a shard must not be truncated while
+a job reads it (a read past the new end kills the reader with SIGBUS); a shard
+rewritten with other content is detected and refused. Remote shards (``s3://``,
+``gs://``, ...) are opened through fsspec when it is installed (``pip install
+'adaptdl-torch[fsspec]'``) and read with a seek and a read per block.
 """
 
 from __future__ import annotations
@@ -24,27 +29,33 @@ import contextlib
 import fcntl
 import hashlib
 import io
+import itertools
 import json
 import logging
 import mmap
 import os
+import resource
+import secrets
 import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 import torch
+from adaptdl.core.passbatches import IssuedSizes
 from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
+    Chunk,
     ShardIndex,
+    StreamPlan,
     check_block_size,
-    micro_batches,
 )
-from adaptdl.core.storage import open_regular
+from adaptdl.core.storage import LocalStorage, open_regular
 from adaptdl.torch.parquet import ParquetReader
 from adaptdl.torch.shardreaders import (
     JsonLinesReader,
@@ -54,7 +65,7 @@ from adaptdl.torch.shardreaders import (
     is_remote,
     open_shard,
 )
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -76,18 +87,34 @@ INDEX_VERSION = 1
 _OPEN_FILES = 8
 _OPEN_DESCRIPTORS = 256
 _U64 = struct.Struct("<Q")
-# One system call per span where the platform has it (not Windows).
-_PREAD: Callable[[int, int, int], bytes] | None = getattr(os, "pread", None)
-_O_BINARY: int = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
 
 
 def _descriptor_limit() -> int:
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return 4 * _OPEN_FILES
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def _map_local(path: str) -> mmap.mmap | bytes:
+    """A read-only map of a local shard (``b""`` for an empty file, which has no map).
+
+    A block is then one slice of the map: no system call per block, which costs
+    more than the copy on a virtual machine. The pages are the page cache's, shared
+    and reclaimable, not memory of this process.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size == 0:
+            return b""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)  # the map holds a descriptor of its own
+
+
+def _close(handle: Any) -> None:
+    """Close an open shard: a map, a file object or a positioned reader's state."""
+    close = getattr(handle, "close", None)
+    if close is not None:
+        close()
 
 
 def _size(path: str) -> int:
@@ -117,13 +144,19 @@ def _exclusive(path: Path, what: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+def _replace_durably(path: Path, data: bytes) -> None:
+    """Replace ``path`` by a file holding ``data``: readers see the old file or the new one.
+
+    The new file is written under a name of its own (created exclusively, never
+    through a symlink) and flushed before it is renamed over ``path``.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        LocalStorage.write_durably(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class ShardedDataset(IterableDataset[Any]):
@@ -189,6 +222,8 @@ class ShardedDataset(IterableDataset[Any]):
         else:
             self.index_path = Path(index_path)
         self.index = self._load_or_build(names)
+        # The index's numbers as plain tuples, looked up once per block read.
+        self._offsets, self._counts = self.index.offsets, self.index.counts
         self._max_open = _OPEN_FILES
         if self._read_at is None and not any(is_remote(n) for n in names):
             self._max_open = max(_OPEN_FILES, min(_OPEN_DESCRIPTORS, _descriptor_limit() // 4))
@@ -267,9 +302,9 @@ class ShardedDataset(IterableDataset[Any]):
             total += count
         index = ShardIndex(names, counts)  # refuses an index without samples
         self.index_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(self.seek_path, bytes(seeks))
+        _replace_durably(self.seek_path, bytes(seeks))
         text = json.dumps({**header, **index.to_json()}, indent=1)
-        _write_atomically(self.index_path, text.encode("utf-8"))
+        _replace_durably(self.index_path, text.encode("utf-8"))
         LOG.info("indexed %d samples in %d shards into %s", total, len(names), self.index_path)
         return index
 
@@ -278,9 +313,9 @@ class ShardedDataset(IterableDataset[Any]):
         return self.index.total
 
     def _reset_caches(self) -> None:
-        # Open shards by index: an int for a local file (read with pread), else the
-        # file object fsspec opened; at most _max_open, the oldest closed first.
-        self._handles: dict[int, Any] = {}  # or a positioned reader's state
+        # Open shards by index: a map of a local file, the file object fsspec opened,
+        # or a positioned reader's state; at most _max_open, the oldest closed first.
+        self._handles: dict[int, Any] = {}
         self._seek_map: mmap.mmap | None = None
         self._seeks: Any = None  # the seek file's numbers, indexable: block -> byte position
         self._block: tuple[int, list[Any]] | None = None
@@ -296,10 +331,7 @@ class ShardedDataset(IterableDataset[Any]):
     def close(self) -> None:
         """Close the files this process holds open (reopened on demand)."""
         for handle in self._handles.values():
-            if isinstance(handle, int):
-                os.close(handle)
-            else:
-                handle.close()
+            _close(handle)
         if isinstance(self._seeks, memoryview):
             self._seeks.release()  # before the map it views
         if self._seek_map is not None:
@@ -311,36 +343,24 @@ class ShardedDataset(IterableDataset[Any]):
         if handle is None:
             if len(self._handles) >= self._max_open:
                 oldest = next(iter(self._handles))
-                closing = self._handles.pop(oldest)
-                os.close(closing) if isinstance(closing, int) else closing.close()
+                _close(self._handles.pop(oldest))
             name = self.index.names[shard]
             if self._read_at is not None:
                 handle = self.reader.open_state(open_shard(name))  # type: ignore[attr-defined]
             elif is_remote(name):
                 handle = open_shard(name)
             else:
-                handle = os.open(name.removeprefix("file://"), os.O_RDONLY | _O_BINARY)
+                handle = _map_local(name.removeprefix("file://"))
             self._handles[shard] = handle
         return handle
 
     def _read_span(self, shard: int, begin: int, end: int) -> bytes:
-        """Bytes ``[begin, end)`` of a shard: one positioned read where the OS has one."""
-        handle: int | IO[bytes] = self._handle(shard)
-        if not isinstance(handle, int):
-            handle.seek(begin)
-            return handle.read(end - begin)
-        parts = []  # pread may return less than asked: read on until the end or EOF
-        while begin < end:
-            if _PREAD is not None:
-                part = _PREAD(handle, end - begin, begin)
-            else:  # no pread (Windows): seek and read the descriptor
-                os.lseek(handle, begin, os.SEEK_SET)
-                part = os.read(handle, end - begin)
-            if not part:
-                break  # end of file: the caller finds records missing
-            parts.append(part)
-            begin += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        """Bytes ``[begin, end)`` of a shard (fewer where it ends before ``end``)."""
+        handle = self._handle(shard)
+        if isinstance(handle, (mmap.mmap, bytes)):
+            return handle[begin:end]
+        handle.seek(begin)
+        return handle.read(end - begin)  # type: ignore[no-any-return]
 
     def _seek_table(self) -> Any:
         if self._seeks is None:
@@ -366,29 +386,34 @@ class ShardedDataset(IterableDataset[Any]):
         cached = self._block
         if cached is not None and cached[0] == block:
             return cached[1]
-        # The hot path of every reader: once per block, so look-ups are kept local.
-        offsets = self.index.offsets
-        shard = bisect.bisect_right(offsets, start) - 1  # index.locate, unchecked
+        return self._read(block, start, stop)
+
+    def _read(self, block: int, start: int, stop: int) -> list[Any]:
+        """`read_block` without its cache: reads, and caches what it read."""
+        # The hot path of every reader, once per block: its look-ups are kept local.
+        offsets = self._offsets
+        shard = bisect.bisect_right(offsets, start) - 1
         offset = start - offsets[shard]
-        size, rest = stop - start, self.index.counts[shard] - offset
-        if size > rest or self._read_at is not None:
-            records = self._read_across(block, shard, offset, size)
-        else:
-            seeks = self._seeks if self._seeks is not None else self._seek_table()
-            begin = int(seeks[block])
-            end = int(seeks[block + 1]) if size < rest else self._sizes[shard]
-            handle = self._handles.get(shard)
-            data = b""
-            if type(handle) is int and _PREAD is not None:
-                data = _PREAD(handle, end - begin, begin)  # the usual case: one read
-            if len(data) != end - begin:
-                data = self._read_span(shard, begin, end)
+        size, rest = stop - start, self._counts[shard] - offset
+        handle, seeks = self._handles.get(shard), self._seeks
+        if size <= rest and type(handle) is mmap.mmap and seeks is not None:
+            # The usual case: a block inside one local shard, a slice of its map.
+            data = handle[seeks[block] : seeks[block + 1] if size < rest else self._sizes[shard]]
             records = self._split(data) if self._split is not None else self._records(data)
             if len(records) != size:
                 self._mismatch(shard, offset, size, records, size == rest)
+        elif size > rest or self._read_at is not None:
+            records = self._read_across(block, shard, offset, size)
+        else:
+            begin = self._seek_position(block)
+            end = self._seek_position(block + 1) if size < rest else self._sizes[shard]
+            records = self._records(self._read_span(shard, begin, end))
+            if len(records) != size:
+                self._mismatch(shard, offset, size, records, size == rest)
         self._block = (block, records)
-        self.stats["blocks"] += 1
-        self.stats["records"] += size
+        stats = self.stats
+        stats["blocks"] += 1
+        stats["records"] += size
         return records
 
     def _read_across(self, block: int, shard: int, offset: int, size: int) -> list[Any]:
@@ -439,15 +464,19 @@ class ShardedDataset(IterableDataset[Any]):
 
         Only the records taken are decoded (and transformed).
         """
-        decode, out = self.reader.decode, list[Any]()
+        records: list[Any] = []
         for block, start, stop, offsets in order.runs(lo, hi):
             cached = self._block
             if cached is not None and cached[0] == block:
-                records = cached[1]
+                block_records = cached[1]
             else:
-                records = self.read_block(block, start, stop)
-            out += map(decode, map(records.__getitem__, offsets))
-        self.stats["decoded"] += len(out)
+                block_records = self._read(block, start, stop)
+            if len(offsets) > 1:
+                records += itemgetter(*offsets)(block_records)  # one C call for the run
+            else:
+                records += map(block_records.__getitem__, offsets)
+        self.stats["decoded"] += len(records)
+        out = list(map(self.reader.decode, records))
         if self.transform is not None:
             out = list(map(self.transform, out))
         return out
@@ -479,12 +508,16 @@ def _keep(batch: Any) -> Any:
     return batch
 
 
-class ShardedStream(IterableDataset[Any]):
+class ShardedStream(Dataset[Any]):
     """What `AdaptiveDataLoader` hands its DataLoader for a `ShardedDataset`.
 
-    Yields this replica's micro-batches of one pass from the planned global index,
-    collated; with DataLoader workers, micro-batch ``k`` is read and collated by
-    worker ``k % num_workers``, which is the order the DataLoader yields them in.
+    Its :attr:`sampler` issues this replica's chunks of the pass (core's
+    `StreamPlan`, from the planned global index), one per micro-batch, each of the
+    local batch size that :attr:`sizes` gives as it is issued; indexing the stream
+    with one reads and collates that micro-batch. So, as for a map-style dataset,
+    the DataLoader's workers read micro-batches in turn, and a batch size changed in
+    the middle of a pass applies to the micro-batches issued from then on, without
+    new workers.
     """
 
     def __init__(
@@ -501,16 +534,21 @@ class ShardedStream(IterableDataset[Any]):
         self.seed = seed
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         self.drop_last = drop_last
-        self.plan = (0, 0, 1, 0, 1)  # epoch, index, replicas, rank, local batch size
+        self.sizes = IssuedSizes()
+        self.sampler = _ChunkSampler(self)
+        self._plan = self._make_plan(0, 0, 1, 0, 1)
+        # The plan of the chunks read last, and its order (made once per plan).
+        self._read_plan: StreamPlan | None = None
+        self._order: Any = None
 
     @classmethod
     def for_loader(
         cls, dataset: Any, shuffle: bool, seed: int, kwargs: dict[str, Any]
     ) -> ShardedStream:
-        """The stream for `AdaptiveDataLoader`; pops the options it takes from ``kwargs``.
+        """The stream for `AdaptiveDataLoader`; pops the options it takes from ``kwargs``
+        and sets ``kwargs["sampler"]`` to the stream's :attr:`sampler`.
 
-        Raises ValueError for an IterableDataset that is not a `ShardedDataset`, and
-        for DataLoader options that cannot keep exactly-once (persistent workers).
+        Raises ValueError for an IterableDataset that is not a `ShardedDataset`.
         """
         if not isinstance(dataset, ShardedDataset):
             raise ValueError(
@@ -519,20 +557,17 @@ class ShardedStream(IterableDataset[Any]):
                 "reader) streams shard files with known sample counts and resumes exactly "
                 f"once after restarts at any size; got the IterableDataset {type(dataset)!r}"
             )
-        if kwargs.get("persistent_workers"):
-            raise ValueError(
-                "persistent_workers=True is not supported with a ShardedDataset: workers "
-                "are restarted at each pass, and after each batch-size change, from the index"
-            )
         if not isinstance(shuffle, bool):
             raise ValueError(f"shuffle must be a bool, got {shuffle!r}")
-        return cls(
+        stream = cls(
             dataset,
             shuffle=shuffle,
             seed=seed,
             collate_fn=kwargs.pop("collate_fn", None),
             drop_last=bool(kwargs.pop("drop_last", False)),
         )
+        kwargs["sampler"] = stream.sampler
+        return stream
 
     @staticmethod
     def loader_collate() -> Callable[[Any], Any]:
@@ -541,42 +576,68 @@ class ShardedStream(IterableDataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def set_plan(self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int) -> None:
-        self.plan = (epoch, index, replicas, rank, local_bsz)
-
-    def order(self) -> BlockOrder:
-        epoch, index, *_ = self.plan
-        n = len(self.dataset)
-        return BlockOrder(
-            n,
+    def _make_plan(
+        self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int
+    ) -> StreamPlan:
+        return StreamPlan(
+            len(self.dataset),
             self.dataset.block_size,
-            seed=self.seed,
-            epoch=epoch,
-            pass_=index // n,
+            self.seed,
+            epoch,
+            index,
+            replicas,
+            rank,
+            local_bsz,
             shuffle=self.shuffle,
+            drop_last=self.drop_last,
         )
 
-    def _chunks(self) -> Iterator[Any]:
-        _, index, replicas, rank, local_bsz = self.plan
-        for chunk in micro_batches(len(self.dataset), index, replicas, rank, local_bsz):
-            if self.drop_last and chunk.step < replicas * local_bsz:
-                return
-            yield chunk
+    def set_plan(self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int) -> None:
+        """Read the pass from global ``index`` (epoch, replicas, rank, local batch size)."""
+        self._plan = self._make_plan(epoch, index, replicas, rank, local_bsz)
+
+    def start(self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int) -> None:
+        """A pass starts: `set_plan`, and issue micro-batches of ``local_bsz`` from the first."""
+        self.set_plan(epoch, index, replicas, rank, local_bsz)
+        self.sizes.start(local_bsz)
+
+    @property
+    def plan(self) -> tuple[int, int, int, int, int]:
+        """(epoch, index, replicas, rank, local batch size) of the planned pass."""
+        p = self._plan
+        return p.epoch, p.index, p.num_replicas, p.rank, p.local_bsz
 
     def num_batches(self) -> int:
         """Micro-batches this replica yields from the planned index to the pass end."""
-        _, index, replicas, _, local_bsz = self.plan
-        rest, step = len(self.dataset) - index % len(self.dataset), replicas * local_bsz
-        return rest // step if self.drop_last else -(-rest // step)
+        return self._plan.num_batches()
 
-    def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        order = self.order()
-        for k, chunk in enumerate(self._chunks()):
-            if k % workers != worker:
-                continue
-            samples = self.dataset.take(order, chunk.lo, chunk.hi)
-            if chunk.pad is not None:
-                samples += self.dataset.take(order, chunk.pad, chunk.pad + 1)
-            yield self.collate_fn(samples)
+    def batches(self) -> Iterator[Any]:
+        """The planned pass's micro-batches read in this process (no DataLoader)."""
+        return map(self.__getitem__, self.sampler)
+
+    def __getitem__(self, ticket: tuple[StreamPlan, Chunk]) -> Any:
+        """The collated micro-batch of a chunk that :attr:`sampler` issued."""
+        plan, (lo, hi, pad, _, _) = ticket
+        if plan is not self._read_plan:  # a worker gets a copy of the plan with each chunk
+            if plan != self._read_plan:
+                self._order = plan.order()
+            self._read_plan = plan
+        take, order = self.dataset.take, self._order
+        samples = take(order, lo, hi)
+        if pad is not None:
+            samples += take(order, pad, pad + 1)
+        return self.collate_fn(samples)
+
+
+class _ChunkSampler(Sampler[Any]):
+    """Issues the planned pass's chunks, one per micro-batch, each with its plan."""
+
+    def __init__(self, stream: ShardedStream) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[tuple[StreamPlan, Chunk]]:
+        plan = self.stream._plan
+        return zip(itertools.repeat(plan), plan.chunks(self.stream.sizes.issue))
+
+    def __len__(self) -> int:
+        return self.stream.num_batches()
