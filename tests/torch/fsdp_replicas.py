@@ -9,13 +9,22 @@
 * ``save``: FSDP2 with AdamW, a few steps, then a checkpoint; ``load``: restores it
   (at whatever world size torchrun gives); both write the full parameters and the
   full optimiser state.
+* ``async-stop``: as ``save`` with ``async_checkpoint``, each write slowed by
+  ``FSDP_SLOW_WRITE`` seconds: a checkpoint at the second step, then SIGTERM while it
+  is written; the state after every step is written (the last is the stop's).
+* ``async-kill``: a checkpoint at the second step, waited for (its state written),
+  another at the third, then SIGKILL while that one is written.
+
+``FSDP_COUNT_CHECKS=1`` makes each replica also write which checkpoint files it hashed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -26,7 +35,8 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.torch import _context
+from adaptdl.core import shardedfiles
+from adaptdl.torch import _context, sharded_state
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.scaling_rules import AdaScale
 
@@ -103,38 +113,84 @@ def train_gns() -> None:
     )
 
 
+def slow_writes() -> None:
+    delay = float(os.environ.get("FSDP_SLOW_WRITE", "0"))
+    original = sharded_state._HashingWriter.write_data
+
+    def slow(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(delay)
+        return original(self, plan, planner)
+
+    if delay:
+        sharded_state._HashingWriter.write_data = slow  # type: ignore[method-assign]
+
+
+CHECKED: list[str] = []
+
+
+def count_checks() -> None:
+    original = shardedfiles.file_record
+
+    def counted(path: Any, limit: Any = None) -> Any:
+        CHECKED.append(f"{path.parent.parent.name}/{path.parent.name}/{path.name}")
+        return original(path, limit)
+
+    if os.environ.get("FSDP_COUNT_CHECKS") == "1":
+        shardedfiles.file_record = counted  # type: ignore[assignment]
+
+
+def snapshot(net: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """Collective: the full model and optimiser state, and what the checkpoints are."""
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
+    return {
+        "restored": _context.current_job().restored_from,
+        "model": {k: full(v) for k, v in model_sd.items()},
+        "optim": {
+            f"{k}.{s}": full(v) for k, state in optim_sd["state"].items() for s, v in state.items()
+        },
+        "lr": scheduler.get_last_lr(),
+        "files": sorted(os.listdir(os.environ["ADAPTDL_CHECKPOINT_PATH"])),
+        "checked": CHECKED,
+    }
+
+
 def checkpointed() -> None:
+    slow_writes()
     loader = adl.AdaptiveDataLoader(data(), batch_size=8)
     net = shard(model())
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    wrapped = AdaptiveFSDP(net, optimizer, lr_scheduler=scheduler)
-    if MODE == "save":
+    background = MODE.startswith("async")
+    wrapped = AdaptiveFSDP(net, optimizer, lr_scheduler=scheduler, async_checkpoint=background)
+    job = _context.current_job()
+    if MODE == "save" or background:
         for _ in adl.remaining_epochs_until(1):
-            for _idx, x, y in loader:
+            for i, (_idx, x, y) in enumerate(loader):
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(wrapped(x), y).backward()
                 optimizer.step()
+                if not background:
+                    continue
+                write(snapshot(net, optimizer, scheduler))
+                if i == 1:
+                    job.checkpoint()  # in the background
+                    if MODE == "async-stop":
+                        signal.raise_signal(signal.SIGTERM)  # stops at a later boundary
+                    else:
+                        assert job.store is not None
+                        job.store.wait()
+                        write(snapshot(net, optimizer, scheduler))
+                if i == 2 and MODE == "async-kill":
+                    job.checkpoint()
+                    os.kill(os.getpid(), signal.SIGKILL)
             scheduler.step()
         # The finished epoch loop wrote its final checkpoint (ckpt-000001).
-    options = StateDictOptions(full_state_dict=True)
-    model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
-    write(
-        {
-            "restored": _context.current_job().restored_from,
-            "model": {k: full(v) for k, v in model_sd.items()},
-            "optim": {
-                f"{k}.{s}": full(v)
-                for k, state in optim_sd["state"].items()
-                for s, v in state.items()
-            },
-            "lr": scheduler.get_last_lr(),
-            "files": sorted(os.listdir(os.environ["ADAPTDL_CHECKPOINT_PATH"])),
-        }
-    )
+    write(snapshot(net, optimizer, scheduler))
 
 
 def main() -> None:
+    count_checks()
     adl.init_process_group("gloo")
     if MODE in ("ddp", "fsdp"):
         train_gns()

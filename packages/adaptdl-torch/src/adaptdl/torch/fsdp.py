@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from adaptdl.torch._context import current_job
 from adaptdl.torch.scaling_rules import AdamScale, ScalingRuleBase
-from adaptdl.torch.sharded_state import ShardedState
+from adaptdl.torch.sharded_state import AsyncShardedState, ShardedState
 from adaptdl.torch.state import StateDictState
 from adaptdl.torch.stepping import AdaptiveSteps, _norms, _sum_sqr_norms, check_arguments
 from torch.distributed.fsdp import FSDPModule
@@ -49,6 +49,12 @@ class AdaptiveFSDP(AdaptiveSteps):
     job resumed from a checkpoint. ``scaling_rule`` defaults to `AdaScale`
     (`AdamScale` is not supported for sharded models yet).
 
+    With ``async_checkpoint``, a checkpoint stalls training only while each
+    replica copies its shards aside in host memory (a second copy of them, held
+    until written); they are written in the background and the checkpoint
+    appears, whole, once every replica's files are. The next checkpoint, the
+    end of training and a stop wait for it first.
+
     Call the model as usual (or this object, which calls it); ``backward()`` must
     run inside an `AdaptiveDataLoader` loop.
     """
@@ -62,8 +68,11 @@ class AdaptiveFSDP(AdaptiveSteps):
         lr_scheduler: Any = None,
         mp_scaler: Any = None,
         name: str = "adaptdl-fsdp",
+        async_checkpoint: bool = False,
     ) -> None:
         check_arguments(optimizer, scaling_rule, mp_scaler)
+        if not isinstance(async_checkpoint, bool):
+            raise TypeError(f"async_checkpoint must be a bool, got {async_checkpoint!r}")
         if not isinstance(model, FSDPModule):
             raise ValueError(
                 "model must be sharded by torch.distributed.fsdp.fully_shard (an FSDPModule), "
@@ -90,7 +99,8 @@ class AdaptiveFSDP(AdaptiveSteps):
         self._hooked: set[int] = set()
         self._unsharded: list[torch.Tensor] = []
         # Registered before the optimiser is patched: restoring may initialise its state.
-        job.register(ShardedState(name, model, optimizer, self.plain_optimizer))
+        sharded = AsyncShardedState if async_checkpoint else ShardedState
+        job.register(sharded(name, model, optimizer, self.plain_optimizer))
         job.register(
             StateDictState(
                 f"{name}-extras", {"lr_scheduler": lr_scheduler, "mp_scaler": mp_scaler}
