@@ -170,10 +170,9 @@ def checkpointed() -> None:
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(wrapped(x), y).backward()
                 optimizer.step()
-                if not background:
-                    continue
-                write(snapshot(net, optimizer, scheduler))
-                if i == 1:
+                if MODE == "async-stop":
+                    write(snapshot(net, optimizer, scheduler))
+                if i == 1 and background:
                     job.checkpoint()  # in the background
                     if MODE == "async-stop":
                         signal.raise_signal(signal.SIGTERM)  # stops at a later boundary
