@@ -4,8 +4,9 @@
 
 * ``ddp`` / ``fsdp``: the same two-layer model, data and seed, four micro-batches of
   4 per step over the replicas (accumulation included), trained for one epoch
-  under `AdaptiveDataParallel` or `AdaptiveFSDP`; each replica writes the
-  gradient-noise statistics per group, the progress and the full parameters.
+  under `AdaptiveDataParallel` or `AdaptiveFSDP` (with ``FSDP_ADAM=1``: Adam and
+  AdamScale); each replica writes the gradient-noise statistics per group, the
+  progress and the full parameters.
 * ``save``: FSDP2 with AdamW, a few steps, then a checkpoint; ``load``: restores it
   (at whatever world size torchrun gives); both write the full parameters and the
   full optimiser state.
@@ -14,6 +15,11 @@
   is written; the state after every step is written (the last is the stop's).
 * ``async-kill``: a checkpoint at the second step, waited for (its state written),
   another at the third, then SIGKILL while that one is written.
+
+* ``scaler``: FSDP2 with a ShardedGradScaler; at the third step one element of
+  replica 1's gradient shard is made infinite after the reduction, so that only the
+  all-reduced inf check can make replica 0 skip that step too; each replica writes
+  the scale after every step and whether its own shards changed.
 
 ``FSDP_COUNT_CHECKS=1`` makes each replica also write which checkpoint files it hashed.
 """
@@ -38,7 +44,7 @@ import torch
 from adaptdl.core import shardedfiles
 from adaptdl.torch import _context, sharded_state
 from adaptdl.torch.fsdp import AdaptiveFSDP
-from adaptdl.torch.scaling_rules import AdaScale
+from adaptdl.torch.scaling_rules import AdamScale, AdaScale
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 N = 64
@@ -91,11 +97,16 @@ def train_gns() -> None:
     wrapped: Any
     if MODE == "fsdp":
         net = shard(net)
-        optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
-        wrapped = AdaptiveFSDP(net, optimizer, scaling_rule=AdaScale())
+    adam = os.environ.get("FSDP_ADAM") == "1"
+    if adam:  # AdamScale: the statistics of Adam's preconditioned gradient
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(two_groups(net), lr=0.01)
     else:
         optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
-        wrapped = adl.AdaptiveDataParallel(net, optimizer, scaling_rule=AdaScale())
+    rule = AdamScale() if adam else AdaScale()
+    if MODE == "fsdp":
+        wrapped = AdaptiveFSDP(net, optimizer, scaling_rule=rule)
+    else:
+        wrapped = adl.AdaptiveDataParallel(net, optimizer, scaling_rule=rule)
     for _ in adl.remaining_epochs_until(2):
         for _idx, x, y in loader:
             optimizer.zero_grad()
@@ -188,11 +199,47 @@ def checkpointed() -> None:
     write(snapshot(net, optimizer, scheduler))
 
 
+def scaled() -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    net = shard(model())
+    optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    wrapped = AdaptiveFSDP(net, optimizer, mp_scaler=scaler)
+    scales, changed = [], []
+    for _ in adl.remaining_epochs_until(1):
+        for i, (_idx, x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(wrapped(x), y)).backward()
+            if i == 2 and dist.get_rank() == 1:
+                grad = next(iter(net.parameters())).grad
+                grad.to_local().view(-1)[0] = float("inf")  # in replica 1's shard alone
+            before = [p.to_local().clone() for p in net.parameters()]
+            scaler.step(optimizer)
+            scaler.update()
+            after = [p.to_local() for p in net.parameters()]
+            changed.append(any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+            scales.append(scaler.get_scale())
+    gns = wrapped.gns
+    write(
+        {
+            "scales": scales,
+            "changed": changed,
+            "var": list(gns.group_var),
+            "sqr": list(gns.group_sqr),
+            "progress": wrapped.progress,
+        }
+    )
+
+
 def main() -> None:
     count_checks()
     adl.init_process_group("gloo")
     if MODE in ("ddp", "fsdp"):
         train_gns()
+    elif MODE == "scaler":
+        scaled()
     else:
         checkpointed()
     dist.barrier()

@@ -30,7 +30,7 @@ from adaptdl.torch import _context
 from adaptdl.torch.dcp import SafeLoadPlanner, read_metadata
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.launch import torchrun_command
-from adaptdl.torch.scaling_rules import AdamScale, LinearScale
+from adaptdl.torch.scaling_rules import LinearScale
 
 SCRIPT = Path(__file__).with_name("fsdp_replicas.py")
 
@@ -145,8 +145,8 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="fully_shard"):
         AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1))
     fully_shard(plain)
-    with pytest.raises(ValueError, match="AdamScale"):
-        AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1), scaling_rule=AdamScale())
+    with pytest.raises(TypeError, match="async_checkpoint"):
+        AdaptiveFSDP(plain, torch.optim.SGD(plain.parameters(), lr=1), async_checkpoint=1)  # type: ignore[arg-type]
 
 
 def train(net: Any, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -333,9 +333,11 @@ def results(out: Path, mode: str, rank: int = 0) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-def test_noise_statistics_under_fsdp2_equal_those_under_ddp(tmp_path: Path) -> None:
-    torchrun("ddp", 2, tmp_path)
-    torchrun("fsdp", 2, tmp_path)
+@pytest.mark.parametrize("adam", [False, True], ids=["SGD-AdaScale", "Adam-AdamScale"])
+def test_noise_statistics_under_fsdp2_equal_those_under_ddp(tmp_path: Path, adam: bool) -> None:
+    env = {"FSDP_ADAM": "1"} if adam else {}
+    torchrun("ddp", 2, tmp_path, **env)
+    torchrun("fsdp", 2, tmp_path, **env)
     ddp, fsdp = results(tmp_path, "ddp"), results(tmp_path, "fsdp")
     assert fsdp["updates"] == ddp["updates"] > 0
     assert fsdp["progress"] == pytest.approx(ddp["progress"], rel=1e-6)
@@ -448,3 +450,17 @@ def test_a_checkpoint_killed_in_flight_never_appears(tmp_path: Path) -> None:
     loaded = results(tmp_path, "load")
     assert loaded["restored"] == "ckpt-000001" and loaded["model"] == committed["model"]
     assert loaded["optim"] == committed["optim"]
+
+
+@pytest.mark.e2e
+def test_a_sharded_grad_scaler_skips_a_step_on_every_replica_when_one_shard_is_infinite(
+    tmp_path: Path,
+) -> None:
+    torchrun("scaler", 2, tmp_path)
+    ranks = [results(tmp_path, "scaler", rank) for rank in range(2)]
+    for r in ranks:
+        # Only replica 1's shard was infinite at the third step: both skip it.
+        assert r["changed"] == [True, True, False] + [True] * 5
+        assert r["scales"][1:3] == [2.0**12, 2.0**11]
+        assert r["progress"] == 7 and all(v > 0 for v in r["var"] + r["sqr"])
+    assert ranks[0]["scales"] == ranks[1]["scales"] and ranks[0]["var"] == ranks[1]["var"]
