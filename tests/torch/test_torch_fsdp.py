@@ -122,7 +122,9 @@ def data(n: int = 24) -> TensorDataset:
     return TensorDataset(torch.arange(n), x, x.sum(1, keepdim=True))
 
 
-def build(with_loader: bool = True) -> tuple[Any, torch.nn.Module, Any, AdaptiveFSDP]:
+def build(
+    with_loader: bool = True, background: bool = False
+) -> tuple[Any, torch.nn.Module, Any, AdaptiveFSDP]:
     loader = None
     if with_loader:
         adl.init_process_group("gloo")
@@ -132,7 +134,7 @@ def build(with_loader: bool = True) -> tuple[Any, torch.nn.Module, Any, Adaptive
     fully_shard(model[0])
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return loader, model, optimizer, AdaptiveFSDP(model, optimizer)
+    return loader, model, optimizer, AdaptiveFSDP(model, optimizer, async_checkpoint=background)
 
 
 def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -248,9 +250,11 @@ def test_a_checkpoint_of_an_optimizer_without_state_is_no_training_step(
             break
 
 
-def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+def checkpoint_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool = False
+) -> list[torch.Tensor]:
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ck"))
-    loader, model, optimizer, wrapped = build()
+    loader, model, optimizer, wrapped = build(background=background)
     for _ in adl.remaining_epochs_until(1):
         for _idx, x, y in loader:
             optimizer.zero_grad()
@@ -263,10 +267,11 @@ def checkpoint_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[torc
     return saved
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 def test_a_restart_restores_the_sharded_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
 ) -> None:
-    saved = checkpoint_one(tmp_path, monkeypatch)
+    saved = checkpoint_one(tmp_path, monkeypatch, background)
     _, model, optimizer, _ = build()
     assert _context.current_job().restored_from == "ckpt-000001"
     for a, b in zip(full_params(model), saved, strict=True):
@@ -364,12 +369,17 @@ def test_a_sharded_checkpoint_of_2_replicas_restores_resharded_on_3(tmp_path: Pa
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one per replica
     torchrun("load", 3, tmp_path, **env)
     saved = results(tmp_path, "save")
-    for rank in range(3):
-        loaded = results(tmp_path, "load", rank)
-        assert loaded["restored"] == "ckpt-000001"
+    assert_restored(tmp_path, 3, "ckpt-000001", saved)
+    assert results(tmp_path, "load", 2)["lr"] == saved["lr"] == [0.005]
+
+
+def assert_restored(out: Path, nproc: int, label: str, saved: dict[str, Any]) -> None:
+    """Every replica of ``load`` restored ``label``, holding the model and optimiser ``saved``."""
+    for rank in range(nproc):
+        loaded = results(out, "load", rank)
+        assert loaded["restored"] == label
         assert loaded["model"] == saved["model"]
         assert loaded["optim"] == saved["optim"] and saved["optim"]
-        assert loaded["lr"] == saved["lr"] == [0.005]
 
 
 @pytest.fixture(scope="module")
@@ -414,12 +424,7 @@ def test_a_checkpoint_in_flight_at_a_stop_is_committed_and_restored_resharded(
     for label in store.labels():
         store.load_label(label)  # complete: every file matches its record
     torchrun("load", 3, tmp_path, **env)
-    stopped = results(stopped_in_flight, "async-stop")
-    for rank in range(3):
-        loaded = results(tmp_path, "load", rank)
-        assert loaded["restored"] == "ckpt-000002"
-        assert loaded["model"] == stopped["model"]
-        assert loaded["optim"] == stopped["optim"] and stopped["optim"]
+    assert_restored(tmp_path, 3, "ckpt-000002", results(stopped_in_flight, "async-stop"))
     # Each file hashed by one replica, not by all three.
     assert checked(tmp_path, 3) == sorted(distcp_files("ckpt-000002"))
 
@@ -447,9 +452,7 @@ def test_a_checkpoint_killed_in_flight_never_appears(tmp_path: Path) -> None:
     assert ShardedCheckpointStore(tmp_path / "ck").labels() == ["ckpt-000001"]
     committed = results(tmp_path, "async-kill")  # written once ckpt-000001 was committed
     torchrun("load", 2, tmp_path, **env)
-    loaded = results(tmp_path, "load")
-    assert loaded["restored"] == "ckpt-000001" and loaded["model"] == committed["model"]
-    assert loaded["optim"] == committed["optim"]
+    assert_restored(tmp_path, 2, "ckpt-000001", committed)
 
 
 @pytest.mark.e2e

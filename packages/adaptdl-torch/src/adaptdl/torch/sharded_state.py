@@ -179,22 +179,16 @@ class AsyncShardedState(ShardedState):
     The shards are copied aside in host memory when the checkpoint is taken (so
     the replica holds a second copy of its shards until they are written), then
     written by a thread that talks to the other replicas over a process group of
-    its own, made here: construct it on every replica at the same point.
+    its own, made at the first checkpoint (every replica takes part).
     """
 
-    def __init__(
-        self,
-        name: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        plain: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
-    ) -> None:
-        super().__init__(name, model, optimizer, plain)
-        # Its own group: the writing thread's collectives never meet the training's.
-        self._group = dist.new_group(backend="gloo")
+    _group: Any = None
 
     def start_files(self, directory: Path) -> ConcurrentFuture[Mapping[str, FileRecord] | None]:
         """Collective: copy this replica's shards aside and write them in the background."""
+        if self._group is None:
+            # Its own group: the writing thread's collectives never meet the training's.
+            self._group = dist.new_group(backend="gloo")
         writer = _HashingWriter(directory)
         upload = async_save(self._state_dict(), storage_writer=writer, process_group=self._group)
         assert isinstance(upload, ConcurrentFuture)  # the writer stages before it returns
