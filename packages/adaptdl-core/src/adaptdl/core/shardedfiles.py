@@ -17,7 +17,11 @@ the whole model. Such a state is a :class:`FileState`. At a checkpoint:
 So the manifest's SHA-256 covers the listing and the listing's covers every shard
 file: the checkpoint is one atomic directory rename like any other, and
 :class:`ShardedCheckpointStore` verifies every file when loading, falling back to
-the older checkpoint when one is missing, truncated or altered.
+the older checkpoint when one is missing, truncated or altered. With several
+replicas each checks a share of the files (:func:`shares`) and all learn the
+verdict (`adaptdl.core.restore.restore_agreed`). An :class:`AsyncFileState` writes
+its files in the background; rank 0 then commits the checkpoint (steps 3-4) on a
+thread once every replica's files are written.
 
 On disk::
 
