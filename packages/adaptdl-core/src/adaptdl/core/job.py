@@ -345,12 +345,7 @@ class Job:
                     )
                 finally:
                     self._checkpointing = False
-        if self.store is not None and self.store.pending:
-            self._checkpointing = True  # a checkpoint written in the background is not lost
-            try:
-                self.store.wait()
-            finally:
-                self._checkpointing = False
+        self._committed(together=False)  # the replicas are not at one point here
         raise Preempted(self._stop_code)
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
@@ -425,18 +420,20 @@ class Job:
         self._committed()
         raise Preempted(self._stop_code)
 
-    def _committed(self) -> None:
-        """Every replica here: wait for a checkpoint written in the background to be committed.
+    def _committed(self, *, together: bool = True) -> None:
+        """Wait for a checkpoint being written in the background to be committed.
 
-        The barrier keeps every replica alive until rank 0 has committed it (a
-        launcher may end the others once one exits); a signal meanwhile waits too.
+        ``together`` (every replica here): then a barrier keeps every replica alive
+        until rank 0 has committed it (a launcher may end the others once one
+        exits). A signal meanwhile waits too.
         """
         if self.store is None or not self.store.pending:
             return
         deferred, self._checkpointing = self._checkpointing, True
         try:
             self.store.wait()
-            self.collective.barrier()
+            if together:
+                self.collective.barrier()
         finally:
             self._checkpointing = deferred
 
