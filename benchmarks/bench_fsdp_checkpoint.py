@@ -9,8 +9,13 @@ Both write into the job's atomic checkpoint (manifest, SHA-256 of every file,
 fsync, rename) after one training step; each takes several checkpoints, and the
 stall is the time every replica spends in ``Job.checkpoint`` (the slowest
 replica's; the best and median round). Bytes per replica are what each wrote.
-Figures are ratios FSDP2 / DDP from the same machine minutes apart; on a shared,
-loaded machine read them from a quiet one.
+A third job is the FSDP2 one with ``async_checkpoint=True``: its stall is the
+copy of the shards aside, and the writing that goes on in the background (until
+rank 0 commits the checkpoint) is reported beside it; each round starts once the
+previous checkpoint is committed, as a training loop whose checkpoints are
+further apart than one write would find it.
+Figures are ratios (FSDP2 / DDP, asynchronous / synchronous FSDP2) from the same
+machine minutes apart; on a shared, loaded machine read them from a quiet one.
 
     python benchmarks/bench_fsdp_checkpoint.py            # launches torchrun itself
     python benchmarks/bench_fsdp_checkpoint.py --quick    # a 12M-parameter model
@@ -51,13 +56,14 @@ def worker(side: str, width: int, rounds: int) -> None:
     model = torch.nn.Sequential(*layers)
     params = sum(p.numel() for p in model.parameters())
     wrapped: Any
-    if side == "fsdp":
+    sharded = side.startswith("fsdp")
+    if sharded:
         for layer in layers:
             fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if side == "fsdp":
-        wrapped = AdaptiveFSDP(model, optimizer)
+    if sharded:
+        wrapped = AdaptiveFSDP(model, optimizer, async_checkpoint=side == "fsdp-async")
     else:
         wrapped = adl.AdaptiveDataParallel(model, optimizer)
     n = 2 * replicas
@@ -71,24 +77,32 @@ def worker(side: str, width: int, rounds: int) -> None:
     job = current_job()
     root = os.environ["ADAPTDL_CHECKPOINT_PATH"]
     stalls: list[float] = []
+    background: list[float] = []
     written: list[int] = []
+    assert job.store is not None
     for _ in range(rounds):
         dist.barrier()
         start = time.perf_counter()
         job.checkpoint()
         stalls.append(time.perf_counter() - start)
+        job.store.wait()  # rank 0: until committed; elsewhere until its own files are written
+        dist.barrier()
+        background.append(time.perf_counter() - start - stalls[-1])
         written.append(_written_by(rank, os.path.join(root, sorted(_labels(root))[-1]), side))
-    staging = _staging_time(model, optimizer) if side == "fsdp" else 0.0
+    staging = _staging_time(model, optimizer) if sharded else 0.0
     slowest = [max(s) for s in zip(*_gather(stalls), strict=True)]
+    behind = [max(b) for b in zip(*_gather(background), strict=True)]
+    staged = max(_gather(staging))  # every replica takes part in each gather
     per_rank = _gather(written[-1])
     rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
         result = {
             "params": params,
             "stalls": slowest,
+            "background": behind,
             "bytes": per_rank,
             "rss": rss,
-            "staging": max(_gather(staging)),
+            "staging": staged,
         }
         print("RESULT " + json.dumps(result), flush=True)
     job.drain()
@@ -172,7 +186,7 @@ def launch(side: str, width: int, rounds: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, fewer rounds")
-    parser.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["ddp", "fsdp", "fsdp-async"], help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
@@ -181,12 +195,13 @@ def main() -> None:
     if args.worker:
         worker(args.worker, width, rounds)
         return
-    results = {side: launch(side, width, rounds) for side in ("ddp", "fsdp")}
+    results = {side: launch(side, width, rounds) for side in ("ddp", "fsdp", "fsdp-async")}
     mb = 1 << 20
     for side, r in results.items():
         print(
-            f"{side:>4}: stall best {min(r['stalls']):6.2f} s, median "
-            f"{statistics.median(r['stalls']):6.2f} s; written per replica "
+            f"{side:>10}: stall best {min(r['stalls']):6.2f} s, median "
+            f"{statistics.median(r['stalls']):6.2f} s; then in the background "
+            f"{statistics.median(r['background']):6.2f} s; written per replica "
             + ", ".join(f"{b / mb:7.1f} MB" for b in r["bytes"])
             + "; peak RSS per replica "
             + ", ".join(f"{b / mb:6.0f} MB" for b in r["rss"])
@@ -200,6 +215,14 @@ def main() -> None:
         f"most bytes written by one replica x{most:.2f}, total bytes "
         f"x{sum(fsdp['bytes']) / sum(ddp['bytes']):.2f}; copying the shards aside (the stall "
         f"an asynchronous save would keep) {fsdp['staging']:.2f} s"
+    )
+    background = results["fsdp-async"]
+    print(
+        "FSDP2 asynchronous against synchronous sharded checkpoint: stall "
+        f"x{min(background['stalls']) / min(fsdp['stalls']):.2f} (best rounds; median "
+        f"x{statistics.median(background['stalls']) / statistics.median(fsdp['stalls']):.2f}), "
+        "written meanwhile in the background for "
+        f"{statistics.median(background['background']):.2f} s"
     )
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +15,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adaptdl.core import shardedfiles
+from adaptdl.core.boundary import Preempted
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import ThreadCollective, run_replicas
 from adaptdl.core.job import Job
 from adaptdl.core.shardedfiles import (
     FILES_ENTRY,
+    AsyncFileState,
     FileRecord,
     FileState,
     ShardedCheckpointStore,
     decode_listing,
     encode_listing,
+    file_record,
+    shares,
 )
 from adaptdl.core.topology import Topology
 
@@ -157,3 +165,151 @@ def test_a_listing_naming_a_path_outside_its_directory_is_refused(bad: str) -> N
     data = json.dumps({"schema": "adaptdl.files/1", "files": {"s": {bad: [1, "0" * 64]}}}).encode()
     with pytest.raises(ValueError, match="file name"):
         decode_listing(data)
+
+
+# --------------------------------------------------------------------- in the background
+
+
+class Writes:
+    """What the replicas of `BackgroundShards` share: held writes, gathered records."""
+
+    def __init__(self, replicas: int, fail: bool = False) -> None:
+        self.replicas, self.fail = replicas, fail
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.records: dict[str, FileRecord] = {}
+        self.done = 0
+        self.coordinator: Future[Mapping[str, FileRecord] | None] | None = None
+
+
+class BackgroundShards(Shards):
+    """`Shards` written on a thread once ``writes.release`` is set (an AsyncFileState)."""
+
+    def __init__(self, rank: int, replicas: int, values: list[int], writes: Writes) -> None:
+        super().__init__(rank, replicas, values)
+        self.writes = writes
+
+    def start_files(self, directory: Path) -> Future[Mapping[str, FileRecord] | None]:
+        writes, out = self.writes, Future[Mapping[str, FileRecord] | None]()
+        if self.rank == 0:
+            writes.coordinator = out
+        values = list(self.values)  # fixed now, written later
+
+        def write() -> None:
+            writes.release.wait()
+            self.values = values
+            name = self.write_files(directory)[0]
+            with writes.lock:
+                writes.records[name] = file_record(directory / name)
+                writes.done += 1
+                last = writes.done == writes.replicas
+            if self.rank != 0:
+                out.set_result(None)
+            if last:
+                assert writes.coordinator is not None
+                if writes.fail:
+                    writes.coordinator.set_exception(OSError("disk full"))
+                else:
+                    writes.coordinator.set_result(dict(writes.records))
+
+        threading.Thread(target=write, daemon=True).start()
+        return out
+
+
+def background_run(tmp_path: Path, values: list[int], writes: Writes) -> list[Any]:
+    def replica(collective: ThreadCollective) -> Any:
+        store = ShardedCheckpointStore(tmp_path, job_id="j")
+        job = Job(Topology(collective.rank, writes.replicas), collective=collective, store=store)
+        state = BackgroundShards(collective.rank, writes.replicas, values, writes)
+        job.register(state)
+        job.checkpoint()
+        state.values = [-1]  # training goes on: the checkpoint keeps what it copied
+        seen = store.labels() if collective.rank == 0 else None
+        collective.barrier()
+        if collective.rank == 0:
+            writes.release.set()
+        try:
+            store.wait()
+        except CheckpointError as exc:
+            return seen, str(exc)
+        return seen, store.pending
+
+    return run_replicas(writes.replicas, replica, timeout=30)
+
+
+def test_a_checkpoint_written_in_the_background_appears_once_every_replica_wrote(
+    tmp_path: Path,
+) -> None:
+    assert isinstance(BackgroundShards(0, 1, [], Writes(1)), AsyncFileState)
+    run(tmp_path, 2, [9, 9, 9])  # ckpt-000001
+    results = background_run(tmp_path, list(range(7)), Writes(2))
+    assert results[0] == (["ckpt-000001"], False)  # not visible while being written
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt-")) == [
+        "ckpt-000001",
+        "ckpt-000002",
+    ]
+    assert run(tmp_path, 3, []) == [list(range(7))] * 3
+
+
+def test_a_failed_background_write_leaves_the_previous_checkpoint_newest(
+    tmp_path: Path,
+) -> None:
+    run(tmp_path, 2, [9, 9, 9])
+    results = background_run(tmp_path, list(range(7)), Writes(2, fail=True))
+    assert "disk full" in results[0][1] and "previous checkpoint" in results[0][1]
+    assert ShardedCheckpointStore(tmp_path, job_id="j").latest_label() == "ckpt-000001"
+    assert run(tmp_path, 1, []) == [[9, 9, 9]]
+
+
+def test_a_stop_waits_for_the_checkpoint_being_written(tmp_path: Path) -> None:
+    writes = Writes(1)
+    store = ShardedCheckpointStore(tmp_path, job_id="j")
+    job = Job(store=store)
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.epoch.current_epoch = 0  # inside an epoch, between loops
+    threading.Timer(0.2, writes.release.set).start()
+    job.request_stop()
+    with pytest.raises(Preempted):
+        job.stop_outside_loop()
+    assert not store.pending and store.latest_label() == "ckpt-000001"
+
+
+# --------------------------------------------------------------------- checked together
+
+
+def test_each_file_is_checked_by_one_replica_and_damage_falls_back_on_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tmp_path, 3, [1, 2, 3])
+    run(tmp_path, 3, [4, 5, 6])  # restored [1, 2, 3], saved ckpt-000002
+    checked: list[tuple[str, str]] = []
+    original = shardedfiles.file_record
+
+    def counted(path: Path, limit: int | None = None) -> FileRecord:
+        checked.append((threading.current_thread().name, f"{path.parent.parent.name}/{path.name}"))
+        return original(path, limit)
+
+    monkeypatch.setattr(shardedfiles, "file_record", counted)
+    assert run(tmp_path, 2, [], saves=0) == [[4, 5, 6]] * 2
+    files = sorted(name for _, name in checked)
+    assert files == [f"ckpt-000002/part-{r}-of-3.json" for r in range(3)]  # each once
+    assert {thread for thread, _ in checked} == {"replica-0", "replica-1"}
+    victim = tmp_path / "ckpt-000002" / "shards" / "part-2-of-3.json"
+    victim.write_bytes(victim.read_bytes()[:-1])
+    assert run(tmp_path, 2, [], saves=0) == [[1, 2, 3]] * 2
+
+
+@given(
+    st.dictionaries(names, st.dictionaries(names, records, min_size=1, max_size=4), max_size=3),
+    st.integers(1, 5),
+)
+def test_shares_give_each_file_to_one_replica_balanced_by_size(
+    listing: dict[str, dict[str, FileRecord]], replicas: int
+) -> None:
+    split = shares(listing, replicas)
+    assert split == shares(listing, replicas) and len(split) == replicas
+    every = sorted((s, n) for part in split for s, n, _ in part)
+    assert every == sorted((s, n) for s, row in listing.items() for n in row)
+    loads = [sum(r.size + 1 for _, _, r in part) for part in split]
+    largest = max((r.size + 1 for row in listing.values() for r in row.values()), default=0)
+    assert max(loads) - min(loads) <= largest

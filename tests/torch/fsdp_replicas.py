@@ -4,18 +4,33 @@
 
 * ``ddp`` / ``fsdp``: the same two-layer model, data and seed, four micro-batches of
   4 per step over the replicas (accumulation included), trained for one epoch
-  under `AdaptiveDataParallel` or `AdaptiveFSDP`; each replica writes the
-  gradient-noise statistics per group, the progress and the full parameters.
+  under `AdaptiveDataParallel` or `AdaptiveFSDP` (with ``FSDP_ADAM=1``: Adam and
+  AdamScale); each replica writes the gradient-noise statistics per group, the
+  progress and the full parameters.
 * ``save``: FSDP2 with AdamW, a few steps, then a checkpoint; ``load``: restores it
   (at whatever world size torchrun gives); both write the full parameters and the
   full optimiser state.
+* ``async-stop``: as ``save`` with ``async_checkpoint``, each write slowed by
+  ``FSDP_SLOW_WRITE`` seconds: a checkpoint at the second step, then SIGTERM while it
+  is written; the state after every step is written (the last is the stop's).
+* ``async-kill``: a checkpoint at the second step, waited for (its state written),
+  another at the third, then SIGKILL while that one is written.
+
+* ``scaler``: FSDP2 with a ShardedGradScaler; at the third step one element of
+  replica 1's gradient shard is made infinite after the reduction, so that only the
+  all-reduced inf check can make replica 0 skip that step too; each replica writes
+  the scale after every step and whether its own shards changed.
+
+``FSDP_COUNT_CHECKS=1`` makes each replica also write which checkpoint files it hashed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -26,9 +41,10 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.torch import _context
+from adaptdl.core import shardedfiles
+from adaptdl.torch import _context, sharded_state
 from adaptdl.torch.fsdp import AdaptiveFSDP
-from adaptdl.torch.scaling_rules import AdaScale
+from adaptdl.torch.scaling_rules import AdamScale, AdaScale
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 N = 64
@@ -81,11 +97,16 @@ def train_gns() -> None:
     wrapped: Any
     if MODE == "fsdp":
         net = shard(net)
-        optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
-        wrapped = AdaptiveFSDP(net, optimizer, scaling_rule=AdaScale())
+    adam = os.environ.get("FSDP_ADAM") == "1"
+    if adam:  # AdamScale: the statistics of Adam's preconditioned gradient
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(two_groups(net), lr=0.01)
     else:
         optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
-        wrapped = adl.AdaptiveDataParallel(net, optimizer, scaling_rule=AdaScale())
+    rule = AdamScale() if adam else AdaScale()
+    if MODE == "fsdp":
+        wrapped = AdaptiveFSDP(net, optimizer, scaling_rule=rule)
+    else:
+        wrapped = adl.AdaptiveDataParallel(net, optimizer, scaling_rule=rule)
     for _ in adl.remaining_epochs_until(2):
         for _idx, x, y in loader:
             optimizer.zero_grad()
@@ -103,41 +124,122 @@ def train_gns() -> None:
     )
 
 
+def slow_writes() -> None:
+    delay = float(os.environ.get("FSDP_SLOW_WRITE", "0"))
+    original = sharded_state._HashingWriter.write_data
+
+    def slow(self: Any, plan: Any, planner: Any) -> Any:
+        time.sleep(delay)
+        return original(self, plan, planner)
+
+    if delay:
+        sharded_state._HashingWriter.write_data = slow  # type: ignore[method-assign]
+
+
+CHECKED: list[str] = []
+
+
+def count_checks() -> None:
+    original = shardedfiles.file_record
+
+    def counted(path: Any, limit: Any = None) -> Any:
+        CHECKED.append(f"{path.parent.parent.name}/{path.parent.name}/{path.name}")
+        return original(path, limit)
+
+    if os.environ.get("FSDP_COUNT_CHECKS") == "1":
+        shardedfiles.file_record = counted  # type: ignore[assignment]
+
+
+def snapshot(net: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """Collective: the full model and optimiser state, and what the checkpoints are."""
+    options = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
+    return {
+        "restored": _context.current_job().restored_from,
+        "model": {k: full(v) for k, v in model_sd.items()},
+        "optim": {
+            f"{k}.{s}": full(v) for k, state in optim_sd["state"].items() for s, v in state.items()
+        },
+        "lr": scheduler.get_last_lr(),
+        "files": sorted(os.listdir(os.environ["ADAPTDL_CHECKPOINT_PATH"])),
+        "checked": CHECKED,
+    }
+
+
 def checkpointed() -> None:
+    slow_writes()
     loader = adl.AdaptiveDataLoader(data(), batch_size=8)
     net = shard(model())
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    wrapped = AdaptiveFSDP(net, optimizer, lr_scheduler=scheduler)
-    if MODE == "save":
+    background = MODE.startswith("async")
+    wrapped = AdaptiveFSDP(net, optimizer, lr_scheduler=scheduler, async_checkpoint=background)
+    job = _context.current_job()
+    if MODE == "save" or background:
         for _ in adl.remaining_epochs_until(1):
-            for _idx, x, y in loader:
+            for i, (_idx, x, y) in enumerate(loader):
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(wrapped(x), y).backward()
                 optimizer.step()
+                if MODE == "async-stop":
+                    write(snapshot(net, optimizer, scheduler))
+                if i == 1 and background:
+                    job.checkpoint()  # in the background
+                    if MODE == "async-stop":
+                        signal.raise_signal(signal.SIGTERM)  # stops at a later boundary
+                    else:
+                        assert job.store is not None
+                        job.store.wait()
+                        write(snapshot(net, optimizer, scheduler))
+                if i == 2 and MODE == "async-kill":
+                    job.checkpoint()
+                    os.kill(os.getpid(), signal.SIGKILL)
             scheduler.step()
         # The finished epoch loop wrote its final checkpoint (ckpt-000001).
-    options = StateDictOptions(full_state_dict=True)
-    model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
+    write(snapshot(net, optimizer, scheduler))
+
+
+def scaled() -> None:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    net = shard(model())
+    optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    wrapped = AdaptiveFSDP(net, optimizer, mp_scaler=scaler)
+    scales, changed = [], []
+    for _ in adl.remaining_epochs_until(1):
+        for i, (_idx, x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(wrapped(x), y)).backward()
+            if i == 2 and dist.get_rank() == 1:
+                grad = next(iter(net.parameters())).grad
+                grad.to_local().view(-1)[0] = float("inf")  # in replica 1's shard alone
+            before = [p.to_local().clone() for p in net.parameters()]
+            scaler.step(optimizer)
+            scaler.update()
+            after = [p.to_local() for p in net.parameters()]
+            changed.append(any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+            scales.append(scaler.get_scale())
+    gns = wrapped.gns
     write(
         {
-            "restored": _context.current_job().restored_from,
-            "model": {k: full(v) for k, v in model_sd.items()},
-            "optim": {
-                f"{k}.{s}": full(v)
-                for k, state in optim_sd["state"].items()
-                for s, v in state.items()
-            },
-            "lr": scheduler.get_last_lr(),
-            "files": sorted(os.listdir(os.environ["ADAPTDL_CHECKPOINT_PATH"])),
+            "scales": scales,
+            "changed": changed,
+            "var": list(gns.group_var),
+            "sqr": list(gns.group_sqr),
+            "progress": wrapped.progress,
         }
     )
 
 
 def main() -> None:
+    count_checks()
     adl.init_process_group("gloo")
     if MODE in ("ddp", "fsdp"):
         train_gns()
+    elif MODE == "scaler":
+        scaled()
     else:
         checkpointed()
     dist.barrier()

@@ -287,6 +287,14 @@ class CheckpointStore:
         """Metadata every loaded checkpoint must have."""
         return self._expected
 
+    @property
+    def pending(self) -> bool:
+        """Whether a checkpoint is still being written in the background (never, here)."""
+        return False
+
+    def wait(self) -> None:
+        """Return once no checkpoint is being written in the background (at once, here)."""
+
     def check_writable(self) -> None:
         """Raise CheckpointError now if checkpoints could not be saved."""
         try:
@@ -333,15 +341,7 @@ class CheckpointStore:
         Returns it once it is complete and durable; then deletes checkpoints older
         than the newest ``keep`` and leftovers of interrupted saves.
         """
-        frozen_entries = _freeze_entries(entries)
-        meta = dict(_freeze_metadata({} if metadata is None else metadata))
-        for key, value in self._expected.items():
-            if key in meta and meta[key] != value:
-                raise ValueError(
-                    f"metadata[{key!r}] is {meta[key]!r} but this store expects {value!r}"
-                )
-            meta[key] = value
-        labels = self.labels()
+        frozen_entries, meta, labels = self._prepare(entries, metadata)
         sequence = sequence_of(labels[-1]) + 1 if labels else 1
         for _ in range(_SAVE_ATTEMPTS):
             label = label_of(sequence)
@@ -362,7 +362,25 @@ class CheckpointStore:
                 f"could not write a checkpoint into {self._where()}: the next "
                 f"{_SAVE_ATTEMPTS} checkpoint names are all taken by other files; remove them"
             )
+        self._prune(labels, label)
+        return checkpoint
 
+    def _prepare(
+        self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None
+    ) -> tuple[Mapping[str, bytes], dict[str, Any], list[str]]:
+        """The checked entries, the metadata with ``expected``, and the labels saved so far."""
+        frozen_entries = _freeze_entries(entries)
+        meta = dict(_freeze_metadata({} if metadata is None else metadata))
+        for key, value in self._expected.items():
+            if key in meta and meta[key] != value:
+                raise ValueError(
+                    f"metadata[{key!r}] is {meta[key]!r} but this store expects {value!r}"
+                )
+            meta[key] = value
+        return frozen_entries, meta, self.labels()
+
+    def _prune(self, labels: list[str], label: str) -> None:
+        """After ``label`` is durable: delete own checkpoints beyond ``keep``, and leftovers."""
         # The new checkpoint is durable: failing to delete old ones must not fail the save.
         try:
             own = [old for old in labels if self._owns(old)]
@@ -377,7 +395,6 @@ class CheckpointStore:
                 self._where(),
                 exc,
             )
-        return checkpoint
 
     def _owns(self, label: str) -> bool:
         """Whether ``label``'s manifest is intact and names this store's job id."""

@@ -345,6 +345,7 @@ class Job:
                     )
                 finally:
                     self._checkpointing = False
+        self._committed(together=False)  # the replicas are not at one point here
         raise Preempted(self._stop_code)
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
@@ -416,7 +417,25 @@ class Job:
                 epoch=self.epoch.current_epoch, steps=self.state.steps, exit_code=self._stop_code
             )
         self.checkpoint()
+        self._committed()
         raise Preempted(self._stop_code)
+
+    def _committed(self, *, together: bool = True) -> None:
+        """Wait for a checkpoint being written in the background to be committed.
+
+        ``together`` (every replica here): then a barrier keeps every replica alive
+        until rank 0 has committed it (a launcher may end the others once one
+        exits). A signal meanwhile waits too.
+        """
+        if self.store is None or not self.store.pending:
+            return
+        deferred, self._checkpointing = self._checkpointing, True
+        try:
+            self.store.wait()
+            if together:
+                self.collective.barrier()
+        finally:
+            self._checkpointing = deferred
 
     def end_loop(self) -> None:
         """At the normal end of a loop, on every replica: settle its last step boundary.
@@ -457,6 +476,7 @@ class Job:
             self.drain()
             if ran and self.store is not None:
                 self.checkpoint()
+                self._committed()
         finally:
             self._finishing = False
         if self._stop_requested:

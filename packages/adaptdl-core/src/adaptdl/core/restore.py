@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +49,15 @@ class Store(Protocol):
 
     def load(self) -> Checkpoint | None: ...
 
+    @property
+    def pending(self) -> bool:
+        """Whether a checkpoint is still being written in the background."""
+        ...
+
+    def wait(self) -> None:
+        """Return once no checkpoint is being written in the background."""
+        ...
+
     def labels(self) -> list[str]: ...
 
     def load_label(self, label: str) -> Checkpoint: ...
@@ -61,7 +71,9 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def restore_agreed(store: Store, collective: Collective, rank: int) -> Checkpoint | None:
     """The checkpoint rank 0 chooses, loaded by every replica; CheckpointError on all if not.
 
-    One collective: every replica contributes the labels it sees, rank 0 also
+    The files of sharded states (a `ShardedCheckpointStore`) are checked by every
+    replica together, each hashing a share, for each checkpoint rank 0 tries; then one
+    collective: every replica contributes the labels it sees, rank 0 also
     its choice (label and manifest digest) or why it has none. A replica that
     does not see rank 0's choice (a stale directory listing, a path not shared
     across nodes) makes every replica raise, naming it, its newest and rank 0's
@@ -71,10 +83,17 @@ def restore_agreed(store: Store, collective: Collective, rank: int) -> Checkpoin
     view: dict[str, Any] = {}
     loaded: Checkpoint | None = None
     error: CheckpointError | None = None
+    # Sharded files: every replica checks a share of each checkpoint rank 0 tries,
+    # rather than each reading every file.
+    several = collective.num_replicas > 1
+    sharded = store if isinstance(store, ShardedCheckpointStore) and several else None
     try:
         if rank == 0:
-            loaded = store.load()
+            with sharded.checking_files_with(collective) if sharded else nullcontext():
+                loaded = store.load()
             view["choice"] = None if loaded is None else [loaded.label, loaded.digest]
+        elif sharded is not None:
+            sharded.help_check_files(collective)
         view["labels"] = store.labels()
     except CheckpointError as exc:
         error = exc

@@ -17,7 +17,11 @@ the whole model. Such a state is a :class:`FileState`. At a checkpoint:
 So the manifest's SHA-256 covers the listing and the listing's covers every shard
 file: the checkpoint is one atomic directory rename like any other, and
 :class:`ShardedCheckpointStore` verifies every file when loading, falling back to
-the older checkpoint when one is missing, truncated or altered.
+the older checkpoint when one is missing, truncated or altered. With several
+replicas each checks a share of the files (:func:`shares`) and all learn the
+verdict (`adaptdl.core.restore.restore_agreed`). An :class:`AsyncFileState` writes
+its files in the background; rank 0 then commits the checkpoint (steps 3-4) on a
+thread once every replica's files are written.
 
 On disk::
 
@@ -26,18 +30,23 @@ On disk::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import secrets
 import stat
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from adaptdl.core._validate import check_int
 from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -47,18 +56,21 @@ from adaptdl.core.checkpoint import (
 from adaptdl.core.collective import Collective
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
-from adaptdl.core.manifest import Unusable
+from adaptdl.core.manifest import Unusable, check_label, label_of, sequence_of
 from adaptdl.core.storage import TMP_PREFIX, LocalStorage, open_regular
 
 __all__ = [
     "FILES_ENTRY",
     "FILES_SCHEMA",
+    "AsyncFileState",
     "FileRecord",
     "FileState",
     "ShardedCheckpointStore",
     "StagingStorage",
     "decode_listing",
     "encode_listing",
+    "file_record",
+    "shares",
 ]
 
 FILES_ENTRY = "adaptdl-files"
@@ -71,6 +83,8 @@ FILES_SCHEMA = "adaptdl.files/1"
 _NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,200}\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _CHUNK = 1 << 20
+
+_log = logging.getLogger("adaptdl.core.checkpoint")
 
 
 def check_name(what: str, name: Any) -> str:
@@ -102,6 +116,26 @@ class FileState(State, Protocol):
 
     def read_files(self, directory: Path) -> None:
         """Replace the state with the one the files in ``directory`` hold (verified)."""
+        ...
+
+
+@runtime_checkable
+class AsyncFileState(FileState, Protocol):
+    """A :class:`FileState` that can write its files while training goes on.
+
+    A :class:`ShardedCheckpointStore` calls :meth:`start_files` instead of
+    :meth:`~FileState.write_files`, and commits the checkpoint once the files are written.
+    """
+
+    def start_files(self, directory: Path) -> Future[Mapping[str, FileRecord] | None]:
+        """Collective: start writing this replica's files into ``directory``; return at once.
+
+        What the files will hold is fixed before it returns (the state may change
+        right after). The future completes once every replica's files are
+        written: on rank 0 with the record of every file of every replica (each
+        hashed by the replica that wrote it), elsewhere with None; or with the
+        error that stopped any replica's write.
+        """
         ...
 
 
@@ -204,23 +238,28 @@ class StagingStorage(LocalStorage):
         self._fsync_dir(self.root)
 
     def digest(self, path: Path, limit: int | None = None) -> FileRecord:
-        """Size and SHA-256 of the regular file ``path`` (reading at most ``limit`` + 1 bytes).
+        """Size and SHA-256 of the regular file ``path`` (see :func:`file_record`)."""
+        return file_record(path, limit)
 
-        A symlink, FIFO or directory in its place raises OSError, never followed.
-        """
-        fd = open_regular(path, os.O_RDONLY)
-        sha = hashlib.sha256()
-        size = 0
-        try:
-            while limit is None or size <= limit:
-                chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit + 1 - size))
-                if not chunk:
-                    break
-                sha.update(chunk)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-        return FileRecord(size, sha.hexdigest())
+
+def file_record(path: Path, limit: int | None = None) -> FileRecord:
+    """Size and SHA-256 of the regular file ``path`` (reading at most ``limit`` + 1 bytes).
+
+    A symlink, FIFO or directory in its place raises OSError, never followed.
+    """
+    fd = open_regular(path, os.O_RDONLY)
+    sha = hashlib.sha256()
+    size = 0
+    try:
+        while limit is None or size <= limit:
+            chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit + 1 - size))
+            if not chunk:
+                break
+            sha.update(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    return FileRecord(size, sha.hexdigest())
 
 
 def _merge_listings(parts: Sequence[Any]) -> dict[str, dict[str, FileRecord]]:
@@ -245,6 +284,14 @@ class ShardedCheckpointStore(CheckpointStore):
     :class:`~adaptdl.core.checkpoint.CheckpointStore`'s. Every replica calls
     :meth:`write_files` before rank 0 calls :meth:`save`; loading verifies every
     listed file and falls back to the older checkpoint when one is damaged.
+
+    An :class:`AsyncFileState` writes its files in the background: :meth:`save`
+    then returns at once, and a thread of rank 0 commits the checkpoint (the
+    listing, the manifest, the rename) once every replica's files are written,
+    so that it appears whole or not at all. Until then it is :attr:`pending`;
+    :meth:`wait` waits for it, and so does the next :meth:`write_files` or
+    :meth:`save`. A background save that fails leaves the previous checkpoint
+    the newest, and its error is raised by the next :meth:`wait`.
     """
 
     def __init__(self, root: str | os.PathLike[str] | StagingStorage, **options: Any) -> None:
@@ -254,70 +301,278 @@ class ShardedCheckpointStore(CheckpointStore):
             raise TypeError(f"root must be a path or a StagingStorage, got {root!r}")
         super().__init__(root, **options)
         self._staging: StagingStorage = root
-        self._staged: tuple[Path, bytes] | None = None
+        self._staged: _Staged | None = None
+        self._pending: Future[Any] | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        # Labels whose files every replica, each checking a share, found intact.
+        self._verified: set[str] = set()
+        self._check_files: Callable[[str, Listing], list[str]] = self._check_all
+
+    # -- writing -------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether a checkpoint is still being written in the background."""
+        return self._pending is not None
+
+    def wait(self) -> None:
+        """Return once the checkpoint being written in the background is committed.
+
+        Raises CheckpointError if writing or committing it failed (the previous
+        checkpoint is then still the newest).
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # whatever stopped a replica's write
+            raise CheckpointError(
+                f"a checkpoint written in the background into {self._where()} failed "
+                f"({type(exc).__name__}: {exc}); the previous checkpoint is still the newest"
+            ) from exc
 
     def write_files(self, states: Sequence[FileState], collective: Collective) -> None:
         """Collective: every replica writes ``states``' files into one staging directory.
 
-        Rank 0 keeps the staging directory and the listing for its next :meth:`save`.
+        An :class:`AsyncFileState` only starts writing. Rank 0 keeps the staging
+        directory and the listing for its next :meth:`save`.
         """
+        self.wait()
         token = collective.broadcast(secrets.token_hex(8) if collective.rank == 0 else "")
         staged = self._staging.stage(token)
         mine: dict[str, dict[str, list[Any]]] = {}
+        started: list[tuple[str, Future[Mapping[str, FileRecord] | None]]] = []
         for state in states:
             name = check_name("state name", state.name)
             directory = staged / name
             os.makedirs(directory, exist_ok=True)
+            if isinstance(state, AsyncFileState):
+                started.append((name, state.start_files(directory)))
+                continue
             written = state.write_files(directory)
             row = mine.setdefault(name, {})
             for file in written:
                 record = self._staging.digest(directory / check_name("file name", file))
                 row[file] = [record.size, record.sha256]
         listing = _merge_listings(collective.allgather(mine))
-        self._staged = (staged, encode_listing(listing)) if collective.rank == 0 else None
+        if collective.rank == 0:
+            self._staged = _Staged(staged, listing, started)
+        elif started:
+            self._pending = _all_of([future for _, future in started])
 
     def save(
         self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
     ) -> Checkpoint:
-        """Save as the plain store does, with the staged files."""
+        """Save as the plain store does, with the staged files.
+
+        While files are still being written (an :class:`AsyncFileState`), the
+        checkpoint returned is the one a background thread commits, under its
+        label, once they are: :meth:`wait` returns then.
+        """
         staged, self._staged = self._staged, None
         if staged is None:
+            self.wait()
             return super().save(entries, metadata)
         if FILES_ENTRY in entries:
             raise ValueError(f"{FILES_ENTRY!r} is a reserved entry name; rename that state")
-        self._staging.adopt(staged[0])
+        if not staged.started:
+            return self._save_staged(staged.directory, staged.listing, entries, metadata)
+        frozen, meta, labels = self._prepare(entries, metadata)
+        label = self._free_label(labels)
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="adaptdl-commit")
+        self._pending = self._committer.submit(self._commit, staged, frozen, meta, labels, label)
+        return Checkpoint(label, frozen, meta)
+
+    def _save_staged(
+        self,
+        directory: Path,
+        listing: Listing,
+        entries: Mapping[str, bytes],
+        metadata: Mapping[str, Any] | None,
+    ) -> Checkpoint:
+        self._staging.adopt(directory)
         try:
-            return super().save({**entries, FILES_ENTRY: staged[1]}, metadata)
+            return super().save({**entries, FILES_ENTRY: encode_listing(listing)}, metadata)
         finally:
             self._staging.adopt(None)
+
+    def _free_label(self, labels: list[str]) -> str:
+        """The label the next checkpoint takes: after every one, skipping names taken by debris."""
+        sequence = sequence_of(labels[-1]) + 1 if labels else 1
+        while os.path.lexists(self._staging.root / label_of(sequence)):
+            sequence += 1
+        return label_of(sequence)
+
+    def _commit(
+        self,
+        staged: _Staged,
+        entries: Mapping[str, bytes],
+        meta: dict[str, Any],
+        labels: list[str],
+        label: str,
+    ) -> Checkpoint:
+        """In the background: wait for every replica's files, then write the checkpoint."""
+        listing = {state: dict(records) for state, records in staged.listing.items()}
+        for state, future in staged.started:
+            records = future.result()
+            if records is None:
+                raise CheckpointError(f"state {state!r} gave rank 0 no record of its files")
+            listing[state] = {check_name("file name", n): r for n, r in records.items()}
+        self._staging.adopt(staged.directory)
+        try:
+            checkpoint = self._write(
+                label, {**entries, FILES_ENTRY: encode_listing(listing)}, meta
+            )
+        except FileExistsError:
+            raise CheckpointError(
+                f"checkpoint {self._where(label)} appeared while its files were written"
+            ) from None
+        finally:
+            self._staging.adopt(None)
+        self._prune(labels, label)
+        _log.info("checkpoint %s committed: every replica's files are written", label)
+        return checkpoint
 
     def files_directory(self, label: str, name: str) -> Path:
         """Where checkpoint ``label`` keeps the files of state ``name``."""
         return self._staging.root / label / check_name("state name", name)
 
+    # -- loading -------------------------------------------------------------------------
     def _load_one(self, label: str) -> Checkpoint:
         checkpoint = super()._load_one(label)
         data = checkpoint.entries.get(FILES_ENTRY)
-        if data is None:
+        if data is None or label in self._verified:
             return checkpoint
         try:
             listing = decode_listing(data)
         except ValueError as exc:
             raise Unusable(str(exc)) from None
-        for state, records in listing.items():
-            directory = self.files_directory(label, state)
-            for name, record in records.items():
-                try:
-                    if not stat.S_ISDIR(os.lstat(directory).st_mode):
-                        raise OSError(errno.ENOTDIR, "not a directory", str(directory))
-                    found = self._staging.digest(directory / name, limit=record.size)
-                except OSError as exc:
-                    raise Unusable(
-                        f"file {state}/{name} is missing or unreadable ({exc})"
-                    ) from None
-                if found != record:
-                    raise Unusable(
-                        f"file {state}/{name} does not match its size and SHA-256 in "
-                        f"{FILES_ENTRY} (truncated, damaged or replaced)"
-                    )
+        problems = self._check_files(label, listing)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise Unusable(problems[0] + more)
         return checkpoint
+
+    def _check_all(self, label: str, listing: Listing) -> list[str]:
+        return self._check(
+            label, [(s, n, r) for s, row in listing.items() for n, r in row.items()]
+        )
+
+    def _check(self, label: str, files: Sequence[tuple[str, str, FileRecord]]) -> list[str]:
+        """What is wrong with ``files`` (state, name, record) of checkpoint ``label``."""
+        problems = []
+        for state, name, record in files:
+            directory = self.files_directory(label, state)
+            try:
+                if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                    raise OSError(errno.ENOTDIR, "not a directory", str(directory))
+                found = self._staging.digest(directory / name, limit=record.size)
+            except OSError as exc:
+                problems.append(f"file {state}/{name} is missing or unreadable ({exc})")
+                continue
+            if found != record:
+                problems.append(
+                    f"file {state}/{name} does not match its size and SHA-256 in "
+                    f"{FILES_ENTRY} (truncated, damaged or replaced)"
+                )
+        return problems
+
+    @contextlib.contextmanager
+    def checking_files_with(self, collective: Collective) -> Iterator[None]:
+        """On rank 0, around :meth:`load`: the replicas check each checkpoint's files together.
+
+        Each replica hashes a share of the files (:func:`shares`, balanced by
+        size) and all learn the verdict, so a damaged file still makes every
+        replica fall back to the older checkpoint while none reads every file.
+        The other replicas run :meth:`help_check_files` meanwhile.
+        """
+
+        def together(label: str, listing: Listing) -> list[str]:
+            collective.broadcast([label, encode_listing(listing).decode("ascii")])
+            return self._check_share(label, listing, collective)
+
+        self._check_files = together
+        try:
+            yield
+        finally:
+            self._check_files = self._check_all
+            collective.broadcast(None)  # the other replicas stop helping
+
+    def help_check_files(self, collective: Collective) -> None:
+        """On every replica but rank 0, while rank 0 is in :meth:`checking_files_with`."""
+        while True:
+            request = collective.broadcast(None)
+            if request is None:
+                return
+            label, text = request
+            try:
+                check_label(label)
+                listing = decode_listing(text.encode("ascii"))
+            except (ValueError, TypeError, UnicodeError) as exc:
+                collective.allgather([f"the listing rank 0 sent cannot be read ({exc})"])
+                continue
+            self._check_share(label, listing, collective)
+
+    def _check_share(self, label: str, listing: Listing, collective: Collective) -> list[str]:
+        """Collective: check this replica's share of ``listing``; every replica's problems."""
+        files = shares(listing, collective.num_replicas)[collective.rank]
+        problems = [p for part in collective.allgather(self._check(label, files)) for p in part]
+        if not problems:
+            self._verified.add(label)
+        return problems
+
+
+@attrs.frozen
+class _Staged:
+    """What rank 0 keeps from :meth:`ShardedCheckpointStore.write_files` for its save."""
+
+    directory: Path
+    listing: Listing
+    started: list[tuple[str, Future[Mapping[str, FileRecord] | None]]]
+
+
+def _all_of(futures: list[Future[Any]]) -> Future[None]:
+    """A future that completes when every one of ``futures`` has (with the first error)."""
+    out: Future[None] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] > 0:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return out
+
+
+def shares(listing: Listing, replicas: int) -> list[list[tuple[str, str, FileRecord]]]:
+    """The files of ``listing`` split among ``replicas``: by size, largest to the least loaded.
+
+    The same on every replica: ties go by name and then to the lowest rank.
+    """
+    check_int("replicas", replicas, min=1)
+    files = sorted(_files_of(listing), key=lambda f: (-f[2].size, f[0], f[1]))
+    out: list[list[tuple[str, str, FileRecord]]] = [[] for _ in range(replicas)]
+    load = [0] * replicas
+    for file in files:
+        rank = min(range(replicas), key=lambda r: (load[r], r))
+        out[rank].append(file)
+        load[rank] += file[2].size + 1
+    return out
+
+
+def _files_of(listing: Listing) -> list[tuple[str, str, FileRecord]]:
+    return [
+        (state, name, record) for state, row in listing.items() for name, record in row.items()
+    ]

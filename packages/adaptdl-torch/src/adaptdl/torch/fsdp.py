@@ -10,7 +10,7 @@ the sharded model what `AdaptiveDataParallel` does for a replicated one (it shar
   and backward passes; a hook on each sees the replica's own gradient before the
   reduce-scatter), and the reduced gradient's squared norm is the sum over
   replicas of each shard's squared norm (one ``all_reduce`` of one number per
-  parameter group);
+  parameter group), under `AdamScale` of the preconditioned gradient;
 * accumulation micro-batches run with ``set_requires_gradient_sync(False)``: the
   gradients sum locally and only the step's last micro-batch reduce-scatters;
 * the learning-rate scaling rules, bf16 (``MixedPrecisionPolicy``) and a GradScaler,
@@ -29,10 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from adaptdl.torch._context import current_job
-from adaptdl.torch.scaling_rules import AdamScale, ScalingRuleBase
-from adaptdl.torch.sharded_state import ShardedState
+from adaptdl.torch.scaling_rules import ScalingRuleBase
+from adaptdl.torch.sharded_state import AsyncShardedState, ShardedState
 from adaptdl.torch.state import StateDictState
-from adaptdl.torch.stepping import AdaptiveSteps, _norms, _sum_sqr_norms, check_arguments
+from adaptdl.torch.stepping import (
+    AdaptiveSteps,
+    _norm,
+    _norms,
+    _sum_sqr_norms,
+    check_arguments,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -46,8 +52,17 @@ class AdaptiveFSDP(AdaptiveSteps):
     usually to each block first); ``optimizer`` must hold its (sharded) parameters.
     ``lr_scheduler`` and ``mp_scaler`` are checkpointed beside the sharded model and
     optimiser under ``name``, and everything is restored now, resharded, if the
-    job resumed from a checkpoint. ``scaling_rule`` defaults to `AdaScale`
-    (`AdamScale` is not supported for sharded models yet).
+    job resumed from a checkpoint. ``scaling_rule`` defaults to `AdaScale`;
+    under `AdamScale` each replica's local gradient is divided by Adam's whole
+    preconditioner, gathered from the sharded optimiser state one parameter at a
+    time in the backward pass (one all-gather of ``exp_avg_sq`` per micro-batch),
+    and the reduced gradient's shards by the replica's own shard of it.
+
+    With ``async_checkpoint``, a checkpoint stalls training only while each
+    replica copies its shards aside in host memory (a second copy of them, held
+    until written); they are written in the background and the checkpoint
+    appears, whole, once every replica's files are. The next checkpoint, the
+    end of training and a stop wait for it first.
 
     Call the model as usual (or this object, which calls it); ``backward()`` must
     run inside an `AdaptiveDataLoader` loop.
@@ -62,17 +77,15 @@ class AdaptiveFSDP(AdaptiveSteps):
         lr_scheduler: Any = None,
         mp_scaler: Any = None,
         name: str = "adaptdl-fsdp",
+        async_checkpoint: bool = False,
     ) -> None:
         check_arguments(optimizer, scaling_rule, mp_scaler)
+        if not isinstance(async_checkpoint, bool):
+            raise TypeError(f"async_checkpoint must be a bool, got {async_checkpoint!r}")
         if not isinstance(model, FSDPModule):
             raise ValueError(
                 "model must be sharded by torch.distributed.fsdp.fully_shard (an FSDPModule), "
                 f"got {type(model).__name__}; for a replicated model use AdaptiveDataParallel"
-            )
-        if isinstance(scaling_rule, AdamScale):
-            raise ValueError(
-                "scaling_rule AdamScale is not supported for FSDP2 models yet; use AdaScale, "
-                "LinearScale, SqrtScale or LEGWScale"
             )
         job = current_job()
         self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule)
@@ -87,10 +100,14 @@ class AdaptiveFSDP(AdaptiveSteps):
             for fqn, p in model.named_parameters()
             if id(p) in in_optimizer
         }
+        # The sharded parameters by name (FSDP2 registers them between passes): an
+        # unsharded parameter's gradient hook finds its optimiser state through them.
+        self._sharded = dict(model.named_parameters())
         self._hooked: set[int] = set()
         self._unsharded: list[torch.Tensor] = []
         # Registered before the optimiser is patched: restoring may initialise its state.
-        job.register(ShardedState(name, model, optimizer, self.plain_optimizer))
+        sharded = AsyncShardedState if async_checkpoint else ShardedState
+        job.register(sharded(name, model, optimizer, self.plain_optimizer))
         job.register(
             StateDictState(
                 f"{name}-extras", {"lr_scheduler": lr_scheduler, "mp_scaler": mp_scaler}
@@ -125,9 +142,26 @@ class AdaptiveFSDP(AdaptiveSteps):
             group = self._group_of.get(name)
             if group is None:
                 continue
-            param.register_hook(functools.partial(self._grad_hook, group, param))  # type: ignore[no-untyped-call]
+            hook = functools.partial(self._grad_hook, group, self._sharded.get(name, param))
+            param.register_hook(hook)  # type: ignore[no-untyped-call]
             self._hooked.add(id(param))
             self._unsharded.append(param)
+
+    def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``grad`` is the unsharded gradient of sharded ``param``: this replica's, unreduced."""
+        if not self._in_backward:
+            self._begin_backward()
+        precond = AdaptiveSteps._preconditioner(self, group, param)
+        if isinstance(precond, DTensor):
+            # Collective, in the same hook order on every replica: the whole
+            # preconditioner, one parameter at a time, for the whole local gradient.
+            precond = precond.full_tensor()
+        self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
+
+    def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
+        """Adam's preconditioner of this replica's shard of ``param`` (see AdaptiveSteps)."""
+        precond = super()._preconditioner(group, param)
+        return precond.to_local() if isinstance(precond, DTensor) else precond
 
     def _drop_local_gradients(self) -> None:
         # Accumulation without synchronisation leaves the gradients on the unsharded
@@ -149,7 +183,7 @@ class AdaptiveFSDP(AdaptiveSteps):
 
     def _total_sqr(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Each group's shard-local squares, summed over the replicas' shards."""
-        local = torch.stack([_sum_sqr_norms(_norms(g)) for g in groups])
+        local = torch.stack([_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             device = next((t.device for g in groups for t in g), torch.device("cpu"))
             if dist.get_backend() == "nccl" and device.type == "cpu":

@@ -6,31 +6,46 @@ the checkpoint's staging directory (no replica gathers the whole model), and on
 restore DCP reads them back at whatever world size the job now has, resharding
 the model and the optimiser's state. Reading goes through `adaptdl.torch.dcp`, so
 a crafted checkpoint cannot run code.
+
+`AsyncShardedState` saves in the background (``torch.distributed.checkpoint.async_save``):
+training stalls only while the shards are copied aside in memory; each replica
+then writes and hashes its files on a thread, and the records reach rank 0 with
+DCP's own gathering of the write results, so that rank 0 commits the checkpoint
+(`adaptdl.core.shardedfiles.ShardedCheckpointStore`) once every replica's files
+are written, and not before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future as ConcurrentFuture
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from adaptdl.core.checkpoint import CheckpointError
+from adaptdl.core.shardedfiles import FileRecord, file_record
 from adaptdl.torch import dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-__all__ = ["ShardedState"]
+__all__ = ["AsyncShardedState", "ShardedState"]
 
 _FORMAT = "adaptdl.dcp/1"
+
+# The index of a write result that carries a replica's file records to DCP's
+# coordinator with the real ones; removed there before the metadata is written.
+_RECORDS = "__adaptdl_file_records__"
 
 
 class _RecordingWriter(FileSystemWriter):
@@ -49,6 +64,44 @@ class _RecordingWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         self.written.append(dcp.METADATA_FILE)  # the coordinator's alone
+
+
+class _HashingWriter(FileSystemWriter):
+    """DCP's file writer that hashes each replica's files and hands rank 0 all the records.
+
+    Each replica hashes what it wrote on its own (DCP's writing thread) and adds
+    the records to its write results, which DCP gathers to its coordinator for
+    :meth:`finish`; there they are taken out again, and :attr:`records` holds
+    every replica's (the metadata file's included). Elsewhere it stays None.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, overwrite=False)
+        self._directory = path
+        self.records: dict[str, FileRecord] | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()  # written before it returns
+        mine = {}
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            record = file_record(self._directory / name)
+            mine[name] = (record.size, record.sha256)
+        marker = WriteResult(MetadataIndex(_RECORDS), 0, mine)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([*results, marker])
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        records: dict[str, FileRecord] = {}
+        kept = []
+        for part in results:
+            kept.append([r for r in part if r.index.fqn != _RECORDS])
+            for r in part:
+                if r.index.fqn == _RECORDS:
+                    records.update({n: FileRecord(*v) for n, v in r.storage_data.items()})
+        super().finish(metadata, kept)
+        records[dcp.METADATA_FILE] = file_record(self._directory / dcp.METADATA_FILE)
+        self.records = records
 
 
 class ShardedState:
@@ -118,3 +171,35 @@ class ShardedState:
                 f"({type(exc).__name__}: {exc}); construct the same model and optimiser as "
                 "the run that saved the checkpoint"
             ) from exc
+
+
+class AsyncShardedState(ShardedState):
+    """A `ShardedState` written in the background (an `adaptdl.core.shardedfiles.AsyncFileState`).
+
+    The shards are copied aside in host memory when the checkpoint is taken (so
+    the replica holds a second copy of its shards until they are written), then
+    written by a thread that talks to the other replicas over a process group of
+    its own, made at the first checkpoint (every replica takes part).
+    """
+
+    _group: Any = None
+
+    def start_files(self, directory: Path) -> ConcurrentFuture[Mapping[str, FileRecord] | None]:
+        """Collective: copy this replica's shards aside and write them in the background."""
+        if self._group is None:
+            # Its own group: the writing thread's collectives never meet the training's.
+            self._group = dist.new_group(backend="gloo")
+        writer = _HashingWriter(directory)
+        upload = async_save(self._state_dict(), storage_writer=writer, process_group=self._group)
+        assert isinstance(upload, ConcurrentFuture)  # the writer stages before it returns
+        out: ConcurrentFuture[Mapping[str, FileRecord] | None] = ConcurrentFuture()
+
+        def done(finished: ConcurrentFuture[Any]) -> None:
+            error = finished.exception()
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(writer.records)
+
+        upload.add_done_callback(done)
+        return out
