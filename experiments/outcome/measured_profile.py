@@ -34,6 +34,7 @@ from adaptdl.core.goodput import PerfParams, fit_perf_params
 from adaptdl.sim.apps import FloatArray
 
 STEP_PROGRESS, STEP_BATCH, STEP_LOCAL, STEP_ACCUM, STEP_GAIN, STEP_SECONDS = 0, 1, 2, 3, 4, 8
+EVAL_SECONDS, EVAL_CPU = 2, 5
 
 
 @attrs.frozen
@@ -98,6 +99,26 @@ def step_times(result: dict[str, Any]) -> dict[tuple[int, int], list[float]]:
     for prev, step in itertools.pairwise(steps):
         key = (int(step[STEP_LOCAL]), int(step[STEP_ACCUM]))
         times[key].append(step[STEP_SECONDS] - prev[STEP_SECONDS])
+    return dict(times)
+
+
+def cpu_step_times(result: dict[str, Any]) -> dict[tuple[int, int], list[float]]:
+    """`step_times` in this process's CPU seconds instead of wall seconds.
+
+    Each step's wall time is scaled by the CPU seconds per wall second of the
+    stretch between the two evaluations around it (the run records CPU time only
+    there), which takes out most of what other load on the machine adds.
+    """
+    evals = np.asarray(result["evals"], dtype=np.float64).reshape(-1, 6)
+    wall = np.concatenate([[0.0], evals[:, EVAL_SECONDS]])
+    cpu = np.concatenate([[0.0], evals[:, EVAL_CPU]])
+    overall = cpu[-1] / wall[-1] if wall[-1] > 0 else 1.0
+    share = np.where(np.diff(wall) > 0, np.diff(cpu) / np.maximum(np.diff(wall), 1e-12), overall)
+    times: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for prev, step in itertools.pairwise(result["steps"]):
+        j = min(int(np.searchsorted(wall, step[STEP_SECONDS], side="left")), len(share)) - 1
+        key = (int(step[STEP_LOCAL]), int(step[STEP_ACCUM]))
+        times[key].append((step[STEP_SECONDS] - prev[STEP_SECONDS]) * float(share[max(j, 0)]))
     return dict(times)
 
 

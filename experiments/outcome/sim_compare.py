@@ -82,21 +82,38 @@ def split_of(result: dict[str, Any]) -> tuple[int, int] | None:
     return None if cfg.get("autoscale") else (int(cfg["local_bsz"]), int(cfg["accum_steps"]))
 
 
-def application(
-    profile_run: dict[str, Any], target_progress: float, perf: str = "profiler"
-) -> tuple[ProfiledApplication, dict[str, Any]]:
-    """The application model of ``profile_run``'s measurements, and what it was made of.
+#: Where the throughput model comes from (``--perf``).
+PERF_SOURCES = ("profiler", "steps", "cpu")
 
-    ``perf``: "profiler" takes the job profiler's fit when the run recorded it (else
-    the step times'), "steps" always refits the recorded step times.
+
+def application(
+    runs: Sequence[dict[str, Any]], target_progress: float, perf: str = "profiler"
+) -> tuple[ProfiledApplication, dict[str, Any]]:
+    """The application model of the adaptive run among ``runs``, and what it was made of.
+
+    The gradient statistics are the adaptive run's. ``perf``: "profiler" takes the
+    fit of the adaptive run's job profiler where the run recorded it (else as
+    "steps"); "steps" refits the adaptive run's recorded step times (wall seconds,
+    evaluation excluded); "cpu" refits the step times of all ``runs`` in CPU seconds
+    (`measured_profile.cpu_step_times`), the unit of the primary measure.
     """
-    if perf not in ("profiler", "steps"):
-        raise ValueError(f"perf must be 'profiler' or 'steps', got {perf!r}")
+    if perf not in PERF_SOURCES:
+        raise ValueError(f"perf must be one of {PERF_SOURCES}, got {perf!r}")
+    profile_run = next((r for r in runs if split_of(r) is None), None)
+    if profile_run is None:
+        raise ValueError("runs must include the adaptive run, whose profile the model takes")
     cfg = profile_run["config"]
     replicas = int(profile_run["replicas"])
     params = mp.profiler_params(profile_run) if perf == "profiler" else None
     perf_source = "profiler"
-    if params is None:
+    if perf == "cpu":
+        pooled: dict[tuple[int, int], list[float]] = {}
+        for run in runs:
+            for key, values in mp.cpu_step_times(run).items():
+                pooled.setdefault(key, []).extend(values)
+        params = mp.fit_step_times(pooled, replicas)
+        perf_source = "cpu"
+    elif params is None:
         params = mp.fit_step_times(mp.step_times(profile_run), replicas)
         perf_source = "steps"
     noise = mp.noise_curve(profile_run)
@@ -133,8 +150,7 @@ def compare_group(
     loss_excess: float | None = None,
 ) -> dict[str, Any]:
     """Real against simulated time to target for the runs of one problem and seed."""
-    profile_run = next((r for r in runs if split_of(r) is None), None)
-    if profile_run is None:
+    if not any(split_of(r) is None for r in runs):
         raise ValueError("runs must include the adaptive run, whose profile the model takes")
     rows = []
     for run in runs:
@@ -159,7 +175,7 @@ def compare_group(
     done = [row["target_progress"] for row in rows if row["reached"]]
     common = float(np.median(done)) if done else max(row["target_progress"] for row in rows)
     top = max(common, *(row["target_progress"] for row in rows))
-    app, made = application(profile_run, top, perf)
+    app, made = application(runs, top, perf)
     for run, row in zip(runs, rows, strict=True):
         rule: ScalingRule = RULES[run["config"].get("rule", "adascale")]()
         kwargs = {"replicas": int(run["replicas"]), "split": split_of(run), "rule": rule}
@@ -179,7 +195,7 @@ def compare_group(
         "ratios": {
             key: ratios(rows, key) for key in ("real_cpu", "real_wall", "sim_own", "sim_common")
         },
-        "profile_check": profile_check(app, runs),
+        "profile_check": profile_check(app, runs, cpu=made["perf_source"] == "cpu"),
     }
 
 
@@ -201,22 +217,26 @@ def ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
     }
 
 
-def profile_check(app: ProfiledApplication, runs: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Model step time over the mean measured one, per total batch size the runs used.
+def profile_check(
+    app: ProfiledApplication, runs: Sequence[dict[str, Any]], *, cpu: bool = False
+) -> dict[str, dict[str, float]]:
+    """Per run: the model's step time over the run's mean measured one, per configuration.
 
-    Pools every run's steps of a configuration (keyed "total=local x micro-batches").
+    Keyed by run label, then "total=local x micro-batches"; ``cpu``: against the
+    steps in CPU seconds. Far from 1 on the run the model was fitted to: the fit is
+    poor; on another run only: that run ran under other load (or the fit
+    extrapolates to its configuration).
     """
-    pooled: dict[tuple[int, int], list[float]] = {}
+    out: dict[str, dict[str, float]] = {}
     for run in runs:
-        for key, values in mp.step_times(run).items():
-            pooled.setdefault(key, []).extend(values)
-    replicas = int(runs[0]["replicas"])
-    out = {}
-    for (local, accum), values in sorted(pooled.items()):
-        model = app.iteration_time((replicas,), local, accum)[0]
-        out[f"{replicas * local * (accum + 1)}={local}x{accum + 1}"] = model / float(
-            np.mean(values)
-        )
+        times = mp.cpu_step_times(run) if cpu else mp.step_times(run)
+        replicas = int(run["replicas"])
+        checks = out.setdefault(run["label"], {})
+        for (local, accum), values in sorted(times.items()):
+            model = app.iteration_time((replicas,), local, accum)[0]
+            checks[f"{replicas * local * (accum + 1)}={local}x{accum + 1}"] = model / float(
+                np.mean(values)
+            )
     return out
 
 
@@ -256,12 +276,15 @@ def table(problem: str, groups: dict[int, dict[str, Any]]) -> str:
             f"* {name}: best fixed ({chosen}) / adaptive = {best}; initial / adaptive = {initial}"
         )
     for seed, g in sorted(groups.items()):
-        check = ", ".join(f"{k}: {v:.2f}" for k, v in g["profile_check"].items())
         model = g["model"]
+        check = "; ".join(
+            f"{label} " + ", ".join(f"{k}: {v:.2f}" for k, v in checks.items())
+            for label, checks in g["profile_check"].items()
+        )
         lines.append(
             f"* seed {seed}: model from the {model['profile_run']} run ({model['perf_source']} "
             f"fit, noise from the {model['noise_source']}, {model['noise_points']} points); "
-            f"model / measured step time per total=local x micro-batches: {check}"
+            f"model / measured step time per run and total=local x micro-batches: {check}"
         )
     return "\n".join(lines)
 
@@ -305,7 +328,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path, help="run logs or directories of them")
     parser.add_argument("--out", type=Path, help="where to write sim_compare.json/.md")
-    parser.add_argument("--perf", default="profiler", choices=("profiler", "steps"))
+    parser.add_argument(
+        "--perf",
+        default="profiler",
+        choices=PERF_SOURCES,
+        help="throughput model (see application)",
+    )
     parser.add_argument("--problems", help="comma-separated; default: every problem found")
     parser.add_argument("--target-accuracy", type=float, help="laxer accuracy target (shapes)")
     parser.add_argument("--target-excess", type=float, help="laxer loss excess target (dyck)")

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from experiments.outcome import measured_profile as mp
 from experiments.outcome import sim_compare
@@ -213,8 +214,9 @@ def test_end_to_end_on_a_tiny_synthetic_profile(tmp_path: Path) -> None:
         "noise_points": len(runs[0]["noise"]),
     }
     # The fake runs' step times are PERF's exactly: the refit model reproduces them...
-    for ratio in group["profile_check"].values():
-        assert ratio == pytest.approx(1.0, rel=0.05)
+    for checks in group["profile_check"].values():
+        for ratio in checks.values():
+            assert ratio == pytest.approx(1.0, rel=0.05)
     rows = {row["label"]: row for row in group["rows"]}
     # ... so the simulated fixed runs take the real runs' time, to the same progress.
     for label in ("fixed 16", "fixed 64", "fixed 256"):
@@ -226,3 +228,25 @@ def test_end_to_end_on_a_tiny_synthetic_profile(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "cmp" / "sim_compare.json").read_text())
     assert saved["fake"]["0"]["rows"][0]["label"] == "adaptive"
     assert "| fake: run |" in (tmp_path / "cmp" / "sim_compare.md").read_text()
+
+
+def test_cpu_step_times_scale_each_step_by_its_stretchs_cpu_share() -> None:
+    run = fake_run((8, 0), 3.0, 40.0)
+    half = run["evals"][0][2] / 2
+    # CPU ran at 1/4 of wall time in the first half of training, 3/4 in the second.
+    run["evals"] = [[0, 0, half, 1.0, 0.5, half / 4], [0, 0, 2 * half, 1.0, 0.5, half]]
+    wall = mp.step_times(run)[(8, 0)]
+    cpu = mp.cpu_step_times(run)[(8, 0)]
+    shares = [c / w for c, w in zip(cpu, wall, strict=True)]
+    assert set(np.round(shares, 12)) == {0.25, 0.75}
+    assert shares == sorted(shares)
+
+
+def test_cpu_profile_puts_the_simulation_in_cpu_seconds(tmp_path: Path) -> None:
+    runs = [fake_run(None, 20.0, 120.0)] + [fake_run(s, 20.0, 120.0) for s in [(8, 0), (32, 0)]]
+    group = sim_compare.compare_group(runs, perf="cpu")
+    assert group["model"]["perf_source"] == "cpu"
+    rows = {row["label"]: row for row in group["rows"]}
+    # The fake runs spend half of every wall second on the CPU.
+    for label in ("fixed 16", "fixed 64"):
+        assert rows[label]["sim_own"] == pytest.approx(rows[label]["real_cpu"], rel=0.06)
