@@ -8,11 +8,12 @@ so no checkpoint survives it). From it:
   the trainer's ``DecisionLog``); or, for a result without decisions (a fixed run, an
   older log), the same core fit (`fit_perf_params`) of the step times the run
   recorded per optimiser step (``steps``, evaluation excluded);
-* the gradient-noise statistics over progress: the estimator's (|G|^2, variance)
-  every few steps (``noise``, recorded by the trainer); or, without them, the ratio
-  variance / |G|^2 that each step's recorded AdaScale gain implies at its scale
-  (`ratio_from_gain`; steps at the initial batch size, whose gain is 1 at any
-  noise, say nothing).
+* the gradient-noise statistics over progress: the estimator's |G|^2 and
+  variance every few steps (``noise``, recorded by the trainer; its variance is one
+  sample's, the model's is at the initial batch size: divided by it); or, without
+  them, the ratio variance / |G|^2 that each step's recorded AdaScale gain implies
+  at its scale (`ratio_from_gain`; steps at the initial batch size, whose gain is 1
+  at any noise, say nothing).
 
 Column layouts (the trainer's): ``steps`` rows are (progress, total batch, local
 batch, accumulation steps, gain, lr factor, loss, goodput, training seconds);
@@ -63,11 +64,13 @@ def ratio_from_gain(gain: float, scale: float) -> float:
 
 def noise_curve(result: dict[str, Any]) -> NoiseCurve | None:
     """The run's gradient-noise statistics over progress (None if it has none)."""
+    b0 = result["config"]["init_batch_size"]
     rows = [r for r in result.get("noise", []) if all(math.isfinite(x) for x in r[:4])]
     if rows:
         data = np.asarray(rows, dtype=np.float64)
-        return _increasing(data[:, 0], data[:, 2], data[:, 3], "estimator")
-    b0 = result["config"]["init_batch_size"]
+        # The estimator's var is one sample's gradient variance; the model's, the
+        # variance at the initial batch size (`GradientNoiseScale.grad_params`).
+        return _increasing(data[:, 0], data[:, 2], data[:, 3] / b0, "estimator")
     points = []
     for step in result["steps"]:
         scale = step[STEP_BATCH] / b0

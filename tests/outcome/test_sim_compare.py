@@ -58,7 +58,7 @@ def fake_run(
         progress += gain
         seconds += app.iteration_time((2,), local, accum)[0]
         steps.append([progress, total, local, accum, gain, gain, 0.0, 0.0, seconds])
-        noise.append([progress, 0, 1.0, ratio, 0])
+        noise.append([progress, 0, 1.0, ratio * 16, 0])  # one sample's variance
     reached = {"progress": progress, "seconds": seconds, "cpu_seconds": seconds / 2}
     evals = [[progress, 0, seconds, 1.0, 0.9, seconds / 2]]
     result = {
@@ -136,8 +136,22 @@ def test_model_from_recorded_gains_reproduces_them(ratios: list[float], total: i
         assert app.gain(total, app.epoch_at(step[0])) == pytest.approx(step[4], rel=1e-9)
 
 
+def test_model_from_estimator_rows_reproduces_the_recorded_gains() -> None:
+    """The trainer's noise rows and its steps' gains come from one estimator: the model
+    made of the rows gives back each recorded gain (the variance convention holds)."""
+    run = fake_run(None, 7.0, 400.0)
+    curve = mp.noise_curve(run)
+    assert curve is not None and curve.source == "estimator"
+    app = app_of(list(curve.progress), list(curve.sqr), list(curve.var), 500.0)
+    for progress, total, *_ in run["steps"][1:]:
+        gain = app.gain(total, app.epoch_at(progress))
+        assert gain == pytest.approx(adascale_gain(1.0, 7.0, total / 16), rel=1e-9)
+
+
 def test_model_from_estimator_rows_holds_each_point_around_it() -> None:
-    run = {"noise": [[10.0, 0, 2.0, 5.0, 0], [30.0, 0, 1.0, 9.0, 0], [30.0, 0, 1.0, 8.0, 0]]}
+    # The estimator's variance is one sample's: the model's is at the initial batch size.
+    rows = [[10.0, 0, 2.0, 80.0, 0], [30.0, 0, 1.0, 144.0, 0], [30.0, 0, 1.0, 128.0, 0]]
+    run = {"config": {"init_batch_size": 16}, "noise": rows}
     curve = mp.noise_curve(run)
     assert curve is not None and curve.source == "estimator"
     app = app_of(list(curve.progress), list(curve.sqr), list(curve.var), 100.0)
