@@ -84,6 +84,12 @@ def noise_curve(result: dict[str, Any]) -> NoiseCurve | None:
     return _increasing(data[:, 0], data[:, 1], data[:, 2], "gains")
 
 
+def resample(curve: NoiseCurve, grid: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """(sqr, var) of ``curve`` at the points of ``grid``: linear in between, the end
+    values beyond."""
+    return np.interp(grid, curve.progress, curve.sqr), np.interp(grid, curve.progress, curve.var)
+
+
 def _increasing(progress: FloatArray, sqr: FloatArray, var: FloatArray, source: str) -> NoiseCurve:
     # Of points at the same progress (a skipped step adds none), the last one stands.
     keep = np.append(np.diff(progress) > 0, True)

@@ -84,21 +84,33 @@ def split_of(result: dict[str, Any]) -> tuple[int, int] | None:
 
 #: Where the throughput model comes from (``--perf``).
 PERF_SOURCES = ("profiler", "steps", "cpu")
+#: Where the gradient statistics come from (``--noise``).
+NOISE_SOURCES = ("adaptive", "sweep")
+#: Points of progress at which the sweep's statistics are resampled to one grid.
+SWEEP_POINTS = 256
 
 
 def application(
-    runs: Sequence[dict[str, Any]], target_progress: float, perf: str = "profiler"
+    runs: Sequence[dict[str, Any]],
+    target_progress: float,
+    perf: str = "profiler",
+    noise: str = "adaptive",
 ) -> tuple[ProfiledApplication, dict[str, Any]]:
-    """The application model of the adaptive run among ``runs``, and what it was made of.
+    """The application model of the runs of one problem and seed, and what it was made of.
 
-    The gradient statistics are the adaptive run's. ``perf``: "profiler" takes the
-    fit of the adaptive run's job profiler where the run recorded it (else as
-    "steps"); "steps" refits the adaptive run's recorded step times (wall seconds,
-    evaluation excluded); "cpu" refits the step times of all ``runs`` in CPU seconds
-    (`measured_profile.cpu_step_times`), the unit of the primary measure.
+    ``noise``: "adaptive" takes the adaptive run's gradient statistics at every batch
+    size (the goodput model's own assumption); "sweep" takes each fixed run's at its
+    batch size, interpolated in between (Pollux's traces), and needs two fixed runs
+    at least. ``perf``: "profiler" takes the fit of the adaptive run's job profiler
+    where the run recorded it (else as "steps"); "steps" refits the adaptive run's
+    recorded step times (wall seconds, evaluation excluded); "cpu" refits the step
+    times of all ``runs`` in CPU seconds (`measured_profile.cpu_step_times`), the
+    unit of the primary measure.
     """
     if perf not in PERF_SOURCES:
         raise ValueError(f"perf must be one of {PERF_SOURCES}, got {perf!r}")
+    if noise not in NOISE_SOURCES:
+        raise ValueError(f"noise must be one of {NOISE_SOURCES}, got {noise!r}")
     profile_run = next((r for r in runs if split_of(r) is None), None)
     if profile_run is None:
         raise ValueError("runs must include the adaptive run, whose profile the model takes")
@@ -116,28 +128,45 @@ def application(
     elif params is None:
         params = mp.fit_step_times(mp.step_times(profile_run), replicas)
         perf_source = "steps"
-    noise = mp.noise_curve(profile_run)
-    if noise is None:
-        raise ValueError(f"run {profile_run.get('label')!r} recorded no gradient statistics")
+    if noise == "sweep":
+        curves = {_total(r): mp.noise_curve(r) for r in runs if split_of(r) is not None}
+        measured = {total: c for total, c in sorted(curves.items()) if c is not None}
+        if len(measured) < 2:
+            raise ValueError(f"noise 'sweep' needs 2 fixed runs with statistics, got {curves}")
+        end = max(float(c.progress[-1]) for c in measured.values())
+        grid = np.linspace(0.0, end, SWEEP_POINTS)
+        stats = [mp.resample(c, grid) for c in measured.values()]
+        sizes: list[int] | None = list(measured)
+        progress, sqr, var = grid, np.array([s for s, _ in stats]), np.array([v for _, v in stats])
+        noise_source = "sweep " + ", ".join(map(str, measured))
+        sources = {c.source for c in measured.values()}
+    else:
+        curve = mp.noise_curve(profile_run)
+        if curve is None:
+            raise ValueError(f"run {profile_run.get('label')!r} recorded no gradient statistics")
+        sizes, progress, sqr, var = None, curve.progress, curve.sqr, curve.var
+        noise_source, sources = "adaptive", {curve.source}
     bounds = cfg.get("local_bsz_bounds") or [1, cfg["train_size"]]
     app = ProfiledApplication(
         f"{profile_run.get('problem', cfg['problem'])}-{cfg['seed']}",
         params,
-        noise.progress,
-        noise.sqr,
-        noise.var,
+        progress,
+        sqr,
+        var,
         init_batch_size=int(cfg["init_batch_size"]),
         max_batch_size=int(cfg.get("max_batch_size") or cfg["init_batch_size"]),
         local_bsz_bounds=(int(bounds[0]), int(bounds[1])),
         dataset_size=int(cfg["train_size"]),
         target_progress=target_progress,
+        batch_sizes=sizes,
     )
     made = {
         "profile_run": profile_run.get("label"),
         "perf_source": perf_source,
         "perf_params": params.to_dict(),
-        "noise_source": noise.source,
-        "noise_points": len(noise.progress),
+        "noise_source": noise_source,
+        "noise_recorded_as": sorted(sources),
+        "noise_points": len(progress),
     }
     return app, made
 
@@ -146,10 +175,12 @@ def compare_group(
     runs: Sequence[dict[str, Any]],
     *,
     perf: str = "profiler",
+    noise: str = "adaptive",
     accuracy: float | None = None,
     loss_excess: float | None = None,
 ) -> dict[str, Any]:
-    """Real against simulated time to target for the runs of one problem and seed."""
+    """Real against simulated time to target for the runs of one problem and seed
+    (``perf`` and ``noise``: see `application`)."""
     if not any(split_of(r) is None for r in runs):
         raise ValueError("runs must include the adaptive run, whose profile the model takes")
     rows = []
@@ -175,7 +206,7 @@ def compare_group(
     done = [row["target_progress"] for row in rows if row["reached"]]
     common = float(np.median(done)) if done else max(row["target_progress"] for row in rows)
     top = max(common, *(row["target_progress"] for row in rows))
-    app, made = application(runs, top, perf)
+    app, made = application(runs, top, perf, noise)
     for run, row in zip(runs, rows, strict=True):
         rule: ScalingRule = RULES[run["config"].get("rule", "adascale")]()
         kwargs = {"replicas": int(run["replicas"]), "split": split_of(run), "rule": rule}
@@ -282,8 +313,9 @@ def table(problem: str, groups: dict[int, dict[str, Any]]) -> str:
             for label, checks in g["profile_check"].items()
         )
         lines.append(
-            f"* seed {seed}: model from the {model['profile_run']} run ({model['perf_source']} "
-            f"fit, noise from the {model['noise_source']}, {model['noise_points']} points); "
+            f"* seed {seed}: throughput model: {model['perf_source']} fit; gradient statistics:"
+            f" {model['noise_source']} ({'/'.join(model['noise_recorded_as'])}, "
+            f"{model['noise_points']} points); "
             f"model / measured step time per run and total=local x micro-batches: {check}"
         )
     return "\n".join(lines)
@@ -301,6 +333,7 @@ def compare(
     runs: Sequence[dict[str, Any]],
     *,
     perf: str = "profiler",
+    noise: str = "adaptive",
     accuracy: float | None = None,
     loss_excess: float | None = None,
 ) -> dict[str, dict[int, dict[str, Any]]]:
@@ -313,7 +346,7 @@ def compare(
             continue  # no measured adaptive profile for this seed
         group.sort(key=lambda r: (split_of(r) is not None, _total(r)))
         out.setdefault(problem, {})[seed] = compare_group(
-            group, perf=perf, accuracy=accuracy, loss_excess=loss_excess
+            group, perf=perf, noise=noise, accuracy=accuracy, loss_excess=loss_excess
         )
     return out
 
@@ -334,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         choices=PERF_SOURCES,
         help="throughput model (see application)",
     )
+    parser.add_argument(
+        "--noise", default="adaptive", choices=NOISE_SOURCES, help="gradient statistics"
+    )
     parser.add_argument("--problems", help="comma-separated; default: every problem found")
     parser.add_argument("--target-accuracy", type=float, help="laxer accuracy target (shapes)")
     parser.add_argument("--target-excess", type=float, help="laxer loss excess target (dyck)")
@@ -343,7 +379,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         wanted = set(args.problems.split(","))
         runs = [r for r in runs if r["problem"] in wanted]
     result = compare(
-        runs, perf=args.perf, accuracy=args.target_accuracy, loss_excess=args.target_excess
+        runs,
+        perf=args.perf,
+        noise=args.noise,
+        accuracy=args.target_accuracy,
+        loss_excess=args.target_excess,
     )
     text = "\n\n".join(table(problem, groups) for problem, groups in result.items())
     print(text)

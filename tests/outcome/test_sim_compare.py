@@ -224,7 +224,8 @@ def test_end_to_end_on_a_tiny_synthetic_profile(tmp_path: Path) -> None:
         "profile_run": "adaptive",
         "perf_source": "steps",
         "perf_params": group["model"]["perf_params"],
-        "noise_source": "estimator",
+        "noise_source": "adaptive",
+        "noise_recorded_as": ["estimator"],
         "noise_points": len(runs[0]["noise"]),
     }
     # The fake runs' step times are PERF's exactly: the refit model reproduces them...
@@ -264,3 +265,53 @@ def test_cpu_profile_puts_the_simulation_in_cpu_seconds(tmp_path: Path) -> None:
     # The fake runs spend half of every wall second on the CPU.
     for label in ("fixed 16", "fixed 64"):
         assert rows[label]["sim_own"] == pytest.approx(rows[label]["real_cpu"], rel=0.06)
+
+
+def test_statistics_per_batch_size_interpolate_in_log_batch_size() -> None:
+    app = ProfiledApplication(
+        "t",
+        PERF,
+        [0.0, 10.0],
+        [[1.0, 2.0], [3.0, 4.0]],
+        [[10.0, 20.0], [50.0, 60.0]],
+        **SIZES,
+        dataset_size=4096,
+        target_progress=20.0,
+        batch_sizes=[16, 256],
+    )
+    assert app.grad_stats_at(0.0, 16) == (1.0, 10.0)
+    assert app.grad_stats_at(12.0, 256) == (4.0, 60.0)
+    assert app.grad_stats_at(0.0, 64) == pytest.approx((2.0, 30.0))  # halfway in log
+    assert app.grad_stats_at(12.0, 8) == (2.0, 20.0)  # the nearest row outside
+    assert app.grad_stats_at(12.0, 1024) == (4.0, 60.0)
+    with pytest.raises(ValueError, match="batch_sizes must be increasing"):
+        ProfiledApplication(
+            "t",
+            PERF,
+            [0.0],
+            [1.0, 1.0],
+            [1.0, 1.0],
+            **SIZES,
+            dataset_size=4096,
+            target_progress=1.0,
+            batch_sizes=[64, 16],
+        )
+
+
+def test_sweep_statistics_give_each_fixed_run_its_own_noise() -> None:
+    """With each fixed run's own statistics, its simulation takes its real steps."""
+    runs = [fake_run(None, 5.0, 300.0), fake_run((32, 0), 5.0, 300.0)]
+    runs.append(fake_run((128, 0), 60.0, 300.0))
+    adaptive = sim_compare.compare_group(runs, noise="adaptive")
+    sweep = sim_compare.compare_group(runs, noise="sweep")
+    assert sweep["model"]["noise_source"] == "sweep 64, 256"
+    for group in (adaptive, sweep):
+        rows = {row["label"]: row for row in group["rows"]}
+        assert abs(rows["fixed 64"]["sim_steps"] - rows["fixed 64"]["real_steps"]) <= 1
+    rows = {row["label"]: row for row in sweep["rows"]}
+    assert abs(rows["fixed 256"]["sim_steps"] - rows["fixed 256"]["real_steps"]) <= 1
+    # The adaptive run's statistics (less noise) under-predict fixed 256's progress.
+    slow = {row["label"]: row for row in adaptive["rows"]}["fixed 256"]
+    assert slow["sim_steps"] > 1.5 * slow["real_steps"]
+    with pytest.raises(ValueError, match="needs 2 fixed runs"):
+        sim_compare.compare_group(runs[:2], noise="sweep")

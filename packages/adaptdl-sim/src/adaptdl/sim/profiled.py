@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
 from adaptdl.core.batchsize import BatchSizeQuery
@@ -51,8 +52,11 @@ class ProfiledApplication(ApplicationModel):
     (|G|^2 and the variance at the initial batch size) at points of the run's
     scale-invariant progress. Point ``i`` is the model's epoch ``i``: it holds from
     the midpoint with the point before to the midpoint with the point after, and the
-    last epoch ends at ``target_progress``. The statistics do not depend on the batch
-    size (the assumption of the goodput model). Step times are
+    last epoch ends at ``target_progress``. Without ``batch_sizes`` the statistics do
+    not depend on the batch size (the assumption of the goodput model); with them
+    (increasing totals), ``sqr`` and ``var`` have one row per batch size (measured at
+    it, as Pollux's traces are) and a batch size between two rows takes their linear
+    interpolation in log batch size (the nearest row outside). Step times are
     :func:`~adaptdl.sim.apps.model_step_time` of ``perf_params``.
     """
 
@@ -69,6 +73,7 @@ class ProfiledApplication(ApplicationModel):
         local_bsz_bounds: tuple[int, int],
         dataset_size: int,
         target_progress: float,
+        batch_sizes: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(perf_params, PerfParams):
             raise ArgumentTypeError(f"perf_params must be a PerfParams, got {perf_params!r}")
@@ -84,12 +89,20 @@ class ProfiledApplication(ApplicationModel):
         points = _floats("progress", progress)
         if np.any(np.diff(points) <= 0):
             raise ValueError(f"progress must be strictly increasing, got {progress!r}")
-        self._sqr, self._var = _floats("sqr", sqr), _floats("var", var)
-        if not (len(self._sqr) == len(self._var) == len(points)):
+        rows = 1 if batch_sizes is None else len(batch_sizes)
+        flat_sqr, flat_var = _floats("sqr", np.ravel(sqr)), _floats("var", np.ravel(var))
+        if not (flat_sqr.size == flat_var.size == rows * len(points)):
             raise ValueError(
-                f"progress, sqr and var must have the same length, got {len(points)}, "
-                f"{len(self._sqr)} and {len(self._var)}"
+                f"sqr and var must have the same length as progress ({len(points)}) per "
+                f"batch size ({rows}), got {np.shape(sqr)} and {np.shape(var)}"
             )
+        # One row per batch size, one column per point of progress.
+        self._sqr: npt.NDArray[np.float64] = flat_sqr.reshape(rows, len(points))
+        self._var: npt.NDArray[np.float64] = flat_var.reshape(rows, len(points))
+        sizes = _floats("batch_sizes", [1.0] if batch_sizes is None else batch_sizes)
+        if np.any(sizes < 1) or np.any(np.diff(sizes) <= 0):
+            raise ValueError(f"batch_sizes must be increasing and >= 1, got {batch_sizes!r}")
+        self._log_sizes = np.log(sizes)
         self.progress_points = points
         # The points past the target are never reached; the one nearest it is kept.
         keep = max(int(np.searchsorted(points, target, side="left")), 1)
@@ -101,13 +114,19 @@ class ProfiledApplication(ApplicationModel):
         return model_step_time(self.perf_params, placement, local_bsz)
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
-        """(sqr, var) of the measured point ``epoch`` (any batch size)."""
-        e = min(max(int(epoch), 0), len(self._sqr) - 1)
-        return float(self._sqr[e]), float(self._var[e])
+        """(sqr, var) of the measured point ``epoch`` at ``batch_size``."""
+        e = min(max(int(epoch), 0), self._sqr.shape[1] - 1)
+        if len(self._log_sizes) == 1:
+            return float(self._sqr[0, e]), float(self._var[0, e])
+        x = math.log(max(float(batch_size), 1.0))
+        return (
+            float(np.interp(x, self._log_sizes, self._sqr[:, e])),
+            float(np.interp(x, self._log_sizes, self._var[:, e])),
+        )
 
-    def grad_stats_at(self, progress: float) -> tuple[float, float]:
-        """(sqr, var) at a point of progress: those of the epoch it falls in."""
-        return self.grad_stats(0.0, self.epoch_at(progress))
+    def grad_stats_at(self, progress: float, batch_size: float = 0.0) -> tuple[float, float]:
+        """(sqr, var) at a point of progress (and batch size): its epoch's."""
+        return self.grad_stats(batch_size, self.epoch_at(progress))
 
 
 @attrs.frozen
@@ -196,7 +215,7 @@ def simulate_to_progress(
                 continue
             clock.now += step
             job.record_sync_time(sync)
-            sqr, var = app.grad_stats_at(job.metrics.progress)
+            sqr, var = app.grad_stats_at(job.metrics.progress, loader.current_batch_size)
             steps.step(sqr, var, local, accum + 1, replicas)
             count += 1
             if job.metrics.progress >= target:
