@@ -218,7 +218,16 @@ def compare_group(
             sim_batches=sorted({t[2] for t in sim_own.trajectory}),
             sim_steps=sim_own.steps,
             real_steps=sum(1 for s in run["steps"] if s[0] <= row["target_progress"]),
+            real_batches=sorted(
+                {int(s[1]) for s in run["steps"] if s[0] <= row["target_progress"]}
+            ),
         )
+        reached_steps = [s for s in run["steps"] if s[0] <= row["target_progress"]]
+        row["real_final_batch"] = int(reached_steps[-1][1]) if reached_steps else 0
+        row["sim_final_batch"] = int(sim_own.trajectory[-1][2])
+        if split_of(run) is None:
+            # (seconds, progress, total, local, accumulation) at each change.
+            row["sim_trajectory"] = [list(t) for t in sim_own.trajectory]
     return {
         "common_progress": common,
         "model": made,
@@ -276,7 +285,7 @@ def table(problem: str, groups: dict[int, dict[str, Any]]) -> str:
     labels = list(dict.fromkeys(row["label"] for g in groups.values() for row in g["rows"]))
     lines = [
         f"| {problem}: run | real CPU s | real wall s | sim s, own progress | sim s, common "
-        "progress | progress at target | sim batch sizes |",
+        "progress | progress at target | batch sizes (at target): real / sim |",
         "|---|---|---|---|---|---|---|",
     ]
     for label in labels:
@@ -287,10 +296,15 @@ def table(problem: str, groups: dict[int, dict[str, Any]]) -> str:
             return float(np.median([row[key] for row in rows]))
 
         sizes = sorted({b for row in rows for b in row["sim_batches"]})
+        real = sorted({b for row in rows for b in row["real_batches"]}) or [0]
+        finals = [
+            ",".join(str(b) for b in sorted({row[key] for row in rows}))
+            for key in ("real_final_batch", "sim_final_batch")
+        ]
         lines.append(
             f"| {label} | {med('real_cpu'):.1f}{missed} | {med('real_wall'):.1f} | "
             f"{med('sim_own'):.1f} | {med('sim_common'):.1f} | {med('target_progress'):.0f} | "
-            f"{sizes[0]}..{sizes[-1]} |"
+            f"{real[0]}..{real[-1]} ({finals[0]}) / {sizes[0]}..{sizes[-1]} ({finals[1]}) |"
         )
     lines.append("")
     for key, name in (
