@@ -358,6 +358,13 @@ def compare(
         group = [r for r in runs if r["problem"] == problem and int(r["seed"]) == seed]
         if not any(split_of(r) is None for r in group):
             continue  # no measured adaptive profile for this seed
+        labels = [r["label"] for r in group]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ValueError(
+                f"runs hold {problem} seed {seed} {twice} more than once (two measurements "
+                "in the paths?); pass the logs of one measurement, or --problems"
+            )
         group.sort(key=lambda r: (split_of(r) is not None, _total(r)))
         out.setdefault(problem, {})[seed] = compare_group(
             group, perf=perf, noise=noise, accuracy=accuracy, loss_excess=loss_excess

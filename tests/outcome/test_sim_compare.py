@@ -315,3 +315,9 @@ def test_sweep_statistics_give_each_fixed_run_its_own_noise() -> None:
     assert slow["sim_steps"] > 1.5 * slow["real_steps"]
     with pytest.raises(ValueError, match="needs 2 fixed runs"):
         sim_compare.compare_group(runs[:2], noise="sweep")
+
+
+def test_compare_refuses_two_measurements_of_one_run() -> None:
+    runs = [fake_run(None, 5.0, 50.0), fake_run((8, 0), 5.0, 50.0), fake_run((8, 0), 5.0, 60.0)]
+    with pytest.raises(ValueError, match=r"fake seed 0 \['fixed 16'\] more than once"):
+        sim_compare.compare(runs)
