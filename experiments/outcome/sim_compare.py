@@ -1,13 +1,15 @@
 """Simulated against real: item 4's time-to-target comparison replayed from measured profiles.
 
-For each problem and seed of a directory of `time_to_target` runs, the adaptive run's
-measured profile (`measured_profile`: the throughput model its profiler fitted, the
-gradient-noise statistics its estimator held over progress) becomes one simulator
-application (`adaptdl.sim.profiled.ProfiledApplication`). Every run of that problem
-and seed is then simulated with it through the real core, on the same 2 replicas
-(one node), initial batch size and local bounds, with the same scaling rule:
-the adaptive run by core's own decision up to the same maximum, each fixed run at
-its (local batch, accumulation steps). Each simulation runs
+For each problem and seed of a directory of `time_to_target` runs, what the runs
+measured (`measured_profile`: the throughput model the adaptive run's profiler
+fitted, or one refitted to the recorded step times; the gradient-noise statistics
+the estimators held over progress, the adaptive run's or each fixed run's at its
+batch size; see `application`) becomes one simulator application
+(`adaptdl.sim.profiled.ProfiledApplication`). Every run of that problem and seed is
+then simulated with it through the real core, on the same replicas (one node),
+initial batch size and local bounds, with the same scaling rule: the adaptive run
+by core's own decision up to the same maximum, each fixed run at its (local batch,
+accumulation steps). Each simulation runs
 
 * to the run's **own** target progress: the scale-invariant progress at which the
   real run reached its target (its final progress if it missed); this isolates the
@@ -22,7 +24,8 @@ size chosen in hindsight by each column itself). The profile check line gives, f
 each configuration the real runs used, the model's step time over the mean measured
 one: what the simulated seconds inherit.
 
-    python -m experiments.outcome.sim_compare out/outcome [--out out/outcome]
+    python -m experiments.outcome.sim_compare out/outcome [--out DIR] [--perf cpu]
+        [--noise sweep]
 """
 
 from __future__ import annotations
@@ -197,6 +200,7 @@ def compare_group(
         rows.append(
             {
                 "label": run["label"],
+                "total": _total(run),
                 "reached": reached is not None,
                 "target_progress": own,
                 "real_cpu": float(real["cpu_seconds"]),
@@ -209,22 +213,22 @@ def compare_group(
     app, made = application(runs, top, perf, noise)
     for run, row in zip(runs, rows, strict=True):
         rule: ScalingRule = RULES[run["config"].get("rule", "adascale")]()
-        kwargs = {"replicas": int(run["replicas"]), "split": split_of(run), "rule": rule}
-        sim_own = simulate_to_progress(app, row["target_progress"], **kwargs)  # type: ignore[arg-type]
-        sim_common = simulate_to_progress(app, common, **kwargs)  # type: ignore[arg-type]
+        replicas, split = int(run["replicas"]), split_of(run)
+        sim_own, sim_common = (
+            simulate_to_progress(app, target, replicas=replicas, split=split, rule=rule)
+            for target in (row["target_progress"], common)
+        )
+        reached_steps = [s for s in run["steps"] if s[0] <= row["target_progress"]]
         row.update(
             sim_own=sim_own.seconds,
             sim_common=sim_common.seconds,
             sim_batches=sorted({t[2] for t in sim_own.trajectory}),
             sim_steps=sim_own.steps,
-            real_steps=sum(1 for s in run["steps"] if s[0] <= row["target_progress"]),
-            real_batches=sorted(
-                {int(s[1]) for s in run["steps"] if s[0] <= row["target_progress"]}
-            ),
+            real_steps=len(reached_steps),
+            real_batches=sorted({int(s[1]) for s in reached_steps}),
+            real_final_batch=int(reached_steps[-1][1]) if reached_steps else 0,
+            sim_final_batch=int(sim_own.trajectory[-1][2]),
         )
-        reached_steps = [s for s in run["steps"] if s[0] <= row["target_progress"]]
-        row["real_final_batch"] = int(reached_steps[-1][1]) if reached_steps else 0
-        row["sim_final_batch"] = int(sim_own.trajectory[-1][2])
         if split_of(run) is None:
             # (seconds, progress, total, local, accumulation) at each change.
             row["sim_trajectory"] = [list(t) for t in sim_own.trajectory]
@@ -233,22 +237,24 @@ def compare_group(
         "model": made,
         "rows": rows,
         "ratios": {
-            key: ratios(rows, key) for key in ("real_cpu", "real_wall", "sim_own", "sim_common")
+            key: ratios(rows, key, int(runs[0]["config"]["init_batch_size"]))
+            for key in ("real_cpu", "real_wall", "sim_own", "sim_common")
         },
         "profile_check": profile_check(app, runs, cpu=made["perf_source"] == "cpu"),
     }
 
 
-def ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+def ratios(rows: Sequence[dict[str, Any]], key: str, init_batch_size: int) -> dict[str, Any]:
     """Best fixed / adaptive and initial / adaptive of column ``key`` (None: undefined).
 
     The best fixed run is the one with the smallest value of that column among the
-    fixed runs that reached their target; a ratio above 1 means adaptive was faster.
+    fixed runs that reached their target; the initial one is the fixed run at
+    ``init_batch_size``; a ratio above 1 means adaptive was faster.
     """
-    adaptive = next(row for row in rows if row["label"] == "adaptive")
-    fixed = [row for row in rows if row["label"] != "adaptive" and row["reached"]]
+    adaptive = next(row for row in rows if row["total"] == 0)
+    fixed = [row for row in rows if row["total"] and row["reached"]]
     best = min(fixed, key=lambda row: row[key]) if fixed else None
-    initial = next((row for row in rows if row["label"] == "fixed 16"), None)
+    initial = next((row for row in rows if row["total"] == init_batch_size), None)
     usable = adaptive["reached"] and adaptive[key] > 0
     return {
         "best_fixed": best["label"] if best else None,
