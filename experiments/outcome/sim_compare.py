@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 from experiments.outcome import measured_profile as mp
 
@@ -174,16 +175,21 @@ def application(
     return app, made
 
 
-def compare_group(
-    runs: Sequence[dict[str, Any]],
-    *,
-    perf: str = "profiler",
-    noise: str = "adaptive",
-    accuracy: float | None = None,
-    loss_excess: float | None = None,
-) -> dict[str, Any]:
-    """Real against simulated time to target for the runs of one problem and seed
-    (``perf`` and ``noise``: see `application`)."""
+@attrs.frozen
+class Options:
+    """How to compare: the model's sources (``perf``, ``noise``: see `application`) and
+    laxer targets read off the evaluations (``accuracy``; ``loss_excess`` over the
+    optimal loss), None: each run's own."""
+
+    perf: str = "profiler"
+    noise: str = "adaptive"
+    accuracy: float | None = None
+    loss_excess: float | None = None
+
+
+def compare_group(runs: Sequence[dict[str, Any]], options: Options = Options()) -> dict[str, Any]:
+    """Real against simulated time to target for the runs of one problem and seed."""
+    accuracy, loss_excess = options.accuracy, options.loss_excess
     if not any(split_of(r) is None for r in runs):
         raise ValueError("runs must include the adaptive run, whose profile the model takes")
     rows = []
@@ -210,7 +216,7 @@ def compare_group(
     done = [row["target_progress"] for row in rows if row["reached"]]
     common = float(np.median(done)) if done else max(row["target_progress"] for row in rows)
     top = max(common, *(row["target_progress"] for row in rows))
-    app, made = application(runs, top, perf, noise)
+    app, made = application(runs, top, options.perf, options.noise)
     for run, row in zip(runs, rows, strict=True):
         rule: ScalingRule = RULES[run["config"].get("rule", "adascale")]()
         replicas, split = int(run["replicas"]), split_of(run)
@@ -350,12 +356,7 @@ def _median_ratio(values: Sequence[float | None]) -> str:
 
 
 def compare(
-    runs: Sequence[dict[str, Any]],
-    *,
-    perf: str = "profiler",
-    noise: str = "adaptive",
-    accuracy: float | None = None,
-    loss_excess: float | None = None,
+    runs: Sequence[dict[str, Any]], options: Options = Options()
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """`compare_group` for every problem and seed that has an adaptive run."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
@@ -372,9 +373,7 @@ def compare(
                 "in the paths?); pass the logs of one measurement, or --problems"
             )
         group.sort(key=lambda r: (split_of(r) is not None, _total(r)))
-        out.setdefault(problem, {})[seed] = compare_group(
-            group, perf=perf, noise=noise, accuracy=accuracy, loss_excess=loss_excess
-        )
+        out.setdefault(problem, {})[seed] = compare_group(group, options)
     return out
 
 
@@ -405,13 +404,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.problems:
         wanted = set(args.problems.split(","))
         runs = [r for r in runs if r["problem"] in wanted]
-    result = compare(
-        runs,
-        perf=args.perf,
-        noise=args.noise,
-        accuracy=args.target_accuracy,
-        loss_excess=args.target_excess,
-    )
+    options = Options(args.perf, args.noise, args.target_accuracy, args.target_excess)
+    result = compare(runs, options)
     text = "\n\n".join(table(problem, groups) for problem, groups in result.items())
     print(text)
     out = args.out or (args.paths[0] if args.paths[0].is_dir() else args.paths[0].parent)

@@ -174,12 +174,7 @@ def test_step_time_fit_reproduces_the_measured_step_times() -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(
-    st.integers(8, 128),
-    st.integers(0, 3),
-    st.floats(0.5, 300.0),
-    st.floats(0.0, 100.0),
-)
+@given(st.integers(8, 128), st.integers(0, 3), st.floats(0.5, 300.0), st.floats(0.0, 100.0))
 def test_fixed_time_to_progress_is_the_analytic_sum(
     local: int, accum: int, target: float, ratio: float
 ) -> None:
@@ -266,7 +261,7 @@ def test_cpu_step_times_scale_each_step_by_its_stretchs_cpu_share() -> None:
 
 def test_cpu_profile_puts_the_simulation_in_cpu_seconds(tmp_path: Path) -> None:
     runs = [fake_run(None, 20.0, 120.0)] + [fake_run(s, 20.0, 120.0) for s in [(8, 0), (32, 0)]]
-    group = sim_compare.compare_group(runs, perf="cpu")
+    group = sim_compare.compare_group(runs, sim_compare.Options(perf="cpu"))
     assert group["model"]["perf_source"] == "cpu"
     rows = {row["label"]: row for row in group["rows"]}
     # The fake runs spend half of every wall second on the CPU.
@@ -309,8 +304,8 @@ def test_sweep_statistics_give_each_fixed_run_its_own_noise() -> None:
     """With each fixed run's own statistics, its simulation takes its real steps."""
     runs = [fake_run(None, 5.0, 300.0), fake_run((32, 0), 5.0, 300.0)]
     runs.append(fake_run((128, 0), 60.0, 300.0))
-    adaptive = sim_compare.compare_group(runs, noise="adaptive")
-    sweep = sim_compare.compare_group(runs, noise="sweep")
+    adaptive = sim_compare.compare_group(runs, sim_compare.Options(noise="adaptive"))
+    sweep = sim_compare.compare_group(runs, sim_compare.Options(noise="sweep"))
     assert sweep["model"]["noise_source"] == "sweep 64, 256"
     for group in (adaptive, sweep):
         rows = {row["label"]: row for row in group["rows"]}
@@ -321,7 +316,7 @@ def test_sweep_statistics_give_each_fixed_run_its_own_noise() -> None:
     slow = {row["label"]: row for row in adaptive["rows"]}["fixed 256"]
     assert slow["sim_steps"] > 1.5 * slow["real_steps"]
     with pytest.raises(ValueError, match="needs 2 fixed runs"):
-        sim_compare.compare_group(runs[:2], noise="sweep")
+        sim_compare.compare_group(runs[:2], sim_compare.Options(noise="sweep"))
 
 
 def test_compare_refuses_two_measurements_of_one_run() -> None:
