@@ -105,6 +105,26 @@ class ApplicationModel:
         return adascale_gain(sqr, var, batch_size / self.init_batch_size)
 
 
+def model_step_time(
+    perf_params: PerfParams, placement: Sequence[int], local_bsz: float
+) -> tuple[float, float]:
+    """Core's optimiser micro-batch time on ``placement``, and its excess over a
+    compute-only one (what synchronisation adds), for ``perf_params``.
+
+    One replica never synchronises, so its optimiser micro-batch is the compute-only
+    one; with the excess as the sync time, `ApplicationModel.iteration_time` is core's
+    ``k * T_c + T_o``.
+    """
+    counts = normalize_placement(placement)
+    nodes, replicas = len(counts), sum(counts)
+    b = float(local_bsz)
+    compute = float(compute_time(perf_params, b))
+    if replicas == 1:
+        return compute, 0.0
+    step = float(optim_step_time(perf_params, nodes, replicas, b))
+    return step, max(step - compute, 0.0)
+
+
 def _positive_int(name: str) -> Callable[[object, object, int], None]:
     def check(instance: object, attribute: object, value: int) -> None:
         check_int(name, value, min=1)
@@ -193,20 +213,9 @@ class ParametricApplication(ApplicationModel):
         object.__setattr__(self, "epoch_progress", progress)
 
     def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
-        """Core's optimiser micro-batch time, and its excess over a compute-only one.
-
-        One replica never synchronises, so its optimiser micro-batch is the
-        compute-only one; the excess is what synchronisation adds to a step, so
-        that :meth:`iteration_time` is core's ``k * T_c + T_o``.
-        """
-        counts = normalize_placement(placement)
-        nodes, replicas = len(counts), sum(counts)
-        b = float(local_bsz)
-        compute = float(compute_time(self.perf_params, b))
-        if replicas == 1:
-            return compute, 0.0
-        step = float(optim_step_time(self.perf_params, nodes, replicas, b))
-        return step, max(step - compute, 0.0)
+        """Core's optimiser micro-batch time, and its excess over a compute-only one
+        (`model_step_time`)."""
+        return model_step_time(self.perf_params, placement, local_bsz)
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         frac = min(max(epoch, 0), self.epochs - 1) / max(self.epochs - 1, 1)

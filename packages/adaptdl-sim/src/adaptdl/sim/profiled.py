@@ -1,0 +1,225 @@
+"""An application model from one real run's measured profile, and a job driven to a progress.
+
+A real job leaves behind two measurements the simulator needs: the throughput model
+its profiler fitted (:class:`~adaptdl.core.goodput.PerfParams`) and its
+gradient-noise estimates (``sqr``, ``var``) along the scale-invariant progress.
+:class:`ProfiledApplication` is the application model made of exactly these: step
+times from core's model with the fitted parameters, and the gradient statistics of
+the nearest measured point of progress (each point is one of the model's epochs).
+
+:func:`simulate_to_progress` runs one job of such a model through the real core (a
+``Job`` with its loader, profiler, gradient-noise estimator and batch-size decision,
+every optimiser step through core's step contract, as `adaptdl.sim.replay` does) in
+simulated time, until its progress reaches a target: with the job's own adaptive
+decision, or at a fixed (local batch size, accumulation steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
+from adaptdl.core.batchsize import BatchSizeQuery
+from adaptdl.core.boundary import CheckpointPolicy
+from adaptdl.core.goodput import PerfParams
+from adaptdl.core.job import Job
+from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.scaling import ScalingRule
+from adaptdl.core.step import StepStatistics
+from adaptdl.core.topology import Topology
+from adaptdl.sim.apps import ApplicationModel, FloatArray, model_step_time
+from adaptdl.sim.replay import ReplaySteps, SimClock, SimCollective
+
+
+def _floats(name: str, values: Sequence[float] | FloatArray) -> FloatArray:
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1 or not len(array):
+        raise ValueError(f"{name} must be a non-empty sequence of numbers, got {values!r}")
+    if not np.all(np.isfinite(array)) or np.any(array < 0):
+        raise ValueError(f"{name} must hold finite numbers >= 0, got {values!r}")
+    return array
+
+
+class ProfiledApplication(ApplicationModel):
+    """The application of one measured run: its fitted throughput, its noise over progress.
+
+    ``progress`` (increasing), ``sqr`` and ``var`` are the gradient-noise estimates
+    (|G|^2 and the variance at the initial batch size) at points of the run's
+    scale-invariant progress. Point ``i`` is the model's epoch ``i``: it holds from
+    the midpoint with the point before to the midpoint with the point after, and the
+    last epoch ends at ``target_progress``. Without ``batch_sizes`` the statistics do
+    not depend on the batch size (the assumption of the goodput model); with them
+    (increasing totals), ``sqr`` and ``var`` have one row per batch size (measured at
+    it, as Pollux's traces are) and a batch size between two rows takes their linear
+    interpolation in log batch size (the nearest row outside). Step times are
+    :func:`~adaptdl.sim.apps.model_step_time` of ``perf_params``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        perf_params: PerfParams,
+        progress: Sequence[float] | FloatArray,
+        sqr: Sequence[float] | FloatArray,
+        var: Sequence[float] | FloatArray,
+        *,
+        init_batch_size: int,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int, int],
+        dataset_size: int,
+        target_progress: float,
+        batch_sizes: Sequence[int] | None = None,
+    ) -> None:
+        if not isinstance(perf_params, PerfParams):
+            raise ArgumentTypeError(f"perf_params must be a PerfParams, got {perf_params!r}")
+        self.name = name
+        self.perf_params = perf_params
+        self.init_batch_size = check_int("init_batch_size", init_batch_size, min=1)
+        self.max_batch_size = check_int("max_batch_size", max_batch_size, min=init_batch_size)
+        lo, hi = local_bsz_bounds
+        self.local_bsz_bounds = (check_int("local_bsz_bounds[0]", lo, min=1), hi)
+        check_int("local_bsz_bounds[1]", hi, min=lo)
+        self.dataset_size = check_int("dataset_size", dataset_size, min=1)
+        target = check_float("target_progress", target_progress, min=0.0, min_exclusive=True)
+        points = _floats("progress", progress)
+        if np.any(np.diff(points) <= 0):
+            raise ValueError(f"progress must be strictly increasing, got {progress!r}")
+        rows = 1 if batch_sizes is None else len(batch_sizes)
+        flat_sqr, flat_var = _floats("sqr", np.ravel(sqr)), _floats("var", np.ravel(var))
+        if not (flat_sqr.size == flat_var.size == rows * len(points)):
+            raise ValueError(
+                f"sqr and var must have the same length as progress ({len(points)}) per "
+                f"batch size ({rows}), got {np.shape(sqr)} and {np.shape(var)}"
+            )
+        # One row per batch size, one column per point of progress.
+        self._sqr: npt.NDArray[np.float64] = flat_sqr.reshape(rows, len(points))
+        self._var: npt.NDArray[np.float64] = flat_var.reshape(rows, len(points))
+        sizes = _floats("batch_sizes", [1.0] if batch_sizes is None else batch_sizes)
+        if np.any(sizes < 1) or np.any(np.diff(sizes) <= 0):
+            raise ValueError(f"batch_sizes must be increasing and >= 1, got {batch_sizes!r}")
+        self._log_sizes = np.log(sizes)
+        self.progress_points = points
+        # The points past the target are never reached; the one nearest it is kept.
+        keep = max(int(np.searchsorted(points, target, side="left")), 1)
+        edges = (points[: keep - 1] + points[1:keep]) / 2.0
+        self.epoch_progress = np.append(edges, target)
+
+    def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
+        """Core's optimiser micro-batch time and its sync excess (`model_step_time`)."""
+        return model_step_time(self.perf_params, placement, local_bsz)
+
+    def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
+        """(sqr, var) of the measured point ``epoch`` at ``batch_size``."""
+        e = min(max(int(epoch), 0), self._sqr.shape[1] - 1)
+        if len(self._log_sizes) == 1:
+            return float(self._sqr[0, e]), float(self._var[0, e])
+        x = math.log(max(float(batch_size), 1.0))
+        return (
+            float(np.interp(x, self._log_sizes, self._sqr[:, e])),
+            float(np.interp(x, self._log_sizes, self._var[:, e])),
+        )
+
+    def grad_stats_at(self, progress: float, batch_size: float = 0.0) -> tuple[float, float]:
+        """(sqr, var) at a point of progress (and batch size): its epoch's."""
+        return self.grad_stats(batch_size, self.epoch_at(progress))
+
+
+@attrs.frozen
+class ProgressRun:
+    """A simulated run to a progress: ``seconds`` of simulated time, optimiser ``steps``,
+    ``samples`` processed, the ``progress`` reached, and ``trajectory``: (seconds,
+    progress, total batch size, local batch size, accumulation steps) at the start
+    and at every change of configuration."""
+
+    seconds: float
+    steps: int
+    samples: int
+    progress: float
+    trajectory: tuple[tuple[float, float, int, int, int], ...]
+
+
+class _Fixed:
+    """A batch-size decision that always answers one (local batch size, accumulation)."""
+
+    def __init__(self, local_bsz: int, accum_steps: int) -> None:
+        self.choice = (local_bsz, accum_steps)
+
+    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
+        return self.choice
+
+
+def simulate_to_progress(
+    app: ProfiledApplication,
+    target_progress: float,
+    *,
+    replicas: int,
+    nodes: int = 1,
+    split: tuple[int, int] | None = None,
+    rule: ScalingRule | None = None,
+) -> ProgressRun:
+    """Run one job of ``app`` on ``replicas`` (over ``nodes``) until its progress
+    reaches ``target_progress``; return the simulated time it took.
+
+    ``split`` None: the job's own adaptive decision (core's default, up to the
+    application's maximum batch size within its local bounds, with accumulation);
+    otherwise the fixed (local batch size, accumulation steps), set as the job's
+    decision the way a real run fixes it. ``rule`` is the scaling rule (default
+    AdaScale); it sets only learning-rate factors, not progress. No checkpoints.
+    """
+    target = check_float("target_progress", target_progress, min=0.0, min_exclusive=True)
+    check_int("replicas", replicas, min=1)
+    check_int("nodes", nodes, min=1, max=replicas)
+    b0, n = app.init_batch_size, app.dataset_size
+    clock = SimClock()
+    topology = Topology(rank=0, num_replicas=replicas, num_nodes=nodes, num_restarts=0)
+    policy = CheckpointPolicy(every_seconds=None)
+    job = Job(topology, collective=SimCollective(replicas), clock=clock, checkpoint_policy=policy)
+    loader = LoaderHelper(job, batch_size=b0, name="profiled")
+    if split is None:
+        loader.autoscale_batch_size(
+            app.max_batch_size, app.local_bsz_bounds, gradient_accumulation=True
+        )
+    else:
+        local, accum = check_int("split[0]", split[0], min=1), check_int("split[1]", split[1])
+        job.batch_size_decision = _Fixed(local, accum)
+        # Adaptive mode with a fixed decision: the loop ends on progress, as a real run's.
+        total = local * (accum + 1) * replicas
+        loader.autoscale_batch_size(max(total, b0), gradient_accumulation=True)
+    per_node = -(-replicas // nodes)
+    placement = tuple(min(per_node, replicas - i * per_node) for i in range(nodes))
+    steps = ReplaySteps(StepStatistics(job.metrics, job.collective), b0, rule)
+
+    def batches(epoch: int, index: int, local_bsz: int) -> Iterator[int]:
+        # Only how many micro-batches the rest of the pass holds matters here.
+        pass_end = (index // n + 1) * n
+        return iter(range(math.ceil((pass_end - index) / (replicas * local_bsz))))
+
+    trajectory: list[tuple[float, float, int, int, int]] = []
+    samples = count = 0
+    epochs = math.ceil(target * b0 / n) + 1
+    for _ in job.epoch.remaining_epochs_until(epochs):
+        for _batch in loader.iterate(n, batches):
+            local, accum = loader.current_local_bsz, loader.accumulation_steps
+            if not trajectory or trajectory[-1][3:] != (local, accum):
+                config = (loader.current_batch_size, local, accum)
+                trajectory.append((clock.now, job.metrics.progress, *config))
+            step, sync = app.step_time(placement, local)
+            samples += local * replicas
+            if not loader.is_optim_step():
+                clock.now += max(step - sync, 1e-9)
+                continue
+            clock.now += step
+            job.record_sync_time(sync)
+            sqr, var = app.grad_stats_at(job.metrics.progress, loader.current_batch_size)
+            steps.step(sqr, var, local, accum + 1, replicas)
+            count += 1
+            if job.metrics.progress >= target:
+                break
+        if job.metrics.progress >= target:
+            break
+    return ProgressRun(clock.now, count, samples, job.metrics.progress, tuple(trajectory))
