@@ -13,33 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from adaptdl.core.batchsize import BatchSizeQuery
+# Re-exported: the experiments import the fixed decision from here.
+from adaptdl.core.batchsize import FixedSplit as FixedSplit
 from adaptdl.core.step import StepMeasurement
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class FixedSplit:
-    """A batch-size decision that always answers (local_bsz, accum_steps).
-
-    The torch adapter takes its batch size from the job's decision; installing this
-    one as ``current_job().batch_size_decision`` runs the loader at a chosen total
-    batch size ``replicas * local_bsz * (accum_steps + 1)``, which is how these
-    experiments reach a scale (total / initial batch size) above the number of
-    replicas: the seed API's ``local_bsz_bounds`` must contain the initial batch
-    size, so accumulation cannot be forced through it.
-    """
-
-    def __init__(self, local_bsz: int, accum_steps: int) -> None:
-        if local_bsz < 1 or accum_steps < 0:
-            raise ValueError(
-                f"need local_bsz >= 1 and accum_steps >= 0, got {local_bsz}, {accum_steps}"
-            )
-        self.local_bsz = local_bsz
-        self.accum_steps = accum_steps
-
-    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
-        return self.local_bsz, self.accum_steps
 
 
 class WorkerError(RuntimeError):

@@ -4,16 +4,20 @@ A run leaves one result JSON (``launch`` starts every run without a checkpoint p
 so no checkpoint survives it). From it:
 
 * the throughput model: the ``PerfParams`` the job's profiler had fitted at the
-  adaptive run's last batch-size decision (``decisions[-1]["perf"]``, recorded by
-  the trainer's ``DecisionLog``); or, for a result without decisions (a fixed run, an
-  older log), the same core fit (`fit_perf_params`) of the step times the run
+  adaptive run's last batch-size decision (the result's ``decisions`` list, each
+  entry a dict whose ``"perf"`` is ``PerfParams.to_dict()``; the last one is
+  taken); or, for a result without them (a fixed run, a trainer that does not
+  record them), the same core fit (`fit_perf_params`) of the step times the run
   recorded per optimiser step (``steps``, evaluation excluded);
 * the gradient-noise statistics over progress: the estimator's |G|^2 and
-  variance every few steps (``noise``, recorded by the trainer; its variance is one
+  variance every few steps (the result's ``noise`` rows; its variance is one
   sample's, the model's is at the initial batch size: divided by it); or, without
   them, the ratio variance / |G|^2 that each step's recorded AdaScale gain implies
   at its scale (`ratio_from_gain`; steps at the initial batch size, whose gain is 1
   at any noise, say nothing).
+
+Either fallback emits a `ProfileFallbackWarning` naming the run and what was used
+instead.
 
 Column layouts (the trainer's): ``steps`` rows are (progress, total batch, local
 batch, accumulation steps, gain, lr factor, loss, goodput, training seconds);
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -36,6 +41,14 @@ from adaptdl.sim.apps import FloatArray
 
 STEP_PROGRESS, STEP_BATCH, STEP_LOCAL, STEP_ACCUM, STEP_GAIN, STEP_SECONDS = 0, 1, 2, 3, 4, 8
 EVAL_SECONDS, EVAL_CPU = 2, 5
+
+
+class ProfileFallbackWarning(UserWarning):
+    """A result lacks a measurement the profile prefers; a substitute was used."""
+
+
+def _label(result: dict[str, Any]) -> str:
+    return repr(result.get("label", "<unlabelled run>"))
 
 
 @attrs.frozen
@@ -71,6 +84,12 @@ def noise_curve(result: dict[str, Any]) -> NoiseCurve | None:
         # The estimator's var is one sample's gradient variance; the model's, the
         # variance at the initial batch size (`GradientNoiseScale.grad_params`).
         return _increasing(data[:, 0], data[:, 2], data[:, 3] / b0, "estimator")
+    warnings.warn(
+        f"run {_label(result)} has no 'noise' rows: its gradient statistics are the "
+        "ratio variance / |G|^2 implied by its recorded AdaScale gains (|G|^2 taken as 1)",
+        ProfileFallbackWarning,
+        stacklevel=2,
+    )
     points = []
     for step in result["steps"]:
         scale = step[STEP_BATCH] / b0
@@ -166,7 +185,15 @@ def fit_step_times(
 def profiler_params(result: dict[str, Any]) -> PerfParams | None:
     """The throughput model the job's profiler fitted at its last decision, if recorded."""
     fitted = [d["perf"] for d in result.get("decisions", []) if "perf" in d]
-    return PerfParams.from_dict(fitted[-1]) if fitted else None
+    if fitted:
+        return PerfParams.from_dict(fitted[-1])
+    warnings.warn(
+        f"run {_label(result)} has no 'decisions' with a 'perf' fit: the caller's "
+        "fallback (a refit of its recorded step times) is used instead",
+        ProfileFallbackWarning,
+        stacklevel=2,
+    )
+    return None
 
 
 def reached_at(

@@ -104,11 +104,13 @@ def application(
 
     ``noise``: "adaptive" takes the adaptive run's gradient statistics at every batch
     size (the goodput model's own assumption); "sweep" takes each fixed run's at its
-    batch size, interpolated in between (Pollux's traces), and needs two fixed runs
-    at least. ``perf``: "profiler" takes the fit of the adaptive run's job profiler
-    where the run recorded it (else as "steps"); "steps" refits the adaptive run's
-    recorded step times (wall seconds, evaluation excluded); "cpu" refits the step
-    times of all ``runs`` in CPU seconds (`measured_profile.cpu_step_times`), the
+    batch size, linear in the batch size in between (the trace model's rule), and
+    needs two fixed runs at least, each with the estimator's recorded statistics.
+    ``perf``: "profiler" takes the fit of the adaptive run's job profiler where the
+    run recorded it (else as "steps"); "steps" refits the adaptive run's recorded
+    step times (wall seconds, evaluation excluded); "cpu" refits the step times of
+    all ``runs`` (of one replica count) in CPU seconds
+    (`measured_profile.cpu_step_times`), the
     unit of the primary measure.
     """
     if perf not in PERF_SOURCES:
@@ -123,6 +125,13 @@ def application(
     params = mp.profiler_params(profile_run) if perf == "profiler" else None
     perf_source = "profiler"
     if perf == "cpu":
+        counts = sorted({int(r["replicas"]) for r in runs})
+        if len(counts) > 1:
+            # One fit takes one replica count: pooled steps of others would bias it.
+            raise ValueError(
+                f"perf 'cpu' pools the step times of all runs, which must share one replica "
+                f"count; got replicas {counts}"
+            )
         pooled: dict[tuple[int, int], list[float]] = {}
         for run in runs:
             for key, values in mp.cpu_step_times(run).items():
@@ -137,6 +146,14 @@ def application(
         measured = {total: c for total, c in sorted(curves.items()) if c is not None}
         if len(measured) < 2:
             raise ValueError(f"noise 'sweep' needs 2 fixed runs with statistics, got {curves}")
+        implied = [total for total, c in measured.items() if c.source != "estimator"]
+        if implied:
+            # Statistics implied by gains take |G|^2 as 1 (only the ratio is known),
+            # the estimator's are absolute: rows of both are not comparable.
+            raise ValueError(
+                f"noise 'sweep' needs the estimator's recorded statistics ('noise') of every "
+                f"fixed run; the runs at total batch sizes {implied} have only gains"
+            )
         end = max(float(c.progress[-1]) for c in measured.values())
         grid = np.linspace(0.0, end, SWEEP_POINTS)
         stats = [mp.resample(c, grid) for c in measured.values()]
@@ -220,24 +237,25 @@ def compare_group(runs: Sequence[dict[str, Any]], options: Options = Options()) 
     for run, row in zip(runs, rows, strict=True):
         rule: ScalingRule = RULES[run["config"].get("rule", "adascale")]()
         replicas, split = int(run["replicas"]), split_of(run)
-        sim_own, sim_common = (
-            simulate_to_progress(app, target, replicas=replicas, split=split, rule=rule)
-            for target in (row["target_progress"], common)
-        )
-        reached_steps = [s for s in run["steps"] if s[0] <= row["target_progress"]]
+        own = row["target_progress"]
+        targets = sorted({own, common})
+        sim = simulate_to_progress(app, targets, replicas=replicas, split=split, rule=rule)
+        at = {target: i for i, target in enumerate(targets)}
+        trajectory = sim.trajectory_until(own)
+        reached_steps = [s for s in run["steps"] if s[0] <= own]
         row.update(
-            sim_own=sim_own.seconds,
-            sim_common=sim_common.seconds,
-            sim_batches=sorted({t[2] for t in sim_own.trajectory}),
-            sim_steps=sim_own.steps,
+            sim_own=sim.seconds_at[at[own]],
+            sim_common=sim.seconds_at[at[common]],
+            sim_batches=sorted({t[2] for t in trajectory}),
+            sim_steps=sim.steps_at[at[own]],
             real_steps=len(reached_steps),
             real_batches=sorted({int(s[1]) for s in reached_steps}),
             real_final_batch=int(reached_steps[-1][1]) if reached_steps else 0,
-            sim_final_batch=int(sim_own.trajectory[-1][2]),
+            sim_final_batch=int(trajectory[-1][2]),
         )
         if split_of(run) is None:
             # (seconds, progress, total, local, accumulation) at each change.
-            row["sim_trajectory"] = [list(t) for t in sim_own.trajectory]
+            row["sim_trajectory"] = [list(t) for t in trajectory]
     return {
         "common_progress": common,
         "model": made,

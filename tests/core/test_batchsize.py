@@ -4,7 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, batch_size_query, even_split
+from adaptdl.core.batchsize import (
+    BatchSizeQuery,
+    FixedSplit,
+    GoodputDecision,
+    batch_size_query,
+    even_split,
+)
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
@@ -162,3 +168,20 @@ def test_batch_size_query_caps_an_adaptive_total_at_one_pass(batch_size, max_fac
     else:
         assert q.max_batch_size == min(max_batch_size, max(dataset_size, batch_size))
         assert batch_size <= q.max_batch_size <= max_batch_size
+
+
+@given(st.integers(1, 4096), st.integers(0, 64), st.integers(1, 8))
+def test_fixed_split_answers_its_split_to_any_query(local: int, accum: int, replicas: int) -> None:
+    query = BatchSizeQuery(
+        batch_size=local, num_nodes=1, num_replicas=replicas, local_bsz_bounds=(1, None)
+    )
+    assert FixedSplit(local, accum)(query) == (local, accum)
+
+
+def test_fixed_split_rejects_bad_splits() -> None:
+    with pytest.raises(ValueError, match="local_bsz"):
+        FixedSplit(0, 0)
+    with pytest.raises(ValueError, match="accum_steps"):
+        FixedSplit(8, -1)
+    with pytest.raises(TypeError, match="accum_steps"):
+        FixedSplit(8, 1.5)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from adaptdl.core.goodput import PerfParams, compute_time, optim_step_time
 from adaptdl.core.scaling import adascale_gain
 from adaptdl.sim.profiled import ProfiledApplication, simulate_to_progress
+from adaptdl.sim.replay import even_placement
 
 PERF = PerfParams(0.01, 0.0005, 0.02, 0.001, 0.005, 0.001, 1.5)
 SIZES = {"init_batch_size": 16, "max_batch_size": 1024, "local_bsz_bounds": (8, 128)}
@@ -269,7 +271,7 @@ def test_cpu_profile_puts_the_simulation_in_cpu_seconds(tmp_path: Path) -> None:
         assert rows[label]["sim_own"] == pytest.approx(rows[label]["real_cpu"], rel=0.06)
 
 
-def test_statistics_per_batch_size_interpolate_in_log_batch_size() -> None:
+def test_statistics_per_batch_size_interpolate_linearly_in_batch_size() -> None:
     app = ProfiledApplication(
         "t",
         PERF,
@@ -283,7 +285,8 @@ def test_statistics_per_batch_size_interpolate_in_log_batch_size() -> None:
     )
     assert app.grad_stats_at(0.0, 16) == (1.0, 10.0)
     assert app.grad_stats_at(12.0, 256) == (4.0, 60.0)
-    assert app.grad_stats_at(0.0, 64) == pytest.approx((2.0, 30.0))  # halfway in log
+    # The trace model's rule: linear in the batch size (64 is 1/5 of the way).
+    assert app.grad_stats_at(0.0, 64) == pytest.approx((1.4, 18.0))
     assert app.grad_stats_at(12.0, 8) == (2.0, 20.0)  # the nearest row outside
     assert app.grad_stats_at(12.0, 1024) == (4.0, 60.0)
     with pytest.raises(ValueError, match="batch_sizes must be increasing"):
@@ -323,3 +326,99 @@ def test_compare_refuses_two_measurements_of_one_run() -> None:
     runs = [fake_run(None, 5.0, 50.0), fake_run((8, 0), 5.0, 50.0), fake_run((8, 0), 5.0, 60.0)]
     with pytest.raises(ValueError, match=r"fake seed 0 \['fixed 16'\] more than once"):
         sim_compare.compare(runs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 100.0), min_size=1, max_size=6, unique=True).map(sorted),
+    st.floats(0.1, 120.0),
+)
+def test_an_epoch_is_kept_exactly_when_its_point_is_reached(
+    points: list[float], target: float
+) -> None:
+    """Point i holds from the midpoint with point i - 1: it is an epoch of the model
+    exactly when that midpoint lies before the target (the point nearest the target
+    is kept, whichever side of it)."""
+    app = app_of(points, [1.0] * len(points), [1.0] * len(points), target)
+    reached = [i == 0 or (points[i - 1] + points[i]) / 2 < target for i in range(len(points))]
+    assert app.num_epochs == sum(reached)
+    assert app.target_progress == target
+    assert np.all(np.diff(app.epoch_progress) > 0)
+
+
+def test_the_point_past_the_target_but_nearest_it_is_kept() -> None:
+    app = app_of([0.0, 1.0, 2.0], [1.0, 2.0, 3.0], [1.0, 1.0, 1.0], target=1.8)
+    assert list(app.epoch_progress) == [0.5, 1.5, 1.8]
+    assert app.grad_stats_at(1.7) == (3.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "nodes", "placement"), [(4, 3, (2, 1, 1)), (5, 4, (2, 1, 1, 1)), (4, 1, (4,))]
+)
+def test_simulated_jobs_spread_replicas_over_every_node(
+    replicas: int, nodes: int, placement: tuple[int, ...]
+) -> None:
+    assert even_placement(replicas, nodes) == placement
+    app = app_of([0.0], [1.0], [1.0])
+    run = simulate_to_progress(app, 3.0, replicas=replicas, nodes=nodes, split=(8, 0))
+    assert run.seconds == pytest.approx(run.steps * app.step_time(placement, 8)[0], rel=1e-9)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    st.lists(st.floats(1.0, 150.0), min_size=2, max_size=3).map(sorted),
+    st.sampled_from([None, (16, 1)]),
+)
+def test_one_run_to_several_targets_times_each_as_its_own_run(
+    targets: list[float], split: tuple[int, int] | None
+) -> None:
+    app = app_of([0.0, 40.0], [1.0, 1.0], [5.0, 40.0], target=200.0)
+    both = simulate_to_progress(app, targets, replicas=2, split=split)
+    for i, target in enumerate(targets):
+        alone = simulate_to_progress(app, target, replicas=2, split=split)
+        assert both.seconds_at[i] == alone.seconds and both.steps_at[i] == alone.steps
+        assert both.trajectory_until(target) == alone.trajectory
+
+
+def test_simulate_to_progress_rejects_unsorted_targets() -> None:
+    app = app_of([0.0], [1.0], [1.0])
+    with pytest.raises(ValueError, match="target_progress must be sorted"):
+        simulate_to_progress(app, [5.0, 2.0], replicas=2)
+    with pytest.raises(ValueError, match=r"target_progress\[1\]"):
+        simulate_to_progress(app, [5.0, 0.0], replicas=2)
+    with pytest.raises(ValueError, match="at least one target"):
+        simulate_to_progress(app, [], replicas=2)
+
+
+def test_sweep_refuses_statistics_implied_by_gains() -> None:
+    """Gains give only the ratio var / |G|^2 (|G|^2 taken as 1): rows of them beside
+    the estimator's absolute statistics would mix two normalisations."""
+    runs = [fake_run(None, 5.0, 100.0), fake_run((32, 0), 5.0, 100.0)]
+    runs.append(fake_run((128, 0), 60.0, 100.0))
+    del runs[2]["noise"]
+    with (
+        pytest.warns(mp.ProfileFallbackWarning),
+        pytest.raises(ValueError, match=r"total batch sizes \[256\] have only gains"),
+    ):
+        sim_compare.compare_group(runs, sim_compare.Options(noise="sweep"))
+
+
+def test_cpu_profile_refuses_runs_of_different_replica_counts() -> None:
+    runs = [fake_run(None, 20.0, 60.0), fake_run((8, 0), 20.0, 60.0, replicas=4)]
+    with pytest.raises(ValueError, match=r"one replica count; got replicas \[2, 4\]"):
+        sim_compare.compare_group(runs, sim_compare.Options(perf="cpu"))
+
+
+def test_profile_fallbacks_warn_naming_what_they_used() -> None:
+    run = fake_run((32, 0), 5.0, 30.0)
+    with pytest.warns(mp.ProfileFallbackWarning, match="'fixed 64' has no 'decisions'"):
+        assert mp.profiler_params(run) is None
+    run["decisions"] = [{"perf": PERF.to_dict()}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mp.profiler_params(run) == PERF
+        assert mp.noise_curve(run) is not None
+    del run["noise"]
+    with pytest.warns(mp.ProfileFallbackWarning, match="no 'noise' rows.*recorded AdaScale gains"):
+        curve = mp.noise_curve(run)
+    assert curve is not None and curve.source == "gains"

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.sim.apps import DEFAULT_PERF_PARAMS, ParametricApplication, builtin_applications
+from adaptdl.sim.apps import (
+    DEFAULT_PERF_PARAMS,
+    ParametricApplication,
+    builtin_applications,
+    stats_by_batch_size,
+)
 
 APPS = builtin_applications()
 
@@ -39,3 +45,20 @@ def test_single_fields_override_the_default_model() -> None:
         ParametricApplication("z", 32, 64, (1, 64), 1000, 2, alpha_x=1.0)
     with pytest.raises(ValueError, match="beta_c"):
         ParametricApplication("z", 32, 64, (1, 64), 1000, 2, beta_c=-1.0)
+
+
+@given(
+    st.lists(st.integers(1, 4096), min_size=1, max_size=5, unique=True).map(sorted),
+    st.floats(0.5, 5000.0),
+    st.integers(-2, 4),
+)
+def test_stats_by_batch_size_are_linear_between_rows_and_flat_outside(
+    sizes: list[int], batch_size: float, epoch: int
+) -> None:
+    bs = np.array(sizes, dtype=np.float64)
+    sqr = np.outer(bs, [1.0, 2.0, 3.0])  # linear in the batch size: interpolation is exact
+    var = sqr + 1.0
+    e = min(max(epoch, 0), 2)
+    clamped = min(max(batch_size, bs[0]), bs[-1])
+    got = stats_by_batch_size(bs, sqr, var, batch_size, epoch)
+    assert got == pytest.approx((clamped * (e + 1), clamped * (e + 1) + 1.0), rel=1e-9)

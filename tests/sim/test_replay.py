@@ -15,6 +15,7 @@ from adaptdl.sim.replay import (
     SimCollective,
     TimelineEvent,
     builtin_scenarios,
+    even_placement,
     load_scenario,
     run_replay,
 )
@@ -135,3 +136,19 @@ def test_sim_collective_checks_the_wire_format_like_real_replicas(value: object)
     assert c.broadcast((1, 2)) == [1, 2]  # tuples arrive as lists, as between processes
     with pytest.raises(ValueError, match="root"):
         c.broadcast(1, root=2)
+
+
+@given(st.integers(1, 64), st.data())
+def test_even_placement_uses_every_node_within_one_replica(
+    replicas: int, data: st.DataObject
+) -> None:
+    nodes = data.draw(st.integers(1, replicas))
+    placement = even_placement(replicas, nodes)
+    assert len(placement) == nodes and sum(placement) == replicas
+    assert min(placement) >= 1 and max(placement) - min(placement) <= 1
+    assert list(placement) == sorted(placement, reverse=True)
+
+
+def test_even_placement_rejects_more_nodes_than_replicas() -> None:
+    with pytest.raises(ValueError, match="nodes"):
+        even_placement(2, 3)

@@ -117,6 +117,23 @@ class RedecideSchedule:
         return min(2.0 * interval, self.max_seconds)
 
 
+class FixedSplit:
+    """A batch-size decision that always answers (``local_bsz``, ``accum_steps``).
+
+    Set as a job's ``batch_size_decision``, it runs the loader at the total batch
+    size ``replicas * local_bsz * (accum_steps + 1)``: how a run fixes a scale above
+    its replica count (the local bounds must contain the initial batch size, so
+    accumulation cannot be forced through them).
+    """
+
+    def __init__(self, local_bsz: int, accum_steps: int) -> None:
+        self.local_bsz = check_int("local_bsz", local_bsz, min=1)
+        self.accum_steps = check_int("accum_steps", accum_steps, min=0)
+
+    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
+        return self.local_bsz, self.accum_steps
+
+
 def even_split(query: BatchSizeQuery) -> tuple[int, int]:
     """Divide the target batch size evenly over the replicas (rounding up).
 

@@ -105,6 +105,32 @@ class ApplicationModel:
         return adascale_gain(sqr, var, batch_size / self.init_batch_size)
 
 
+def stats_by_batch_size(
+    batch_sizes: FloatArray,
+    sqr: FloatArray,
+    var: FloatArray,
+    batch_size: float,
+    epoch: int,
+) -> tuple[float, float]:
+    """(sqr, var) at ``batch_size`` in ``epoch`` of statistics measured per batch size.
+
+    ``sqr`` and ``var`` have one row per entry of ``batch_sizes`` (increasing) and
+    one column per epoch (``epoch`` is clamped to them). Between two measured batch
+    sizes the statistics are linear in the batch size; outside, the nearest row's.
+    """
+    e = min(max(int(epoch), 0), sqr.shape[1] - 1)
+    i = int(np.searchsorted(batch_sizes, batch_size))
+    if i <= 0:
+        return float(sqr[0, e]), float(var[0, e])
+    if i >= len(batch_sizes):
+        return float(sqr[-1, e]), float(var[-1, e])
+    w = (batch_size - batch_sizes[i - 1]) / (batch_sizes[i] - batch_sizes[i - 1])
+    return (
+        float((1 - w) * sqr[i - 1, e] + w * sqr[i, e]),
+        float((1 - w) * var[i - 1, e] + w * var[i, e]),
+    )
+
+
 def model_step_time(
     perf_params: PerfParams, placement: Sequence[int], local_bsz: float
 ) -> tuple[float, float]:

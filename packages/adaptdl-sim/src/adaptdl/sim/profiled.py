@@ -10,12 +10,13 @@ the nearest measured point of progress (each point is one of the model's epochs)
 :func:`simulate_to_progress` runs one job of such a model through the real core (a
 ``Job`` with its loader, profiler, gradient-noise estimator and batch-size decision,
 every optimiser step through core's step contract, as `adaptdl.sim.replay` does) in
-simulated time, until its progress reaches a target: with the job's own adaptive
+simulated time, until its progress reaches one or more targets: with the job's own adaptive
 decision, or at a fixed (local batch size, accumulation steps).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
-from adaptdl.core.batchsize import BatchSizeQuery
+from adaptdl.core.batchsize import FixedSplit
 from adaptdl.core.boundary import CheckpointPolicy
 from adaptdl.core.goodput import PerfParams
 from adaptdl.core.job import Job
@@ -32,8 +33,14 @@ from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.scaling import ScalingRule
 from adaptdl.core.step import StepStatistics
 from adaptdl.core.topology import Topology
-from adaptdl.sim.apps import ApplicationModel, FloatArray, model_step_time
-from adaptdl.sim.replay import ReplaySteps, SimClock, SimCollective
+from adaptdl.sim.apps import ApplicationModel, FloatArray, model_step_time, stats_by_batch_size
+from adaptdl.sim.replay import (
+    MicroBatches,
+    ReplaySteps,
+    SimClock,
+    SimCollective,
+    even_placement,
+)
 
 
 def _floats(name: str, values: Sequence[float] | FloatArray) -> FloatArray:
@@ -54,9 +61,10 @@ class ProfiledApplication(ApplicationModel):
     the midpoint with the point before to the midpoint with the point after, and the
     last epoch ends at ``target_progress``. Without ``batch_sizes`` the statistics do
     not depend on the batch size (the assumption of the goodput model); with them
-    (increasing totals), ``sqr`` and ``var`` have one row per batch size (measured at
-    it, as Pollux's traces are) and a batch size between two rows takes their linear
-    interpolation in log batch size (the nearest row outside). Step times are
+    (increasing totals), ``sqr`` and ``var`` have one row per batch size (each
+    measured at its batch size) and a batch size in between takes their linear
+    interpolation in the batch size, the nearest row outside: the rule of the trace
+    model (:func:`~adaptdl.sim.apps.stats_by_batch_size`). Step times are
     :func:`~adaptdl.sim.apps.model_step_time` of ``perf_params``.
     """
 
@@ -102,12 +110,11 @@ class ProfiledApplication(ApplicationModel):
         sizes = _floats("batch_sizes", [1.0] if batch_sizes is None else batch_sizes)
         if np.any(sizes < 1) or np.any(np.diff(sizes) <= 0):
             raise ValueError(f"batch_sizes must be increasing and >= 1, got {batch_sizes!r}")
-        self._log_sizes = np.log(sizes)
-        self.progress_points = points
-        # The points past the target are never reached; the one nearest it is kept.
-        keep = max(int(np.searchsorted(points, target, side="left")), 1)
-        edges = (points[: keep - 1] + points[1:keep]) / 2.0
-        self.epoch_progress = np.append(edges, target)
+        self._sizes = sizes
+        # A point's epoch starts at the midpoint with the point before it: the points
+        # whose epoch would start at or past the target are never reached.
+        edges = (points[:-1] + points[1:]) / 2.0
+        self.epoch_progress = np.append(edges[edges < target], target)
 
     def step_time(self, placement: Sequence[int], local_bsz: float) -> tuple[float, float]:
         """Core's optimiser micro-batch time and its sync excess (`model_step_time`)."""
@@ -115,14 +122,7 @@ class ProfiledApplication(ApplicationModel):
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         """(sqr, var) of the measured point ``epoch`` at ``batch_size``."""
-        e = min(max(int(epoch), 0), self._sqr.shape[1] - 1)
-        if len(self._log_sizes) == 1:
-            return float(self._sqr[0, e]), float(self._var[0, e])
-        x = math.log(max(float(batch_size), 1.0))
-        return (
-            float(np.interp(x, self._log_sizes, self._sqr[:, e])),
-            float(np.interp(x, self._log_sizes, self._var[:, e])),
-        )
+        return stats_by_batch_size(self._sizes, self._sqr, self._var, batch_size, epoch)
 
     def grad_stats_at(self, progress: float, batch_size: float = 0.0) -> tuple[float, float]:
         """(sqr, var) at a point of progress (and batch size): its epoch's."""
@@ -131,31 +131,55 @@ class ProfiledApplication(ApplicationModel):
 
 @attrs.frozen
 class ProgressRun:
-    """A simulated run to a progress: ``seconds`` of simulated time, optimiser ``steps``,
-    ``samples`` processed, the ``progress`` reached, and ``trajectory``: (seconds,
-    progress, total batch size, local batch size, accumulation steps) at the start
-    and at every change of configuration."""
+    """A simulated run to one or more progress targets (increasing).
 
-    seconds: float
-    steps: int
-    samples: int
+    ``seconds_at`` and ``steps_at``: simulated seconds and optimiser steps when the
+    progress first reached each target; ``progress``: the progress at the end (the
+    last target's step); ``trajectory``: (seconds, progress, total batch size, local
+    batch size, accumulation steps) at the start and at every change of
+    configuration, up to the last target.
+    """
+
+    seconds_at: tuple[float, ...]
+    steps_at: tuple[int, ...]
     progress: float
     trajectory: tuple[tuple[float, float, int, int, int], ...]
 
+    @property
+    def seconds(self) -> float:
+        """Simulated seconds to the last target."""
+        return self.seconds_at[-1]
 
-class _Fixed:
-    """A batch-size decision that always answers one (local batch size, accumulation)."""
+    @property
+    def steps(self) -> int:
+        """Optimiser steps to the last target."""
+        return self.steps_at[-1]
 
-    def __init__(self, local_bsz: int, accum_steps: int) -> None:
-        self.choice = (local_bsz, accum_steps)
+    def trajectory_until(self, progress: float) -> tuple[tuple[float, float, int, int, int], ...]:
+        """The trajectory a run to ``progress`` alone has: its changes before it."""
+        return tuple(t for t in self.trajectory if t[1] < progress)
 
-    def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
-        return self.choice
+
+def _targets(target_progress: float | Sequence[float]) -> list[float]:
+    if isinstance(target_progress, Sequence):
+        names = [f"target_progress[{i}]" for i in range(len(target_progress))]
+        values = list(target_progress)
+    else:
+        names, values = ["target_progress"], [target_progress]
+    if not values:
+        raise ValueError("target_progress must hold at least one target, got none")
+    targets = [
+        check_float(name, v, min=0.0, min_exclusive=True)
+        for name, v in zip(names, values, strict=True)
+    ]
+    if any(b < a for a, b in itertools.pairwise(targets)):
+        raise ValueError(f"target_progress must be sorted (increasing), got {target_progress!r}")
+    return targets
 
 
 def simulate_to_progress(
     app: ProfiledApplication,
-    target_progress: float,
+    target_progress: float | Sequence[float],
     *,
     replicas: int,
     nodes: int = 1,
@@ -163,7 +187,8 @@ def simulate_to_progress(
     rule: ScalingRule | None = None,
 ) -> ProgressRun:
     """Run one job of ``app`` on ``replicas`` (over ``nodes``) until its progress
-    reaches ``target_progress``; return the simulated time it took.
+    reaches ``target_progress`` (one target, or several in increasing order, each
+    timed on the one run); return the simulated time it took.
 
     ``split`` None: the job's own adaptive decision (core's default, up to the
     application's maximum batch size within its local bounds, with accumulation);
@@ -171,9 +196,9 @@ def simulate_to_progress(
     decision the way a real run fixes it. ``rule`` is the scaling rule (default
     AdaScale); it sets only learning-rate factors, not progress. No checkpoints.
     """
-    target = check_float("target_progress", target_progress, min=0.0, min_exclusive=True)
+    targets = _targets(target_progress)
     check_int("replicas", replicas, min=1)
-    check_int("nodes", nodes, min=1, max=replicas)
+    placement = even_placement(replicas, nodes)
     b0, n = app.init_batch_size, app.dataset_size
     clock = SimClock()
     topology = Topology(rank=0, num_replicas=replicas, num_nodes=nodes, num_restarts=0)
@@ -185,14 +210,13 @@ def simulate_to_progress(
             app.max_batch_size, app.local_bsz_bounds, gradient_accumulation=True
         )
     else:
-        local, accum = check_int("split[0]", split[0], min=1), check_int("split[1]", split[1])
-        job.batch_size_decision = _Fixed(local, accum)
+        fixed = FixedSplit(split[0], split[1])
+        job.batch_size_decision = fixed
         # Adaptive mode with a fixed decision: the loop ends on progress, as a real run's.
-        total = local * (accum + 1) * replicas
+        total = fixed.local_bsz * (fixed.accum_steps + 1) * replicas
         loader.autoscale_batch_size(max(total, b0), gradient_accumulation=True)
-    per_node = -(-replicas // nodes)
-    placement = tuple(min(per_node, replicas - i * per_node) for i in range(nodes))
     steps = ReplaySteps(StepStatistics(job.metrics, job.collective), b0, rule)
+    micro = MicroBatches(app, job, loader, clock, steps, placement)
 
     def batches(epoch: int, index: int, local_bsz: int) -> Iterator[int]:
         # Only how many micro-batches the rest of the pass holds matters here.
@@ -200,26 +224,33 @@ def simulate_to_progress(
         return iter(range(math.ceil((pass_end - index) / (replicas * local_bsz))))
 
     trajectory: list[tuple[float, float, int, int, int]] = []
-    samples = count = 0
-    epochs = math.ceil(target * b0 / n) + 1
+    seconds_at: list[float] = []
+    steps_at: list[int] = []
+    count = 0
+    epochs = math.ceil(targets[-1] * b0 / n) + 1
     for _ in job.epoch.remaining_epochs_until(epochs):
         for _batch in loader.iterate(n, batches):
             local, accum = loader.current_local_bsz, loader.accumulation_steps
             if not trajectory or trajectory[-1][3:] != (local, accum):
                 config = (loader.current_batch_size, local, accum)
                 trajectory.append((clock.now, job.metrics.progress, *config))
-            step, sync = app.step_time(placement, local)
-            samples += local * replicas
-            if not loader.is_optim_step():
-                clock.now += max(step - sync, 1e-9)
+            if not micro.advance(app.epoch_at(job.metrics.progress)):
                 continue
-            clock.now += step
-            job.record_sync_time(sync)
-            sqr, var = app.grad_stats_at(job.metrics.progress, loader.current_batch_size)
-            steps.step(sqr, var, local, accum + 1, replicas)
             count += 1
-            if job.metrics.progress >= target:
+            while (
+                len(seconds_at) < len(targets) and job.metrics.progress >= targets[len(seconds_at)]
+            ):
+                seconds_at.append(clock.now)
+                steps_at.append(count)
+            if len(seconds_at) == len(targets):
                 break
-        if job.metrics.progress >= target:
+        if len(seconds_at) == len(targets):
             break
-    return ProgressRun(clock.now, count, samples, job.metrics.progress, tuple(trajectory))
+    # Targets never reached (the run ended first) take the end.
+    missing = len(targets) - len(seconds_at)
+    return ProgressRun(
+        (*seconds_at, *[clock.now] * missing),
+        (*steps_at, *[count] * missing),
+        job.metrics.progress,
+        tuple(trajectory),
+    )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -300,7 +300,11 @@ class _Crash(Exception):
     """The simulated process died (no checkpoint)."""
 
 
-def _placement(replicas: int, nodes: int) -> tuple[int, ...]:
+def even_placement(replicas: int, nodes: int) -> tuple[int, ...]:
+    """Replicas per node, ``replicas`` spread over ``nodes`` as evenly as they go
+    (the first nodes take one more where they do not divide)."""
+    check_int("replicas", replicas, min=1)
+    check_int("nodes", nodes, min=1, max=replicas)
     base, extra = divmod(replicas, nodes)
     return tuple(base + (i < extra) for i in range(nodes))
 
@@ -349,7 +353,6 @@ def run_replay(
     restart_seconds = lost_seconds = 0.0
     timeline: list[tuple[float, int, int, int, int, float, float]] = []
     checkpoints = 0
-    sqr_var_cache: dict[tuple[int, int], tuple[float, float]] = {}
 
     for run in range(max_runs):
         topology = Topology(rank=0, num_replicas=replicas, num_nodes=nodes, num_restarts=run)
@@ -370,8 +373,8 @@ def run_replay(
             )
         else:
             loader.train()
-        placement = _placement(replicas, nodes)
         steps = ReplaySteps(StepStatistics(job.metrics, job.collective), scenario.init_batch_size)
+        micro = MicroBatches(app, job, loader, clock, steps, even_placement(replicas, nodes))
         written = job.checkpoints_written
         last_checkpoint_time = clock.now
         pending_stop: TimelineEvent | None = None
@@ -405,15 +408,8 @@ def run_replay(
                         ledger.commit(n)
                     ledger.take(ep, pass_, real, pad)
                     local = loader.current_local_bsz
-                    accum = loader.accumulation_steps
-                    step, sync = app.step_time(placement, local)
-                    if loader.is_optim_step():
-                        clock.now += step
-                        job.record_sync_time(sync)
-                        sqr, var = _grad_stats(app, sqr_var_cache, loader, ep, scenario)
-                        steps.step(sqr, var, local, accum + 1, replicas)
-                    else:
-                        clock.now += max(step - sync, 1e-6)
+                    # The application's epochs are stretched over the scenario's.
+                    micro.advance(int(ep * app.num_epochs / scenario.epochs))
                     if local != prev_local or not timeline or timeline[-1][1] != replicas:
                         prev_local = local
                         timeline.append(_sample(clock.now, job, loader, replicas, nodes))
@@ -470,21 +466,6 @@ def _scenario_app(scenario: Scenario) -> ApplicationModel:
             f"built in: {sorted(apps)} (pass an ApplicationModel for others)"
         )
     return apps[scenario.application]
-
-
-def _grad_stats(
-    app: ApplicationModel,
-    cache: dict[tuple[int, int], tuple[float, float]],
-    loader: LoaderHelper,
-    epoch: int,
-    scenario: Scenario,
-) -> tuple[float, float]:
-    key = (loader.current_batch_size, epoch)
-    if key not in cache:
-        # The application's epochs are stretched over the scenario's.
-        app_epoch = int(epoch * app.num_epochs / scenario.epochs)
-        cache[key] = app.grad_stats(loader.current_batch_size, app_epoch)
-    return cache[key]
 
 
 def measurement(
@@ -559,6 +540,54 @@ class ReplaySteps:
         assert decision is not None  # measure made the estimator
         self.stats.commit(decision)
         return decision
+
+
+class MicroBatches:
+    """The simulated cost and effect of one run's micro-batches, as a real loop has them.
+
+    Each `advance` is one micro-batch of ``loader``'s current configuration on
+    ``placement``: the clock moves by the application's step time (without its
+    synchronisation unless the micro-batch ends an optimiser step), and an
+    optimiser step records its sync time and goes through core's step contract
+    (``steps``) with the application's gradient statistics. Step times are cached
+    per local batch size, statistics per (total batch size, application epoch).
+    """
+
+    def __init__(
+        self,
+        app: ApplicationModel,
+        job: Job,
+        loader: LoaderHelper,
+        clock: SimClock,
+        steps: ReplaySteps,
+        placement: Sequence[int],
+    ) -> None:
+        self.app, self.job, self.loader, self.clock, self.steps = app, job, loader, clock, steps
+        self.placement = tuple(placement)
+        self.replicas = sum(self.placement)
+        self._step_times: dict[int, tuple[float, float]] = {}
+        self._grad_stats: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def advance(self, app_epoch: int) -> bool:
+        """Account one micro-batch whose gradient is of ``app_epoch``; True if it ended
+        an optimiser step."""
+        loader = self.loader
+        local = loader.current_local_bsz
+        if local not in self._step_times:
+            self._step_times[local] = self.app.step_time(self.placement, local)
+        step, sync = self._step_times[local]
+        if not loader.is_optim_step():
+            # A positive floor: a model without compute time must still move the clock.
+            self.clock.now += max(step - sync, 1e-6)
+            return False
+        self.clock.now += step
+        self.job.record_sync_time(sync)
+        key = (loader.current_batch_size, app_epoch)
+        if key not in self._grad_stats:
+            self._grad_stats[key] = self.app.grad_stats(*key)
+        sqr, var = self._grad_stats[key]
+        self.steps.step(sqr, var, local, loader.accumulation_steps + 1, self.replicas)
+        return True
 
 
 def _sample(

@@ -19,7 +19,13 @@ from typing import TypeVar
 
 import numpy as np
 
-from adaptdl.sim.apps import ApplicationModel, FloatArray, Placement, normalize_placement
+from adaptdl.sim.apps import (
+    ApplicationModel,
+    FloatArray,
+    Placement,
+    normalize_placement,
+    stats_by_batch_size,
+)
 
 #: Epochs of scale-invariant progress each application trains for (the published study).
 TARGET_EPOCHS: dict[str, int] = {
@@ -283,17 +289,7 @@ class TraceApplication(ApplicationModel):
         return _blend(a, b, (replicas - lo) / (hi - lo))
 
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
-        e = min(max(int(epoch), 0), self._sqr.shape[1] - 1)
-        bs = self.batch_sizes
-        i = int(np.searchsorted(bs, batch_size))
-        if i <= 0:
-            return float(self._sqr[0, e]), float(self._var[0, e])
-        if i >= len(bs):
-            return float(self._sqr[-1, e]), float(self._var[-1, e])
-        w = (batch_size - bs[i - 1]) / (bs[i] - bs[i - 1])
-        sqr = (1 - w) * self._sqr[i - 1, e] + w * self._sqr[i, e]
-        var = (1 - w) * self._var[i - 1, e] + w * self._var[i, e]
-        return float(sqr), float(var)
+        return stats_by_batch_size(self.batch_sizes, self._sqr, self._var, batch_size, epoch)
 
 
 def _blend(a: _Curve, b: _Curve, w: float) -> _Curve:
