@@ -40,6 +40,17 @@ tr(D Sigma D) with ``D = diag(1 / P)``.
 
 The estimates are kept per parameter group; the model's values are the sums over
 groups.
+
+Spread. Next to the averages, the estimator keeps the same moving average of the
+*squares* of each step's whole-model estimates, with its own normaliser and the sum
+of the squared weights (``moment_weight``, ``moment_weight_sq``). With weights
+``a_k`` on the steps since the last restart, the average's effective number of steps
+is ``n = (sum a_k)^2 / sum a_k^2`` and the standard error of the average is
+``sqrt(s^2 / n)``, ``s^2`` the weighted sample variance of the per-step estimates
+(corrected by ``n / (n - 1)``). Drift of the truth along training counts as spread,
+which only makes the error larger. `sqr_error`, `var_error` and `grad_params_bound`
+read it; a batch-size decision grows only as far as the bound supports
+(`adaptdl.core.batchsize.GoodputDecision`).
 """
 
 from __future__ import annotations
@@ -68,9 +79,14 @@ FloatArray = npt.NDArray[np.float64]
 _REALS = "an array of real numbers"
 
 #: Schema tag of :meth:`GradientNoiseScale.to_json`.
-GNS_SCHEMA = "adaptdl.gns/2"
+GNS_SCHEMA = "adaptdl.gns/3"
 
-_JSON_KEYS = (
+#: The schema before the spread was kept; its states load with no spread known.
+GNS_SCHEMA_WITHOUT_SPREAD = "adaptdl.gns/2"
+
+_SPREAD_KEYS = ("sqr_sq_biased", "var_sq_biased", "moment_weight", "moment_weight_sq")
+
+_JSON_KEYS_V2 = (
     "schema",
     "init_batch_size",
     "num_groups",
@@ -81,6 +97,8 @@ _JSON_KEYS = (
     "differenced",
     "num_updates",
 )
+
+_JSON_KEYS = (*_JSON_KEYS_V2, *_SPREAD_KEYS)
 
 
 def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> float:
@@ -187,6 +205,12 @@ class GradientNoiseScale:
     # Whether the averages hold estimates of the (biased) differenced kind.
     differenced: bool = attrs.field(default=False)
     num_updates: int = attrs.field(default=0)
+    # The spread (module docstring): moving sums of the squared whole-model per-step
+    # estimates, their normaliser and the sum of the squared weights since the restart.
+    sqr_sq_biased: float = attrs.field(default=0.0)
+    var_sq_biased: float = attrs.field(default=0.0)
+    moment_weight: float = attrs.field(default=0.0)
+    moment_weight_sq: float = attrs.field(default=0.0)
 
     SCHEMA: ClassVar[str] = GNS_SCHEMA
 
@@ -205,6 +229,12 @@ class GradientNoiseScale:
             raise ArgumentTypeError(f"differenced must be a bool, got {self.differenced!r}")
         self.differenced = bool(self.differenced)
         self.num_updates = check_int("num_updates", self.num_updates, min=0)
+        for name in ("sqr_sq_biased", "var_sq_biased"):
+            setattr(self, name, check_float(name, getattr(self, name), min=0.0))
+        self.moment_weight = check_float("moment_weight", self.moment_weight, min=0.0, max=1.0)
+        self.moment_weight_sq = check_float(
+            "moment_weight_sq", self.moment_weight_sq, min=0.0, max=self.moment_weight
+        )
 
     # -- estimates ---------------------------------------------------------
 
@@ -258,6 +288,50 @@ class GradientNoiseScale:
         if self.weight >= 1.0:
             return math.inf
         return max(self.init_batch_size * math.log1p(-self.weight) / math.log(self.smoothing), 0.0)
+
+    @property
+    def effective_updates(self) -> float:
+        """The effective number of steps in the averages' spread (0: none recorded).
+
+        ``(sum a_k)^2 / sum a_k^2`` over the weights ``a_k`` of the steps folded in
+        since the last restart (or since a state without spread was loaded).
+        """
+        if self.moment_weight_sq == 0.0:
+            return 0.0
+        return self.moment_weight**2 / self.moment_weight_sq
+
+    @property
+    def sqr_error(self) -> float:
+        """The standard error of `sqr` (inf with fewer than two steps' spread)."""
+        return self._error(self.sqr_sq_biased, math.fsum(self._normalised(self.sqr_biased)))
+
+    @property
+    def var_error(self) -> float:
+        """The standard error of `var` (inf with fewer than two steps' spread)."""
+        return self._error(self.var_sq_biased, math.fsum(self._normalised(self.var_biased)))
+
+    def grad_params_bound(self, z: float) -> GradParams | None:
+        """The statistics at the noise scale's lower confidence bound, or None before any update.
+
+        |G|^2 at its estimate plus ``z`` standard errors, tr(Sigma) at its estimate
+        minus ``z`` (at least 0): the least noise, so the least benefit from a larger
+        batch, that the data support at ``z``. Without a spread (fewer than two steps)
+        tr(Sigma) is 0: no larger batch is supported. ``z = 0`` gives `grad_params`.
+        """
+        z = check_float("z", z, min=0.0)
+        if not self.has_estimate:
+            return None
+        if z == 0.0:
+            return self.grad_params()
+        sqr_err, var_err = self.sqr_error, self.var_error
+        if not (math.isfinite(sqr_err) and math.isfinite(var_err)):
+            return GradParams(sqr=max(self.sqr, 1e-300), var=0.0)
+        sqr = max(math.fsum(self._normalised(self.sqr_biased)) + z * sqr_err, 0.0)
+        var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
+        if sqr == 0.0 and var > 0.0:
+            # Pure noise at confidence z: keep it so (the model's limit, efficiency 1).
+            return GradParams(sqr=0.0, var=var / self.init_batch_size)
+        return GradParams(sqr=sqr, var=var / self.init_batch_size)
 
     def grad_params(self) -> GradParams | None:
         """The statistics in the form the goodput model takes, or None before any update.
@@ -381,11 +455,24 @@ class GradientNoiseScale:
             "weight": self.weight,
             "differenced": self.differenced,
             "num_updates": self.num_updates,
+            "sqr_sq_biased": self.sqr_sq_biased,
+            "var_sq_biased": self.var_sq_biased,
+            "moment_weight": self.moment_weight,
+            "moment_weight_sq": self.moment_weight_sq,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GradientNoiseScale:
-        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
+        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape.
+
+        A state of the schema before the spread was kept (``adaptdl.gns/2``) loads
+        with no spread: the errors are inf until two more steps are folded in.
+        """
+        if isinstance(data, Mapping) and data.get("schema") == GNS_SCHEMA_WITHOUT_SPREAD:
+            data = check_state(
+                "GradientNoiseScale state", data, GNS_SCHEMA_WITHOUT_SPREAD, _JSON_KEYS_V2
+            )
+            return cls(**{k: data[k] for k in _JSON_KEYS_V2 if k != "schema"})
         data = check_state("GradientNoiseScale state", data, cls.SCHEMA, _JSON_KEYS)
         return cls(**{k: data[k] for k in _JSON_KEYS if k != "schema"})
 
@@ -400,6 +487,15 @@ class GradientNoiseScale:
         self.sqr_biased = (0.0,) * self.num_groups
         self.var_biased = (0.0,) * self.num_groups
         self.weight = 0.0
+        self.sqr_sq_biased = self.var_sq_biased = 0.0
+        self.moment_weight = self.moment_weight_sq = 0.0
+
+    def _error(self, square_biased: float, mean: float) -> float:
+        n = self.effective_updates
+        if n <= 1.0 + 1e-9 or self.moment_weight == 0.0:
+            return math.inf
+        spread = max(square_biased / self.moment_weight - mean * mean, 0.0)
+        return math.sqrt(spread / (n - 1.0))
 
     def _fold(self, sqr: FloatArray, var: FloatArray, scale: float) -> None:
         theta = self.smoothing**scale
@@ -409,4 +505,11 @@ class GradientNoiseScale:
         self.var_biased = tuple(float(v) for v in new_var)
         # Rounding could lift the normaliser a hair above its limit 1.
         self.weight = min(theta * self.weight + (1.0 - theta), 1.0)
+        step_sqr, step_var = math.fsum(sqr.tolist()), math.fsum(var.tolist())
+        self.sqr_sq_biased = theta * self.sqr_sq_biased + (1.0 - theta) * step_sqr**2
+        self.var_sq_biased = theta * self.var_sq_biased + (1.0 - theta) * step_var**2
+        self.moment_weight = min(theta * self.moment_weight + (1.0 - theta), 1.0)
+        self.moment_weight_sq = min(
+            theta**2 * self.moment_weight_sq + (1.0 - theta) ** 2, self.moment_weight
+        )
         self.num_updates += 1
