@@ -240,6 +240,11 @@ class DecisionLog:
         gns = self.job.metrics.gns
         if gns is not None and gns.has_estimate:
             record["gns"] = [gns.sqr, gns.var, min(gns.samples, 1e300)]
+            z = getattr(self.inner, "confidence_z", None)
+            bound = gns.grad_params_bound(z) if z is not None else None
+            if bound is not None:
+                # The bound's |G|^2 and tr(Sigma) per sample (GradParams.var is per M0).
+                record["bound"] = [bound.sqr, bound.var * gns.init_batch_size, z]
         fn = self.job.goodput_fn() if query.max_batch_size is not None else None
         if fn is not None:
             record["perf"] = fn.perf_params.to_dict()
