@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -136,29 +137,75 @@ def run(
         return list(pool.map(one, todo))
 
 
-def retarget(result: dict[str, Any], accuracy: float) -> dict[str, Any]:
-    """``result`` as if its target had been ``accuracy``, read off its evaluations.
+def retarget(
+    result: dict[str, Any], accuracy: float | None = None, excess: float | None = None
+) -> dict[str, Any]:
+    """``result`` as if its target had been ``accuracy`` (or the loss ``excess`` above
+    the optimal one), read off its evaluations.
 
-    Valid for a target no stricter than the run's own (a run stops at its own target,
-    so its trajectory beyond is not known); raises ValueError otherwise.
+    Valid for any target when the run went on to its cap, and for a target no stricter
+    than the run's own when it stopped there (its trajectory beyond is not known);
+    raises ValueError otherwise.
     """
-    own = result["config"].get("target_accuracy")
-    if own is None or accuracy > own:
-        raise ValueError(f"accuracy must be <= the run's own target {own!r}, got {accuracy!r}")
+    cfg = result["config"]
+    if (accuracy is None) == (excess is None):
+        raise ValueError("give exactly one of accuracy and excess")
+    stopped = cfg.get("stop_at_target", False) and result["reached"] is not None
+    if accuracy is not None:
+        own = cfg.get("target_accuracy")
+        if own is None or (stopped and accuracy > own):
+            raise ValueError(f"accuracy must be <= the run's own target {own!r}, got {accuracy!r}")
+
+        def hit(loss: float, acc: float) -> bool:
+            return acc >= accuracy
+    else:
+        optimal, own = cfg.get("optimal_loss"), cfg.get("target_excess")
+        if optimal is None or own is None or (stopped and excess < own):  # type: ignore[operator]
+            raise ValueError(f"excess must be >= the run's own target {own!r}, got {excess!r}")
+        target_loss = optimal + excess
+
+        def hit(loss: float, acc: float) -> bool:
+            return loss <= target_loss
+
     reached = None
-    steps = 0
-    for progress, samples, seconds, _, acc, cpu in result["evals"]:
-        if acc >= accuracy:
-            steps = sum(1 for s in result["steps"] if s[0] <= progress)
+    for progress, samples, seconds, loss, acc, cpu in result["evals"]:
+        if hit(loss, acc):
             reached = {
                 "seconds": seconds,
                 "cpu_seconds": cpu,
                 "progress": progress,
                 "samples": samples,
-                "steps": steps,
+                "steps": sum(1 for s in result["steps"] if s[0] <= progress),
             }
             break
-    return {**result, "reached": reached}
+    target = {"target_accuracy": accuracy} if accuracy is not None else {"target_excess": excess}
+    return {**result, "reached": reached, "retarget": target}
+
+
+#: Grids the targets are rounded to: half a point of accuracy, 0.0005 nats of loss.
+ACCURACY_GRID = 0.005
+EXCESS_GRID = 0.0005
+
+
+def choose_targets(results: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The targets of item 4, from the fixed runs at the initial size alone.
+
+    The rule, fixed before any adaptive run with the final decision rule: a target
+    that the initial size reaches on every seed with a margin above its final
+    plateau's noise. For accuracy, one point below the lowest final accuracy of the
+    fixed-16 runs over seeds, rounded down to the grid; for the loss, one grid step
+    above the highest final excess over the optimal loss, rounded up to the grid.
+    Returns ``{"target_accuracy": ...}`` or ``{"target_excess": ...}``.
+    """
+    initial = [r for r in results if r["label"] == "fixed 16"]
+    if not initial:
+        raise ValueError("results must hold the fixed-16 runs, got none")
+    cfg = initial[0]["config"]
+    if "target_accuracy" in cfg:
+        low = min(r["val_acc"] for r in initial) - 0.01
+        return {"target_accuracy": round(math.floor(low / ACCURACY_GRID) * ACCURACY_GRID, 4)}
+    high = max(r["val_loss"] - r["config"]["optimal_loss"] for r in initial) + EXCESS_GRID
+    return {"target_excess": round(math.ceil(high / EXCESS_GRID) * EXCESS_GRID, 4)}
 
 
 def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -170,7 +217,13 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         reached = [r["reached"] for r in runs if r["reached"] is not None]
         cpu = [x["cpu_seconds"] for x in reached]
         wall = [x["seconds"] for x in reached]
-        batches = [int(s[1]) for r in runs for s in r["steps"]]
+        # The sizes used until the target (a run that went on to its cap used more).
+        batches = [
+            int(s[1])
+            for r in runs
+            for s in r["steps"]
+            if r["reached"] is None or s[0] <= r["reached"]["progress"]
+        ]
         rows.append(
             {
                 "label": label,
@@ -188,13 +241,13 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     fixed = [row for row in rows if row["label"] != "adaptive" and row["reached"] == row["runs"]]
-    adaptive = next(row for row in rows if row["label"] == "adaptive")
+    adaptive = next((row for row in rows if row["label"] == "adaptive"), None)
     best = min(fixed, key=lambda row: row["cpu_median"]) if fixed else None
     initial = next((row for row in rows if row["label"] == "fixed 16"), None)
     out: dict[str, Any] = {"rows": rows, "best_fixed": best["label"] if best else None}
-    missed = adaptive["reached"] < adaptive["runs"]
+    missed = adaptive is None or adaptive["reached"] < adaptive["runs"]
     for key in ("cpu", "wall"):
-        a = adaptive[f"{key}_median"]
+        a = adaptive[f"{key}_median"] if adaptive is not None else math.nan
         out[f"{key}_ratio_best"] = None if best is None or missed else best[f"{key}_median"] / a
         out[f"{key}_ratio_initial"] = (
             None if initial is None or missed else initial[f"{key}_median"] / a
@@ -207,11 +260,9 @@ def _median_with_misses(runs: Sequence[dict[str, Any]], key: str, total: str) ->
     return float(np.median(values))
 
 
-def table(problem: str, summary: dict[str, Any], accuracy: float | None = None) -> str:
-    """The markdown table of one problem (``accuracy``: a target other than its own)."""
-    cfg = PROBLEMS[problem]
-    if accuracy is not None:
-        cfg = {**cfg, "target_accuracy": accuracy}
+def table(problem: str, summary: dict[str, Any], target: dict[str, float] | None = None) -> str:
+    """The markdown table of one problem (``target``: one other than its own)."""
+    cfg = {**PROBLEMS[problem], **(target or {})}
     what = (
         f"{cfg['target_accuracy']:.0%} val. accuracy"
         if "target_accuracy" in cfg
@@ -300,12 +351,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="run to the progress cap instead of stopping at the target",
     )
     parser.add_argument(
-        "--from-log", type=Path, help="summarise the runs in this JSON-lines log, run nothing"
+        "--from-log",
+        type=Path,
+        nargs="+",
+        help="summarise the runs in these JSON-lines logs, run nothing",
     )
     parser.add_argument(
         "--retarget-accuracy",
         type=float,
-        help="with --from-log: the time to this (laxer) accuracy, read off the evaluations",
+        help="with --from-log: the time to this accuracy, read off the evaluations",
+    )
+    parser.add_argument(
+        "--retarget-excess",
+        type=float,
+        help="with --from-log: the time to this loss above the optimal one",
+    )
+    parser.add_argument(
+        "--auto-targets",
+        action="store_true",
+        help="with --from-log: the targets of `choose_targets`, from the fixed-16 runs",
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -313,13 +377,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summaries: dict[str, Any] = {}
     log = args.out / "time_to_target.jsonl"
     logged = []
-    if args.from_log is not None:
-        logged = [json.loads(line) for line in args.from_log.read_text().splitlines() if line]
+    for path in args.from_log or ():
+        logged += [json.loads(line) for line in path.read_text().splitlines() if line]
+    targets: dict[str, Any] = {}
     for problem in args.problems.split(","):
+        target: dict[str, float] | None = None
         if args.from_log is not None:
             runs = [r for r in logged if r["problem"] == problem]
-            if args.retarget_accuracy is not None and "target_accuracy" in PROBLEMS[problem]:
-                runs = [retarget(r, args.retarget_accuracy) for r in runs]
+            runs.sort(
+                key=lambda r: (
+                    r["label"] != "adaptive",
+                    int(r["label"].split()[-1]) if r["label"] != "adaptive" else 0,
+                    r["seed"],
+                )
+            )
+            if args.auto_targets:
+                target = choose_targets(runs)
+            elif args.retarget_accuracy is not None and "target_accuracy" in PROBLEMS[problem]:
+                target = {"target_accuracy": args.retarget_accuracy}
+            elif args.retarget_excess is not None and "target_excess" in PROBLEMS[problem]:
+                target = {"target_excess": args.retarget_excess}
+            if target is not None:
+                accuracy, excess = target.get("target_accuracy"), target.get("target_excess")
+                runs = [retarget(r, accuracy, excess) for r in runs]
+                targets[problem] = target
         else:
             runs = run(
                 problem,
@@ -332,9 +413,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
         results += runs
         summaries[problem] = summarise(runs)
-        print(table(problem, summaries[problem], args.retarget_accuracy))
+        print(table(problem, summaries[problem], target))
         print()
     (args.out / "time_to_target.json").write_text(json.dumps(results))
+    if targets:
+        (args.out / "targets.json").write_text(json.dumps(targets))
     plot(results, summaries, args.out / "time_to_target.png")
     return summaries
 

@@ -4,7 +4,8 @@ The loader asks a `BatchSizeDecision` at the start of every pass and after every
 restart. The default divides the target batch size evenly; `GoodputDecision`
 maximises goodput with the job's own fitted model, lets the total grow by at most a
 factor per decision while the gradient-noise estimate is still warming up
-(`estimate_maturity`, `growth_cap`), and keeps the current choice unless the new one
+(`estimate_maturity`, `growth_cap`), grows only as far as the noise estimate's lower
+confidence bound supports (`confidence_cap`), and keeps the current choice unless the new one
 is faster by more than a threshold (a change costs little, but flapping between
 near-equal choices makes the profile harder to read).
 """
