@@ -49,14 +49,17 @@ PROBLEMS: dict[str, dict[str, Any]] = {
         # Four times the images of the first calibration: on 16,384 the CNN overfit
         # (validation loss rising after about 6 epochs) and plateaued at 73-76%.
         "train_size": 65536,
-        "target_accuracy": 0.85,
+        # The target, from the fixed-16 runs of 3 seeds by `choose_targets` (the
+        # accuracy plateaus near 76-77%: the pixel noise sets a Bayes error).
+        "target_accuracy": 0.75,
         "progress_epochs": 3,
         "eval_every_samples": 4096,
     },
     "dyck": {
         **DYCK,
         # The best possible loss of each seed's draw is known exactly (problems.dyck).
-        "target_excess": 0.003,
+        # The target, from the fixed-16 runs of 3 seeds by `choose_targets`.
+        "target_excess": 0.001,
         "progress_epochs": 8,
         "eval_every_samples": 4096,
     },
@@ -222,7 +225,7 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
             int(s[1])
             for r in runs
             for s in r["steps"]
-            if r["reached"] is None or s[0] <= r["reached"]["progress"]
+            if r["reached"] is None or s[0] <= r["reached"].get("progress", math.inf)
         ]
         rows.append(
             {
