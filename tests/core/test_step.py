@@ -248,14 +248,16 @@ def test_metrics_written_with_progress_in_the_estimator_still_load() -> None:
     old = dict(data)
     del old["progress"]
     # Schema 1 had neither the job's progress outside nor the spread (schema 3).
-    spread = ("sqr_sq_biased", "var_sq_biased", "moment_weight", "moment_weight_sq")
+    spread = ("sqr_diff_biased", "var_diff_biased", "last_step")
+    spread += ("moment_weight", "moment_weight_sq")
     gns_v1 = {k: v for k, v in data["gns"].items() if k not in spread}
     old["gns"] = {**gns_v1, "schema": "adaptdl.gns/1", "progress": 7.25}
     restored = MetricsState()
     restored.load_json(old)
     assert restored.progress == 7.25
     assert metrics.gns is not None
-    assert restored.gns == attrs.evolve(metrics.gns, **dict.fromkeys(spread, 0.0))
+    cleared = dict.fromkeys(spread, 0.0) | {"last_step": None}
+    assert restored.gns == attrs.evolve(metrics.gns, **cleared)
 
 
 @pytest.mark.parametrize("gain", [0.0, -1.0, math.inf, NAN])

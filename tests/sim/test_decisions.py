@@ -71,8 +71,8 @@ def _torch_decision(
         sqr_biased=(grad.sqr * weight,),
         var_biased=(grad.var * m0 * weight,),
         weight=weight,
-        sqr_sq_biased=grad.sqr**2 * weight,
-        var_sq_biased=(grad.var * m0) ** 2 * weight,
+        sqr_diff_biased=0.0,
+        var_diff_biased=0.0,
         moment_weight=weight,
         moment_weight_sq=weight**2 / 1e6,
     )

@@ -41,16 +41,17 @@ tr(D Sigma D) with ``D = diag(1 / P)``.
 The estimates are kept per parameter group; the model's values are the sums over
 groups.
 
-Spread. Next to the averages, the estimator keeps the same moving average of the
-*squares* of each step's whole-model estimates, with its own normaliser and the sum
-of the squared weights (``moment_weight``, ``moment_weight_sq``). With weights
-``a_k`` on the steps since the last restart, the average's effective number of steps
-is ``n = (sum a_k)^2 / sum a_k^2`` and the standard error of the average is
-``sqrt(s^2 / n)``, ``s^2`` the weighted sample variance of the per-step estimates
-(corrected by ``n / (n - 1)``). Drift of the truth along training counts as spread,
-which only makes the error larger. `sqr_error`, `var_error` and `grad_params_bound`
-read it; a batch-size decision grows only as far as the bound supports
-(`adaptdl.core.batchsize.GoodputDecision`).
+Spread. Next to the averages, the estimator keeps the same moving average of half
+the squared *successive differences* of each step's whole-model estimates (von
+Neumann's estimator of their variance: a slow drift of the truth along training,
+which under Adam spans orders of magnitude in the first hundreds of steps, cancels
+in the differences, while the step-to-step noise does not), with its own normaliser
+and the sum of its squared weights (``moment_weight``, ``moment_weight_sq``). With
+weights ``a_k`` on the differences since the last restart, the effective number of
+steps is ``n = (sum a_k)^2 / sum a_k^2`` and the standard error of an average is
+``sqrt(s^2 / n)``, ``s^2`` that variance (inf while ``n <= 1``). `sqr_error`,
+`var_error` and `grad_params_bound` read it; a batch-size decision grows only as far
+as the bound supports (`adaptdl.core.batchsize.GoodputDecision`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,13 @@ GNS_SCHEMA = "adaptdl.gns/3"
 #: The schema before the spread was kept; its states load with no spread known.
 GNS_SCHEMA_WITHOUT_SPREAD = "adaptdl.gns/2"
 
-_SPREAD_KEYS = ("sqr_sq_biased", "var_sq_biased", "moment_weight", "moment_weight_sq")
+_SPREAD_KEYS = (
+    "sqr_diff_biased",
+    "var_diff_biased",
+    "last_step",
+    "moment_weight",
+    "moment_weight_sq",
+)
 
 _JSON_KEYS_V2 = (
     "schema",
@@ -168,6 +175,15 @@ def _float_tuple(name: str, value: Any) -> tuple[float, ...]:
     return tuple(check_float(f"{name}[{i}]", v) for i, v in enumerate(value))
 
 
+def _last_step(value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    pair = _float_tuple("last_step", value)
+    if len(pair) != 2:
+        raise ValueError(f"last_step must be None or two numbers, got {value!r}")
+    return pair[0], pair[1]
+
+
 def _sqr_sums(value: Any) -> tuple[float, ...]:
     return _float_tuple("sqr_biased", value)
 
@@ -205,10 +221,12 @@ class GradientNoiseScale:
     # Whether the averages hold estimates of the (biased) differenced kind.
     differenced: bool = attrs.field(default=False)
     num_updates: int = attrs.field(default=0)
-    # The spread (module docstring): moving sums of the squared whole-model per-step
-    # estimates, their normaliser and the sum of the squared weights since the restart.
-    sqr_sq_biased: float = attrs.field(default=0.0)
-    var_sq_biased: float = attrs.field(default=0.0)
+    # The spread (module docstring): moving sums of half the squared successive
+    # differences of the whole-model per-step estimates, the last step's (|G|^2,
+    # tr(Sigma)) estimates, and the normaliser and sum of squared weights of the sums.
+    sqr_diff_biased: float = attrs.field(default=0.0)
+    var_diff_biased: float = attrs.field(default=0.0)
+    last_step: tuple[float, float] | None = attrs.field(default=None, converter=_last_step)
     moment_weight: float = attrs.field(default=0.0)
     moment_weight_sq: float = attrs.field(default=0.0)
 
@@ -229,7 +247,7 @@ class GradientNoiseScale:
             raise ArgumentTypeError(f"differenced must be a bool, got {self.differenced!r}")
         self.differenced = bool(self.differenced)
         self.num_updates = check_int("num_updates", self.num_updates, min=0)
-        for name in ("sqr_sq_biased", "var_sq_biased"):
+        for name in ("sqr_diff_biased", "var_diff_biased"):
             setattr(self, name, check_float(name, getattr(self, name), min=0.0))
         self.moment_weight = check_float("moment_weight", self.moment_weight, min=0.0, max=1.0)
         self.moment_weight_sq = check_float(
@@ -302,20 +320,20 @@ class GradientNoiseScale:
 
     @property
     def sqr_error(self) -> float:
-        """The standard error of `sqr` (inf with fewer than two steps' spread)."""
-        return self._error(self.sqr_sq_biased, math.fsum(self._normalised(self.sqr_biased)))
+        """The standard error of `sqr` (inf before the spread holds two differences)."""
+        return self._error(self.sqr_diff_biased)
 
     @property
     def var_error(self) -> float:
-        """The standard error of `var` (inf with fewer than two steps' spread)."""
-        return self._error(self.var_sq_biased, math.fsum(self._normalised(self.var_biased)))
+        """The standard error of `var` (inf before the spread holds two differences)."""
+        return self._error(self.var_diff_biased)
 
     def grad_params_bound(self, z: float) -> GradParams | None:
         """The statistics at the noise scale's lower confidence bound, or None before any update.
 
         |G|^2 at its estimate plus ``z`` standard errors, tr(Sigma) at its estimate
         minus ``z`` (at least 0): the least noise, so the least benefit from a larger
-        batch, that the data support at ``z``. Without a spread (fewer than two steps)
+        batch, that the data support at ``z``. Without a spread (fewer than three steps)
         tr(Sigma) is 0: no larger batch is supported. ``z = 0`` gives `grad_params`.
         """
         z = check_float("z", z, min=0.0)
@@ -455,8 +473,9 @@ class GradientNoiseScale:
             "weight": self.weight,
             "differenced": self.differenced,
             "num_updates": self.num_updates,
-            "sqr_sq_biased": self.sqr_sq_biased,
-            "var_sq_biased": self.var_sq_biased,
+            "sqr_diff_biased": self.sqr_diff_biased,
+            "var_diff_biased": self.var_diff_biased,
+            "last_step": list(self.last_step) if self.last_step is not None else None,
             "moment_weight": self.moment_weight,
             "moment_weight_sq": self.moment_weight_sq,
         }
@@ -466,7 +485,7 @@ class GradientNoiseScale:
         """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape.
 
         A state of the schema before the spread was kept (``adaptdl.gns/2``) loads
-        with no spread: the errors are inf until two more steps are folded in.
+        with no spread: the errors are inf until three more steps are folded in.
         """
         if isinstance(data, Mapping) and data.get("schema") == GNS_SCHEMA_WITHOUT_SPREAD:
             data = check_state(
@@ -487,15 +506,15 @@ class GradientNoiseScale:
         self.sqr_biased = (0.0,) * self.num_groups
         self.var_biased = (0.0,) * self.num_groups
         self.weight = 0.0
-        self.sqr_sq_biased = self.var_sq_biased = 0.0
+        self.sqr_diff_biased = self.var_diff_biased = 0.0
+        self.last_step = None
         self.moment_weight = self.moment_weight_sq = 0.0
 
-    def _error(self, square_biased: float, mean: float) -> float:
+    def _error(self, diff_biased: float) -> float:
         n = self.effective_updates
         if n <= 1.0 + 1e-9 or self.moment_weight == 0.0:
             return math.inf
-        spread = max(square_biased / self.moment_weight - mean * mean, 0.0)
-        return math.sqrt(spread / (n - 1.0))
+        return math.sqrt(diff_biased / self.moment_weight / n)
 
     def _fold(self, sqr: FloatArray, var: FloatArray, scale: float) -> None:
         theta = self.smoothing**scale
@@ -505,11 +524,14 @@ class GradientNoiseScale:
         self.var_biased = tuple(float(v) for v in new_var)
         # Rounding could lift the normaliser a hair above its limit 1.
         self.weight = min(theta * self.weight + (1.0 - theta), 1.0)
-        step_sqr, step_var = math.fsum(sqr.tolist()), math.fsum(var.tolist())
-        self.sqr_sq_biased = theta * self.sqr_sq_biased + (1.0 - theta) * step_sqr**2
-        self.var_sq_biased = theta * self.var_sq_biased + (1.0 - theta) * step_var**2
-        self.moment_weight = min(theta * self.moment_weight + (1.0 - theta), 1.0)
-        self.moment_weight_sq = min(
-            theta**2 * self.moment_weight_sq + (1.0 - theta) ** 2, self.moment_weight
-        )
+        step = (math.fsum(sqr.tolist()), math.fsum(var.tolist()))
+        if self.last_step is not None:
+            half_sq = [0.5 * (a - b) ** 2 for a, b in zip(step, self.last_step, strict=True)]
+            self.sqr_diff_biased = theta * self.sqr_diff_biased + (1.0 - theta) * half_sq[0]
+            self.var_diff_biased = theta * self.var_diff_biased + (1.0 - theta) * half_sq[1]
+            self.moment_weight = min(theta * self.moment_weight + (1.0 - theta), 1.0)
+            self.moment_weight_sq = min(
+                theta**2 * self.moment_weight_sq + (1.0 - theta) ** 2, self.moment_weight
+            )
+        self.last_step = step
         self.num_updates += 1
