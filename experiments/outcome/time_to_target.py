@@ -112,6 +112,7 @@ def run(
     kinds: str = "adaptive,fixed",
     to_cap: bool = False,
     overrides: dict[str, Any] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every run of ``problem`` for every seed; each result carries label and seed.
 
@@ -342,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/outcome"))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--seed-list", help="comma-separated seeds to run instead of 0 .. seeds - 1"
+    )
+    parser.add_argument(
+        "--sizes", help="comma-separated fixed total batch sizes to run (default: all)"
+    )
     parser.add_argument("--problems", default=",".join(PROBLEMS))
     parser.add_argument("--quick", action="store_true", help="CI-sized runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs launched at a time")
@@ -405,14 +412,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 runs = [retarget(r, accuracy, excess) for r in runs]
                 targets[problem] = target
         else:
+            seeds = (
+                [int(x) for x in args.seed_list.split(",")]
+                if args.seed_list
+                else range(args.seeds)
+            )
             runs = run(
                 problem,
-                range(args.seeds),
+                seeds,
                 quick=args.quick,
                 jobs=args.jobs,
                 log=log,
                 kinds=args.kinds,
                 to_cap=args.to_cap,
+                sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs
         summaries[problem] = summarise(runs)
