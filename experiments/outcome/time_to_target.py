@@ -264,6 +264,87 @@ def _median_with_misses(runs: Sequence[dict[str, Any]], key: str, total: str) ->
     return float(np.median(values))
 
 
+def model_vs_measured(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fixed size: what the runs measured against what the adaptive runs' model said.
+
+    Measured (medians over seeds, runs that reached the target): samples to the
+    target, statistical efficiency (the fixed-16 samples over these), CPU throughput
+    relative to fixed 16, and the noise scale tr(Sigma) / |G|^2 that the run's own
+    estimator held when it reached the target. Modelled (medians over the adaptive
+    runs, at their last decision before the target): the efficiency of that total and
+    its throughput relative to 16 (`trainer.DecisionLog`).
+    """
+    fixed = [r for r in results if r["label"] != "adaptive" and r["reached"] is not None]
+    adaptive = [r for r in results if r["label"] == "adaptive"]
+
+    def median(values: list[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+    base = median([r["reached"]["samples"] for r in fixed if r["label"] == "fixed 16"])
+    base_speed = median(
+        [
+            r["reached"]["samples"] / r["reached"]["cpu_seconds"]
+            for r in fixed
+            if r["label"] == "fixed 16"
+        ]
+    )
+    modelled: dict[int, list[tuple[float, float]]] = {}
+    for r in adaptive:
+        limit = r["reached"]["seconds"] if r["reached"] else math.inf
+        decisions = [d for d in r.get("decisions", []) if "candidates" in d]
+        before = [d for d in decisions if d["seconds"] <= limit] or decisions[:1]
+        if not before:
+            continue
+        rows = {int(c[0]): c for c in before[-1]["candidates"]}
+        for total, (_, speed, eff) in rows.items():
+            modelled.setdefault(total, []).append((eff, speed / rows[16][1]))
+    out = []
+    for total in sorted({int(r["label"].split()[-1]) for r in fixed}):
+        runs = [r for r in fixed if r["label"] == f"fixed {total}"]
+        samples = median([r["reached"]["samples"] for r in runs])
+        speed = median([r["reached"]["samples"] / r["reached"]["cpu_seconds"] for r in runs])
+        noise = []
+        for r in runs:
+            rows = [n for n in r.get("noise", []) if n[0] <= r["reached"]["progress"]]
+            if rows and rows[-1][2] > 0:
+                noise.append(rows[-1][3] / rows[-1][2])
+        model = modelled.get(total, [])
+        out.append(
+            {
+                "total": total,
+                "runs": len(runs),
+                "samples": samples,
+                "efficiency": base / samples if base and samples else None,
+                "speedup": speed / base_speed if speed and base_speed else None,
+                "noise_scale": median(noise),
+                "model_efficiency": median([m[0] for m in model]),
+                "model_speedup": median([m[1] for m in model]),
+            }
+        )
+    return out
+
+
+def model_table(problem: str, rows: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of `model_vs_measured`."""
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"| {problem}: total | runs | samples to target | efficiency measured / modelled "
+        "| speed-up vs 16 measured (CPU) / modelled (wall) | noise scale at target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['total']} | {row['runs']} | {fmt(row['samples'], '.0f')} | "
+            f"{fmt(row['efficiency'], '.2f')} / {fmt(row['model_efficiency'], '.2f')} | "
+            f"{fmt(row['speedup'], '.1f')} / {fmt(row['model_speedup'], '.1f')} | "
+            f"{fmt(row['noise_scale'], '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
 def table(problem: str, summary: dict[str, Any], target: dict[str, float] | None = None) -> str:
     """The markdown table of one problem (``target``: one other than its own)."""
     cfg = {**PROBLEMS[problem], **(target or {})}
@@ -431,6 +512,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summaries[problem] = summarise(runs)
         print(table(problem, summaries[problem], target))
         print()
+        if args.from_log is not None:
+            summaries[problem]["model_vs_measured"] = model_vs_measured(runs)
+            print(model_table(problem, summaries[problem]["model_vs_measured"]))
+            print()
     (args.out / "time_to_target.json").write_text(json.dumps(results))
     if targets:
         (args.out / "targets.json").write_text(json.dumps(targets))
