@@ -284,7 +284,8 @@ def _estimate(sqr: float, sd: float, effective_steps: float) -> GradientNoiseSca
         sqr_biased=(sqr,),
         var_biased=(1000.0,),
         weight=1.0,
-        sqr_diff_biased=sd**2,  # half the squared successive differences: sd^2
+        # half the squared successive differences relative to the level: (sd / level)^2
+        sqr_diff_biased=(sd / (max(sqr, 0.0) + 1000.0 / 16)) ** 2,
         var_diff_biased=0.0,
         moment_weight=1.0,
         moment_weight_sq=1.0 / effective_steps,

@@ -42,14 +42,19 @@ The estimates are kept per parameter group; the model's values are the sums over
 groups.
 
 Spread. Next to the averages, the estimator keeps the same moving average of half
-the squared *successive differences* of each step's whole-model estimates (von
-Neumann's estimator of their variance: a slow drift of the truth along training,
-which under Adam spans orders of magnitude in the first hundreds of steps, cancels
-in the differences, while the step-to-step noise does not), with its own normaliser
-and the sum of its squared weights (``moment_weight``, ``moment_weight_sq``). With
-weights ``a_k`` on the differences since the last restart, the effective number of
-steps is ``n = (sum a_k)^2 / sum a_k^2`` and the standard error of an average is
-``sqrt(s^2 / n)``, ``s^2`` that variance (inf while ``n <= 1``). `sqr_error`,
+the squared *relative successive differences* of each step's whole-model estimates,
+``(x_k - x_{k-1}) / l``, ``l`` the mean of the two steps' levels ``max(|G|^2, 0) +
+tr(Sigma) / init_batch_size`` (the expected squared norm of an initial-batch
+gradient, which sets the scale of both estimates' noise), with its own normaliser
+and the sum of its squared weights (``moment_weight``, ``moment_weight_sq``).
+Differences (von Neumann's estimator of a variance) because a drift of the truth
+cancels in them; relative because the noise of a squared-norm estimate grows with
+its level, which under Adam falls by orders of magnitude in the first hundreds of
+steps: measured on a Dyck transformer, absolute differences left that transient
+dominating the spread for the whole run. With weights ``a_k`` on the differences
+since the last restart, the effective number of steps is ``n = (sum a_k)^2 / sum
+a_k^2``, and the standard error of an average is ``L sqrt(r^2 / n)``, ``r^2`` that
+average and ``L`` the level of the current estimates (inf while ``n <= 1``). `sqr_error`,
 `var_error` and `grad_params_bound` read it; a batch-size decision grows only as far
 as the bound supports (`adaptdl.core.batchsize.GoodputDecision`).
 """
@@ -221,7 +226,7 @@ class GradientNoiseScale:
     # Whether the averages hold estimates of the (biased) differenced kind.
     differenced: bool = attrs.field(default=False)
     num_updates: int = attrs.field(default=0)
-    # The spread (module docstring): moving sums of half the squared successive
+    # The spread (module docstring): moving sums of half the squared relative successive
     # differences of the whole-model per-step estimates, the last step's (|G|^2,
     # tr(Sigma)) estimates, and the normaliser and sum of squared weights of the sums.
     sqr_diff_biased: float = attrs.field(default=0.0)
@@ -514,7 +519,13 @@ class GradientNoiseScale:
         n = self.effective_updates
         if n <= 1.0 + 1e-9 or self.moment_weight == 0.0:
             return math.inf
-        return math.sqrt(diff_biased / self.moment_weight / n)
+        sqr = math.fsum(self._normalised(self.sqr_biased))
+        var = math.fsum(self._normalised(self.var_biased))
+        return self._level(sqr, var) * math.sqrt(diff_biased / self.moment_weight / n)
+
+    def _level(self, sqr: float, var: float) -> float:
+        """The scale of the estimates' noise: ``max(sqr, 0) + var / init_batch_size``."""
+        return max(sqr, 0.0) + max(var, 0.0) / self.init_batch_size
 
     def _fold(self, sqr: FloatArray, var: FloatArray, scale: float) -> None:
         theta = self.smoothing**scale
@@ -525,8 +536,13 @@ class GradientNoiseScale:
         # Rounding could lift the normaliser a hair above its limit 1.
         self.weight = min(theta * self.weight + (1.0 - theta), 1.0)
         step = (math.fsum(sqr.tolist()), math.fsum(var.tolist()))
+        level = 0.0
         if self.last_step is not None:
-            half_sq = [0.5 * (a - b) ** 2 for a, b in zip(step, self.last_step, strict=True)]
+            level = 0.5 * (self._level(*step) + self._level(*self.last_step))
+        if level > 0.0 and self.last_step is not None:
+            half_sq = [
+                0.5 * ((a - b) / level) ** 2 for a, b in zip(step, self.last_step, strict=True)
+            ]
             self.sqr_diff_biased = theta * self.sqr_diff_biased + (1.0 - theta) * half_sq[0]
             self.var_diff_biased = theta * self.var_diff_biased + (1.0 - theta) * half_sq[1]
             self.moment_weight = min(theta * self.moment_weight + (1.0 - theta), 1.0)
