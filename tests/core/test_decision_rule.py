@@ -313,6 +313,18 @@ def test_clamped_sqr_with_a_wide_spread_does_not_jump() -> None:
     assert bounded <= 64
 
 
+def test_a_confidently_negative_sqr_supports_no_growth() -> None:
+    # Measured (Dyck, Adam, seed 1): |G|^2 fell well below 0 with a small spread; read
+    # as pure noise it let the decision jump to 1024, where the gain (= scale) raced
+    # the schedule to its end without reaching the target.
+    gns = _estimate(-5.0, sd=0.5, effective_steps=1000.0)
+    assert gns.sqr == 0.0 and gns.sqr_error < 1.0
+    query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (16, 0))
+    point, bounded = _choices(gns, query)
+    assert point == 1024
+    assert bounded == 32  # the current total: no growth
+
+
 def test_a_tight_spread_lets_the_decision_grow_as_far_as_the_point_estimate() -> None:
     query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (8, 0))
     point, tight = _choices(_estimate(2.0, sd=0.05, effective_steps=1000.0), query)

@@ -338,7 +338,8 @@ class GradientNoiseScale:
 
         |G|^2 at its estimate plus ``z`` standard errors, tr(Sigma) at its estimate
         minus ``z`` (at least 0): the least noise, so the least benefit from a larger
-        batch, that the data support at ``z``. Without a spread (fewer than three steps)
+        batch, that the data support at ``z``. Without a spread (fewer than three steps),
+        or with the upper bound on |G|^2 at or below 0 (an estimate outside its domain),
         tr(Sigma) is 0: no larger batch is supported. ``z = 0`` gives `grad_params`.
         """
         z = check_float("z", z, min=0.0)
@@ -351,9 +352,11 @@ class GradientNoiseScale:
             return GradParams(sqr=max(self.sqr, 1e-300), var=0.0)
         sqr = max(math.fsum(self._normalised(self.sqr_biased)) + z * sqr_err, 0.0)
         var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
-        if sqr == 0.0 and var > 0.0:
-            # Pure noise at confidence z: keep it so (the model's limit, efficiency 1).
-            return GradParams(sqr=0.0, var=var / self.init_batch_size)
+        if sqr == 0.0:
+            # |G|^2 is >= 0, so an upper bound at or below 0 is not evidence of pure
+            # noise but of an estimate that is off (measured under Adam, where the
+            # preconditioner changes between the steps averaged): it supports no growth.
+            return GradParams(sqr=1.0, var=0.0)
         return GradParams(sqr=sqr, var=var / self.init_batch_size)
 
     def grad_params(self) -> GradParams | None:
