@@ -202,15 +202,20 @@ def confidence_cap(query: BatchSizeQuery, bound: GoodputFunction, max_batch_size
     base = current_total(query)
     if max_batch_size <= base:
         return max_batch_size
-    _, local, accum = bound.optimize(
+    _, local, accum = _optimum(query, bound, max_batch_size)
+    best = int(local) * query.num_replicas * (int(accum) + 1)
+    return max(best, base)
+
+
+def _optimum(query: BatchSizeQuery, fn: GoodputFunction, max_batch_size: int) -> Any:
+    """``fn``'s best admissible (goodput, local, accum) for ``query`` up to the total."""
+    return fn.optimize(
         query.num_nodes,
         query.num_replicas,
         max_batch_size=max_batch_size,
         atomic_bsz_range=query.local_bsz_bounds,
         accumulation=query.gradient_accumulation,
     )
-    best = int(local) * query.num_replicas * (int(accum) + 1)
-    return max(best, base)
 
 
 def _check_growth(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
@@ -281,13 +286,7 @@ class GoodputDecision:
             bound = self.bound_fn(self.confidence_z)
             if bound is not None:
                 max_batch_size = min(max_batch_size, confidence_cap(query, bound, max_batch_size))
-        goodput, local, accum = fn.optimize(
-            query.num_nodes,
-            query.num_replicas,
-            max_batch_size=max_batch_size,
-            atomic_bsz_range=query.local_bsz_bounds,
-            accumulation=query.gradient_accumulation,
-        )
+        goodput, local, accum = _optimum(query, fn, max_batch_size)
         if int(local) < 1:
             # No configuration fits max_batch_size on this many replicas.
             return self.fallback(query)
