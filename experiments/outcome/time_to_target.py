@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,21 @@ ADAPTIVE = {
 PROBLEMS: dict[str, dict[str, Any]] = {
     "shapes": {
         **SHAPES,
-        "target_accuracy": 0.85,
-        "progress_epochs": 16,
+        # Four times the images of the first calibration: on 16,384 the CNN overfit
+        # (validation loss rising after about 6 epochs) and plateaued at 73-76%.
+        "train_size": 65536,
+        # The target, from the fixed-16 runs of 3 seeds by `choose_targets` (the
+        # accuracy plateaus near 76-77%: the pixel noise sets a Bayes error).
+        "target_accuracy": 0.75,
+        "progress_epochs": 3,
         "eval_every_samples": 4096,
     },
     "dyck": {
         **DYCK,
         # The best possible loss of each seed's draw is known exactly (problems.dyck).
-        "target_excess": 0.003,
-        "progress_epochs": 12,
+        # The target, from the fixed-16 runs of 3 seeds by `choose_targets`.
+        "target_excess": 0.001,
+        "progress_epochs": 8,
         "eval_every_samples": 4096,
     },
 }
@@ -69,13 +76,29 @@ def label_of(cfg: dict[str, Any]) -> str:
     return f"fixed {2 * cfg['local_bsz'] * (cfg['accum_steps'] + 1)}"
 
 
-def configs(problem: str, seed: int, quick: bool = False) -> list[dict[str, Any]]:
-    """The adaptive run and the fixed sweep for one problem and seed, in run order."""
-    base = {**PROBLEMS[problem], "seed": seed, "stop_at_target": True}
+def configs(
+    problem: str,
+    seed: int,
+    quick: bool = False,
+    *,
+    kinds: str = "adaptive,fixed",
+    to_cap: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """The adaptive run and the fixed sweep for one problem and seed, in run order.
+
+    ``kinds`` selects "adaptive" and/or "fixed" runs; ``to_cap`` runs every one to its
+    progress cap instead of stopping at the target (the time to any target no
+    stricter is then read off its evaluations, `retarget`); ``overrides`` replace
+    settings of the problem (e.g. a target).
+    """
+    base = {**PROBLEMS[problem], **(overrides or {}), "seed": seed, "stop_at_target": not to_cap}
     if quick:
         base.update(QUICK)
-    runs = [{**base, **ADAPTIVE}]
-    runs += [{**base, "local_bsz": local, "accum_steps": accum} for local, accum in SWEEP]
+    wanted = set(kinds.split(","))
+    runs = [{**base, **ADAPTIVE}] if "adaptive" in wanted else []
+    if "fixed" in wanted:
+        runs += [{**base, "local_bsz": local, "accum_steps": accum} for local, accum in SWEEP]
     return runs
 
 
@@ -86,6 +109,10 @@ def run(
     *,
     jobs: int = 1,
     log: Path | None = None,
+    kinds: str = "adaptive,fixed",
+    to_cap: bool = False,
+    overrides: dict[str, Any] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every run of ``problem`` for every seed; each result carries label and seed.
 
@@ -95,7 +122,11 @@ def run(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    todo = [(seed, cfg) for seed in seeds for cfg in configs(problem, seed, quick)]
+    todo = [
+        (seed, cfg)
+        for seed in seeds
+        for cfg in configs(problem, seed, quick, kinds=kinds, to_cap=to_cap, overrides=overrides)
+    ]
 
     def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any]:
         seed, cfg = item
@@ -110,29 +141,75 @@ def run(
         return list(pool.map(one, todo))
 
 
-def retarget(result: dict[str, Any], accuracy: float) -> dict[str, Any]:
-    """``result`` as if its target had been ``accuracy``, read off its evaluations.
+def retarget(
+    result: dict[str, Any], accuracy: float | None = None, excess: float | None = None
+) -> dict[str, Any]:
+    """``result`` as if its target had been ``accuracy`` (or the loss ``excess`` above
+    the optimal one), read off its evaluations.
 
-    Valid for a target no stricter than the run's own (a run stops at its own target,
-    so its trajectory beyond is not known); raises ValueError otherwise.
+    Valid for any target when the run went on to its cap, and for a target no stricter
+    than the run's own when it stopped there (its trajectory beyond is not known);
+    raises ValueError otherwise.
     """
-    own = result["config"].get("target_accuracy")
-    if own is None or accuracy > own:
-        raise ValueError(f"accuracy must be <= the run's own target {own!r}, got {accuracy!r}")
+    cfg = result["config"]
+    if (accuracy is None) == (excess is None):
+        raise ValueError("give exactly one of accuracy and excess")
+    stopped = cfg.get("stop_at_target", False) and result["reached"] is not None
+    if accuracy is not None:
+        own = cfg.get("target_accuracy")
+        if own is None or (stopped and accuracy > own):
+            raise ValueError(f"accuracy must be <= the run's own target {own!r}, got {accuracy!r}")
+
+        def hit(loss: float, acc: float) -> bool:
+            return acc >= accuracy
+    else:
+        optimal, own = cfg.get("optimal_loss"), cfg.get("target_excess")
+        if optimal is None or own is None or (stopped and excess < own):  # type: ignore[operator]
+            raise ValueError(f"excess must be >= the run's own target {own!r}, got {excess!r}")
+        target_loss = optimal + excess
+
+        def hit(loss: float, acc: float) -> bool:
+            return loss <= target_loss
+
     reached = None
-    steps = 0
-    for progress, samples, seconds, _, acc, cpu in result["evals"]:
-        if acc >= accuracy:
-            steps = sum(1 for s in result["steps"] if s[0] <= progress)
+    for progress, samples, seconds, loss, acc, cpu in result["evals"]:
+        if hit(loss, acc):
             reached = {
                 "seconds": seconds,
                 "cpu_seconds": cpu,
                 "progress": progress,
                 "samples": samples,
-                "steps": steps,
+                "steps": sum(1 for s in result["steps"] if s[0] <= progress),
             }
             break
-    return {**result, "reached": reached}
+    target = {"target_accuracy": accuracy} if accuracy is not None else {"target_excess": excess}
+    return {**result, "reached": reached, "retarget": target}
+
+
+#: Grids the targets are rounded to: half a point of accuracy, 0.0005 nats of loss.
+ACCURACY_GRID = 0.005
+EXCESS_GRID = 0.0005
+
+
+def choose_targets(results: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The targets of item 4, from the fixed runs at the initial size alone.
+
+    The rule, fixed before any adaptive run with the final decision rule: a target
+    that the initial size reaches on every seed with a margin above its final
+    plateau's noise. For accuracy, one point below the lowest final accuracy of the
+    fixed-16 runs over seeds, rounded down to the grid; for the loss, one grid step
+    above the highest final excess over the optimal loss, rounded up to the grid.
+    Returns ``{"target_accuracy": ...}`` or ``{"target_excess": ...}``.
+    """
+    initial = [r for r in results if r["label"] == "fixed 16"]
+    if not initial:
+        raise ValueError("results must hold the fixed-16 runs, got none")
+    cfg = initial[0]["config"]
+    if "target_accuracy" in cfg:
+        low = min(r["val_acc"] for r in initial) - 0.01
+        return {"target_accuracy": round(math.floor(low / ACCURACY_GRID) * ACCURACY_GRID, 4)}
+    high = max(r["val_loss"] - r["config"]["optimal_loss"] for r in initial) + EXCESS_GRID
+    return {"target_excess": round(math.ceil(high / EXCESS_GRID) * EXCESS_GRID, 4)}
 
 
 def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -144,7 +221,13 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         reached = [r["reached"] for r in runs if r["reached"] is not None]
         cpu = [x["cpu_seconds"] for x in reached]
         wall = [x["seconds"] for x in reached]
-        batches = [int(s[1]) for r in runs for s in r["steps"]]
+        # The sizes used until the target (a run that went on to its cap used more).
+        batches = [
+            int(s[1])
+            for r in runs
+            for s in r["steps"]
+            if r["reached"] is None or s[0] <= r["reached"].get("progress", math.inf)
+        ]
         rows.append(
             {
                 "label": label,
@@ -162,13 +245,13 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
             }
         )
     fixed = [row for row in rows if row["label"] != "adaptive" and row["reached"] == row["runs"]]
-    adaptive = next(row for row in rows if row["label"] == "adaptive")
+    adaptive = next((row for row in rows if row["label"] == "adaptive"), None)
     best = min(fixed, key=lambda row: row["cpu_median"]) if fixed else None
     initial = next((row for row in rows if row["label"] == "fixed 16"), None)
     out: dict[str, Any] = {"rows": rows, "best_fixed": best["label"] if best else None}
-    missed = adaptive["reached"] < adaptive["runs"]
+    missed = adaptive is None or adaptive["reached"] < adaptive["runs"]
     for key in ("cpu", "wall"):
-        a = adaptive[f"{key}_median"]
+        a = adaptive[f"{key}_median"] if adaptive is not None else math.nan
         out[f"{key}_ratio_best"] = None if best is None or missed else best[f"{key}_median"] / a
         out[f"{key}_ratio_initial"] = (
             None if initial is None or missed else initial[f"{key}_median"] / a
@@ -181,11 +264,90 @@ def _median_with_misses(runs: Sequence[dict[str, Any]], key: str, total: str) ->
     return float(np.median(values))
 
 
-def table(problem: str, summary: dict[str, Any], accuracy: float | None = None) -> str:
-    """The markdown table of one problem (``accuracy``: a target other than its own)."""
-    cfg = PROBLEMS[problem]
-    if accuracy is not None:
-        cfg = {**cfg, "target_accuracy": accuracy}
+def model_vs_measured(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fixed size: what the runs measured against what the adaptive runs' model said.
+
+    Measured (medians over seeds, runs that reached the target): samples to the
+    target, statistical efficiency (the fixed-16 samples over these), CPU throughput
+    relative to fixed 16, and the noise scale tr(Sigma) / |G|^2 that the run's own
+    estimator held when it reached the target. Modelled (medians over the adaptive
+    runs, at their last decision before the target): the efficiency of that total and
+    its throughput relative to 16 (`trainer.DecisionLog`).
+    """
+    fixed = [r for r in results if r["label"] != "adaptive" and r["reached"] is not None]
+    adaptive = [r for r in results if r["label"] == "adaptive"]
+
+    def median(values: list[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+    base = median([r["reached"]["samples"] for r in fixed if r["label"] == "fixed 16"])
+    base_speed = median(
+        [
+            r["reached"]["samples"] / r["reached"]["cpu_seconds"]
+            for r in fixed
+            if r["label"] == "fixed 16"
+        ]
+    )
+    modelled: dict[int, list[tuple[float, float]]] = {}
+    for r in adaptive:
+        limit = r["reached"]["seconds"] if r["reached"] else math.inf
+        decisions = [d for d in r.get("decisions", []) if "candidates" in d]
+        before = [d for d in decisions if d["seconds"] <= limit] or decisions[:1]
+        if not before:
+            continue
+        rows = {int(c[0]): c for c in before[-1]["candidates"]}
+        for total, (_, speed, eff) in rows.items():
+            modelled.setdefault(total, []).append((eff, speed / rows[16][1]))
+    out = []
+    for total in sorted({int(r["label"].split()[-1]) for r in fixed}):
+        runs = [r for r in fixed if r["label"] == f"fixed {total}"]
+        samples = median([r["reached"]["samples"] for r in runs])
+        speed = median([r["reached"]["samples"] / r["reached"]["cpu_seconds"] for r in runs])
+        noise = []
+        for r in runs:
+            rows = [n for n in r.get("noise", []) if n[0] <= r["reached"]["progress"]]
+            if rows and rows[-1][2] > 0:
+                noise.append(rows[-1][3] / rows[-1][2])
+        model = modelled.get(total, [])
+        out.append(
+            {
+                "total": total,
+                "runs": len(runs),
+                "samples": samples,
+                "efficiency": base / samples if base and samples else None,
+                "speedup": speed / base_speed if speed and base_speed else None,
+                "noise_scale": median(noise),
+                "model_efficiency": median([m[0] for m in model]),
+                "model_speedup": median([m[1] for m in model]),
+            }
+        )
+    return out
+
+
+def model_table(problem: str, rows: Sequence[dict[str, Any]]) -> str:
+    """The markdown table of `model_vs_measured`."""
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"| {problem}: total | runs | samples to target | efficiency measured / modelled "
+        "| speed-up vs 16 measured (CPU) / modelled (wall) | noise scale at target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['total']} | {row['runs']} | {fmt(row['samples'], '.0f')} | "
+            f"{fmt(row['efficiency'], '.2f')} / {fmt(row['model_efficiency'], '.2f')} | "
+            f"{fmt(row['speedup'], '.1f')} / {fmt(row['model_speedup'], '.1f')} | "
+            f"{fmt(row['noise_scale'], '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def table(problem: str, summary: dict[str, Any], target: dict[str, float] | None = None) -> str:
+    """The markdown table of one problem (``target``: one other than its own)."""
+    cfg = {**PROBLEMS[problem], **(target or {})}
     what = (
         f"{cfg['target_accuracy']:.0%} val. accuracy"
         if "target_accuracy" in cfg
@@ -262,16 +424,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/outcome"))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--seed-list", help="comma-separated seeds to run instead of 0 .. seeds - 1"
+    )
+    parser.add_argument(
+        "--sizes", help="comma-separated fixed total batch sizes to run (default: all)"
+    )
     parser.add_argument("--problems", default=",".join(PROBLEMS))
     parser.add_argument("--quick", action="store_true", help="CI-sized runs")
     parser.add_argument("--jobs", type=int, default=1, help="runs launched at a time")
     parser.add_argument(
-        "--from-log", type=Path, help="summarise the runs in this JSON-lines log, run nothing"
+        "--kinds", default="adaptive,fixed", help="which runs: adaptive, fixed or both"
+    )
+    parser.add_argument(
+        "--to-cap",
+        action="store_true",
+        help="run to the progress cap instead of stopping at the target",
+    )
+    parser.add_argument(
+        "--from-log",
+        type=Path,
+        nargs="+",
+        help="summarise the runs in these JSON-lines logs, run nothing",
     )
     parser.add_argument(
         "--retarget-accuracy",
         type=float,
-        help="with --from-log: the time to this (laxer) accuracy, read off the evaluations",
+        help="with --from-log: the time to this accuracy, read off the evaluations",
+    )
+    parser.add_argument(
+        "--retarget-excess",
+        type=float,
+        help="with --from-log: the time to this loss above the optimal one",
+    )
+    parser.add_argument(
+        "--auto-targets",
+        action="store_true",
+        help="with --from-log: the targets of `choose_targets`, from the fixed-16 runs",
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -279,20 +468,57 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summaries: dict[str, Any] = {}
     log = args.out / "time_to_target.jsonl"
     logged = []
-    if args.from_log is not None:
-        logged = [json.loads(line) for line in args.from_log.read_text().splitlines() if line]
+    for path in args.from_log or ():
+        logged += [json.loads(line) for line in path.read_text().splitlines() if line]
+    targets: dict[str, Any] = {}
     for problem in args.problems.split(","):
+        target: dict[str, float] | None = None
         if args.from_log is not None:
             runs = [r for r in logged if r["problem"] == problem]
-            if args.retarget_accuracy is not None and "target_accuracy" in PROBLEMS[problem]:
-                runs = [retarget(r, args.retarget_accuracy) for r in runs]
+            runs.sort(
+                key=lambda r: (
+                    r["label"] != "adaptive",
+                    int(r["label"].split()[-1]) if r["label"] != "adaptive" else 0,
+                    r["seed"],
+                )
+            )
+            if args.auto_targets:
+                target = choose_targets(runs)
+            elif args.retarget_accuracy is not None and "target_accuracy" in PROBLEMS[problem]:
+                target = {"target_accuracy": args.retarget_accuracy}
+            elif args.retarget_excess is not None and "target_excess" in PROBLEMS[problem]:
+                target = {"target_excess": args.retarget_excess}
+            if target is not None:
+                accuracy, excess = target.get("target_accuracy"), target.get("target_excess")
+                runs = [retarget(r, accuracy, excess) for r in runs]
+                targets[problem] = target
         else:
-            runs = run(problem, range(args.seeds), quick=args.quick, jobs=args.jobs, log=log)
+            seeds = (
+                [int(x) for x in args.seed_list.split(",")]
+                if args.seed_list
+                else range(args.seeds)
+            )
+            runs = run(
+                problem,
+                seeds,
+                quick=args.quick,
+                jobs=args.jobs,
+                log=log,
+                kinds=args.kinds,
+                to_cap=args.to_cap,
+                sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
+            )
         results += runs
         summaries[problem] = summarise(runs)
-        print(table(problem, summaries[problem], args.retarget_accuracy))
+        print(table(problem, summaries[problem], target))
         print()
+        if args.from_log is not None:
+            summaries[problem]["model_vs_measured"] = model_vs_measured(runs)
+            print(model_table(problem, summaries[problem]["model_vs_measured"]))
+            print()
     (args.out / "time_to_target.json").write_text(json.dumps(results))
+    if targets:
+        (args.out / "targets.json").write_text(json.dumps(targets))
     plot(results, summaries, args.out / "time_to_target.png")
     return summaries
 

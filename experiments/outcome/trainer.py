@@ -93,6 +93,7 @@ def train(
             local_bsz_bounds=tuple(cfg["local_bsz_bounds"]),  # type: ignore[arg-type]
             gradient_accumulation=cfg["gradient_accumulation"],
         )
+        job.batch_size_decision = DecisionLog(job.batch_size_decision, job)
     else:
         local, accum = cfg["local_bsz"], cfg["accum_steps"]
         job.batch_size_decision = FixedSplit(local, accum)
@@ -119,6 +120,7 @@ def train(
     target_loss = cfg.get("target_loss")
     reached: dict[str, float] | None = None
     diverged = False
+    noise: list[list[float]] = []
     tick, tick_cpu = time.perf_counter(), time.process_time()
     for _ in adl.remaining_epochs_until(cfg["progress_epochs"]):
         for idx in loader:
@@ -150,6 +152,9 @@ def train(
                     train_time + time.perf_counter() - tick,
                 ]
             )
+            if len(steps) % 8 == 1 and adp.gns is not None:
+                g = adp.gns
+                noise.append([adp.progress, samples, g.sqr, g.var, min(g.samples, 1e300)])
             if samples >= next_eval:
                 train_time += time.perf_counter() - tick
                 train_cpu += time.process_time() - tick_cpu
@@ -194,8 +199,76 @@ def train(
                 "reached": reached,
                 "diverged": diverged,
                 "noise_scale": gns.noise_scale if gns is not None else None,
+                # Per decision of an adaptive run: what the model predicted (DecisionLog).
+                "decisions": getattr(job.batch_size_decision, "records", []),
+                # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).
+                "noise": noise,
             }
         )
+
+
+#: Total batch sizes at which a DecisionLog records the model's predictions.
+CANDIDATES = (16, 32, 64, 128, 256, 512, 1024)
+
+
+class DecisionLog:
+    """Wraps a job's batch-size decision and records, per call, what its model said.
+
+    Each record: the wall and CPU time, the current and chosen (local, accum), the
+    gradient-noise estimate (|G|^2, tr(Sigma), samples folded in), the fitted
+    throughput parameters, the profiled configurations (atomic size, mean accumulation
+    and optimiser step times, optimiser steps), and per candidate total batch size on
+    the job's replicas (the largest local size within the bounds, then accumulation)
+    the model's throughput (samples/s) and statistical efficiency. The outcome
+    experiments compare these with what the fixed-size runs measured.
+    """
+
+    def __init__(self, inner: Any, job: Any) -> None:
+        self.inner = inner
+        self.job = job
+        self.records: list[dict[str, Any]] = []
+        self.start, self.start_cpu = time.perf_counter(), time.process_time()
+
+    def __call__(self, query: Any) -> tuple[int, int]:
+        choice = self.inner(query)
+        record: dict[str, Any] = {
+            "seconds": time.perf_counter() - self.start,
+            "cpu_seconds": time.process_time() - self.start_cpu,
+            "current": list(query.current) if query.current is not None else None,
+            "choice": list(choice),
+        }
+        gns = self.job.metrics.gns
+        if gns is not None and gns.has_estimate:
+            record["gns"] = [gns.sqr, gns.var, min(gns.samples, 1e300)]
+            z = getattr(self.inner, "confidence_z", None)
+            bound = gns.grad_params_bound(z) if z is not None else None
+            if bound is not None:
+                # The bound's |G|^2 and tr(Sigma) per sample (GradParams.var is per M0).
+                record["bound"] = [bound.sqr, bound.var * gns.init_batch_size, z]
+        fn = self.job.goodput_fn() if query.max_batch_size is not None else None
+        if fn is not None:
+            record["perf"] = fn.perf_params.to_dict()
+            prof = self.job.metrics.profiler
+            record["profiled"] = [
+                [int(b), float(a), float(o), prof.timing(int(n), int(r), int(b)).optim.count]
+                for n, r, b, a, o in zip(*prof.observations(), strict=True)
+            ]
+            r = query.num_replicas
+            hi = (query.local_bsz_bounds or (None, 128))[1] or 128
+            rows = []
+            for total in CANDIDATES:
+                local = min(max(total // r, 1), hi)
+                accum = max(total // (r * local) - 1, 0)
+                rows.append(
+                    [
+                        total,
+                        float(fn.throughput(query.num_nodes, r, local, accum)),
+                        float(fn.efficiency(total)),
+                    ]
+                )
+            record["candidates"] = rows
+        self.records.append(record)
+        return choice  # type: ignore[no-any-return]
 
 
 def classifier_eval(model: Any, x: Any, y: Any) -> tuple[float, float]:

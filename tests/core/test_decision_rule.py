@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from adaptdl.core.batchsize import (
     BatchSizeQuery,
     GoodputDecision,
+    confidence_cap,
     estimate_maturity,
     growth_cap,
 )
@@ -212,6 +213,7 @@ def test_job_decision_reads_its_estimator() -> None:
         ({"warmup_steps": -1.0}, "warmup_steps"),
         ({"max_growth": 0.5}, "max_growth"),
         ({"speedup_threshold": 0.9}, "speedup_threshold"),
+        ({"confidence_z": -1.0}, "confidence_z"),
     ],
 )
 def test_decision_rejects_bad_settings(kwargs: dict[str, float], match: str) -> None:
@@ -224,3 +226,118 @@ def test_maturity_rejects_bad_samples() -> None:
         estimate_maturity(-1.0, 16, 100.0)
     with pytest.raises(ValueError, match="maturity"):
         growth_cap(BatchSizeQuery(1, 1, 16, 64), 1.5, 2.0)
+
+
+# -- the confidence cap ---------------------------------------------------------------
+
+
+def _bounded(point: GoodputFunction, bound: GoodputFunction | None) -> GoodputDecision:
+    return GoodputDecision(lambda: point, bound_fn=lambda z: bound)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_bound_caps_growth_at_the_conservative_optimum(
+    problem: tuple[GoodputFunction, BatchSizeQuery], shrink_var: float, grow_sqr: float
+) -> None:
+    # The conservative model: less noise than the point estimate (a lower bound).
+    fn, query = problem
+    grad = fn.grad_params
+    bound = attrs.evolve(
+        fn, grad_params=GradParams(sqr=grad.sqr * (1 + 10 * grow_sqr), var=grad.var * shrink_var)
+    )
+    assert query.max_batch_size is not None
+    cap = confidence_cap(query, bound, query.max_batch_size)
+    chosen = _total(query, _bounded(fn, bound)(query))
+    assert chosen <= max(cap, query.batch_size)
+    unbounded = _total(query, GoodputDecision(lambda: fn)(query))
+    assert chosen <= max(unbounded, query.batch_size)
+    # The point estimate as its own bound caps nothing.
+    assert _bounded(fn, fn)(query) == GoodputDecision(lambda: fn)(query)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.integers(0, 3))
+def test_bound_never_forces_a_shrink(
+    problem: tuple[GoodputFunction, BatchSizeQuery], doublings: int
+) -> None:
+    # A bound with no noise at all supports no growth, yet never pushes the total
+    # below the current one: shrinking is the point estimate's to decide.
+    fn, query = problem
+    nothing = attrs.evolve(fn, grad_params=GradParams(sqr=1.0, var=0.0))
+    start = GoodputDecision(lambda: fn)(query)
+    current = (start[0] * 2**doublings, start[1])
+    q = attrs.evolve(query, current=current)
+    assert query.max_batch_size is not None
+    assert confidence_cap(q, nothing, query.max_batch_size) >= min(
+        _total(q, current), query.max_batch_size
+    )
+    assert _total(q, _bounded(fn, nothing)(q)) <= max(_total(q, current), query.batch_size)
+
+
+def _estimate(sqr: float, sd: float, effective_steps: float) -> GradientNoiseScale:
+    """A settled estimate (tr(Sigma) 1000 per sample, initial batch 16) whose per-step
+    |G|^2 estimates had mean ``sqr`` and standard deviation ``sd`` over
+    ``effective_steps`` effective steps."""
+    return GradientNoiseScale(
+        16,
+        sqr_biased=(sqr,),
+        var_biased=(1000.0,),
+        weight=1.0,
+        # half the squared successive differences relative to the level: (sd / level)^2
+        sqr_diff_biased=(sd / (max(sqr, 0.0) + 1000.0 / 16)) ** 2,
+        var_diff_biased=0.0,
+        moment_weight=1.0,
+        moment_weight_sq=1.0 / effective_steps,
+    )
+
+
+def _choices(gns: GradientNoiseScale, query: BatchSizeQuery) -> tuple[int, int]:
+    """(point-estimate total, total under the confidence cap at z = 2)."""
+    point = GoodputFunction(PERF, gns.grad_params(), 16)
+    bound = GoodputFunction(PERF, gns.grad_params_bound(2.0), 16)
+    return (
+        _total(query, GoodputDecision(lambda: point)(query)),
+        _total(query, _bounded(point, bound)(query)),
+    )
+
+
+def test_clamped_sqr_with_a_wide_spread_does_not_jump() -> None:
+    # The measured failure (dyck seed 1): a matured estimate whose |G|^2 fell to 0
+    # within its noise gave gain = scale, and the decision jumped 64 -> 1024.
+    gns = _estimate(-0.5, sd=20.0, effective_steps=100.0)
+    assert gns.sqr == 0.0 and gns.samples == math.inf  # clamped, and mature
+    query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (16, 0))
+    point, bounded = _choices(gns, query)
+    assert point == 1024
+    assert bounded <= 64
+
+
+def test_a_confidently_negative_sqr_supports_no_growth() -> None:
+    # Measured (Dyck, Adam, seed 1): |G|^2 fell well below 0 with a small spread; read
+    # as pure noise it let the decision jump to 1024, where the gain (= scale) raced
+    # the schedule to its end without reaching the target.
+    gns = _estimate(-5.0, sd=0.5, effective_steps=1000.0)
+    assert gns.sqr == 0.0 and gns.sqr_error < 1.0
+    query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (16, 0))
+    point, bounded = _choices(gns, query)
+    assert point == 1024
+    assert bounded == 32  # the current total: no growth
+
+
+def test_a_tight_spread_lets_the_decision_grow_as_far_as_the_point_estimate() -> None:
+    query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (8, 0))
+    point, tight = _choices(_estimate(2.0, sd=0.05, effective_steps=1000.0), query)
+    assert point > 16 and tight == point
+    # The same mean from steps that scatter more, or from fewer of them: less growth.
+    _, wide = _choices(_estimate(2.0, sd=40.0, effective_steps=1000.0), query)
+    _, young = _choices(_estimate(2.0, sd=40.0, effective_steps=100.0), query)
+    assert young <= wide < tight
+
+
+def test_job_decision_reads_its_bound() -> None:
+    job = Job()
+    decision = job.batch_size_decision
+    assert isinstance(decision, GoodputDecision)
+    assert decision.bound_fn is not None
+    assert decision.bound_fn(2.0) is None  # no loader, no estimate

@@ -350,7 +350,7 @@ def test_json_round_trip_is_exact_and_behaves_the_same(
 def test_json_is_documented_schema() -> None:
     gns = GradientNoiseScale(8, num_groups=2)
     data = gns.to_json()
-    assert data["schema"] == GNS_SCHEMA == "adaptdl.gns/2"
+    assert data["schema"] == GNS_SCHEMA == "adaptdl.gns/3"
     assert data["sqr_biased"] == [0.0, 0.0]
     assert json.loads(json.dumps(data)) == data
 
@@ -476,3 +476,145 @@ def test_squared_norm_with_and_without_preconditioner() -> None:
         squared_norm([np.inf])
     with pytest.raises(TypeError, match="grad must be an array of real numbers"):
         squared_norm(["a"])
+
+
+# -- the spread of the estimates -------------------------------------------------------
+
+
+def _feed_exact(gns: GradientNoiseScale, sqr: float, var: float, count: int, b: int) -> None:
+    """One step whose |G|^2 and tr(Sigma) estimates are exactly ``sqr`` and ``var``."""
+    total = sqr + var / (b * count)
+    gns.update([count * (total + var * (count - 1) / (b * count))], [total], count, b)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 50.0), st.floats(1.0, 500.0), st.sampled_from([2, 4, 16])),
+        min_size=2,
+        max_size=30,
+    ),
+    st.sampled_from([0.5, 0.9, 0.99]),
+)
+def test_errors_are_the_weighted_standard_errors(
+    steps: list[tuple[float, float, int]], smoothing: float
+) -> None:
+    # The reference: the weighted mean's standard error from the explicit weights
+    # a_k = (1 - theta_k) prod_{j > k} theta_j of the per-step estimates.
+    b, m0 = 4, 8
+    gns = GradientNoiseScale(init_batch_size=m0, smoothing=smoothing)
+    for sqr, var, count in steps:
+        _feed_exact(gns, sqr, var, count, b)
+    thetas = np.array([smoothing ** (count * b / m0) for _, _, count in steps])
+    # The differences are folded in from the second step on, each with its step's theta.
+    later = thetas[1:]
+    a = np.array([(1 - t) * np.prod(later[i + 1 :]) for i, t in enumerate(later)])
+    n = a.sum() ** 2 / (a @ a)
+    assert gns.effective_updates == pytest.approx(n, rel=1e-9)
+    # Relative to the level max(|G|^2, 0) + tr(Sigma) / M0, of the two steps and of
+    # the current estimates.
+    levels = np.array([max(sqr, 0.0) + var / m0 for sqr, var, _ in steps])
+    pair = 0.5 * (levels[1:] + levels[:-1])
+    now = max(gns.sqr, 0.0) + gns.var / m0
+    for column, error in ((0, gns.sqr_error), (1, gns.var_error)):
+        x = np.array([step[column] for step in steps])
+        half_sq = 0.5 * (np.diff(x) / pair) ** 2
+        expected = now * math.sqrt(a @ half_sq / a.sum() / n) if n > 1 + 1e-9 else math.inf
+        assert error == pytest.approx(expected, rel=1e-6, abs=1e-9 * (1 + abs(x).max()))
+
+
+def test_errors_ignore_a_transient_of_the_level() -> None:
+    # Under Adam the per-step estimates fall by orders of magnitude early in training,
+    # their noise with them. The relative differences count little of that transient;
+    # absolute ones (or the spread of the levels) would count it for thousands of steps.
+    gen = np.random.default_rng(1)
+    b, count, m0, steps = 8, 2, 16, 1500
+    falling = GradientNoiseScale(init_batch_size=m0, smoothing=0.999)
+    steady = GradientNoiseScale(init_batch_size=m0, smoothing=0.999)
+    for step in range(steps):
+        level = 1.0 + 1e3 * math.exp(-step / 30)  # 1000x in the first 200 steps
+        noise = 0.2 * gen.standard_normal()
+        _feed_exact(falling, level * (0.5 + noise), level * m0 * 0.5, count, b)
+        _feed_exact(steady, 0.5 + noise, m0 * 0.5, count, b)
+    # (The averages still carry the transient, the estimator's smoothing; the errors
+    # relative to them do not.)
+    assert falling.sqr_error / falling.sqr < 1.5 * steady.sqr_error / steady.sqr
+
+
+def test_errors_of_iid_steps_shrink_like_one_over_root_n() -> None:
+    gen = np.random.default_rng(0)
+    gns = GradientNoiseScale(init_batch_size=16, smoothing=0.999)
+    b, count, var = 8, 2, 1000.0
+    errors = {}
+    for step in range(1, 2001):
+        _feed_exact(gns, 50.0 + 10.0 * gen.standard_normal(), var, count, b)
+        if step in (100, 400, 1600):
+            errors[step] = gns.sqr_error
+    # sd 10 over n effective steps (n close to the step count while it is << 1000).
+    assert errors[100] == pytest.approx(10.0 / math.sqrt(gns_n(100)), rel=0.25)
+    assert errors[400] < errors[100] / 1.6
+    assert gns.var_error == pytest.approx(0.0, abs=1e-6 * var)  # tr(Sigma) exact every step
+
+
+def gns_n(steps: int, smoothing: float = 0.999) -> float:
+    theta = smoothing  # scale 1 per step
+    a = np.array([(1 - theta) * theta ** (steps - 1 - i) for i in range(steps)])
+    return float(a.sum() ** 2 / (a @ a))
+
+
+def test_errors_are_infinite_before_three_steps_and_bound_supports_no_growth() -> None:
+    gns = GradientNoiseScale(init_batch_size=16)
+    assert gns.grad_params_bound(2.0) is None
+    gns.update([4.0], [1.5], 2, 8)
+    gns.update([4.1], [1.5], 2, 8)  # one difference: no spread yet
+    assert gns.sqr_error == math.inf and gns.var_error == math.inf
+    bound = gns.grad_params_bound(2.0)
+    assert bound is not None and bound.var == 0.0  # no noise supported: no growth
+    assert gns.grad_params_bound(0.0) == gns.grad_params()
+    gns.update([4.2], [1.4], 2, 8)
+    assert math.isfinite(gns.sqr_error) and math.isfinite(gns.var_error)
+    gns.reset()
+    assert gns.effective_updates == 0.0 and gns.sqr_error == math.inf
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.0, 100.0), st.floats(0.0, 100.0)), min_size=3, max_size=20),
+    st.floats(0.0, 4.0),
+    st.floats(0.0, 4.0),
+)
+def test_bound_has_no_more_noise_than_the_estimate_and_tightens_with_z(
+    pairs: list[tuple[float, float]], z1: float, z2: float
+) -> None:
+    gns = GradientNoiseScale(init_batch_size=16, smoothing=0.9)
+    for local, total in pairs:
+        gns.update([local + total], [total], 2, 8)
+    point = gns.grad_params()
+    lo, hi = sorted((z1, z2))
+    a, b = gns.grad_params_bound(lo), gns.grad_params_bound(hi)
+    assert point is not None and a is not None and b is not None
+    assert a.var <= point.var and b.var <= a.var
+    assert a.sqr >= point.sqr - 1e-12 * (1 + point.sqr) and b.sqr >= a.sqr - 1e-12 * (1 + a.sqr)
+
+
+def test_state_of_the_schema_without_spread_loads() -> None:
+    gns = GradientNoiseScale(16, smoothing=0.99)
+    for k in range(5):
+        gns.update([4.0 + k], [1.5], 2, 8)
+    old = {
+        k: v
+        for k, v in gns.to_json().items()
+        if k not in ("sqr_diff_biased", "var_diff_biased", "last_step")
+        and k not in ("moment_weight", "moment_weight_sq")
+    } | {"schema": "adaptdl.gns/2"}
+    loaded = GradientNoiseScale.from_json(old)
+    assert loaded.sqr == gns.sqr and loaded.var == gns.var and loaded.samples == gns.samples
+    assert loaded.sqr_error == math.inf  # no spread known
+    for local in (5.0, 6.0):
+        loaded.update([local], [1.5], 2, 8)
+    assert loaded.sqr_error == math.inf  # one difference since the load
+    loaded.update([4.5], [1.5], 2, 8)
+    assert math.isfinite(loaded.sqr_error)
+    assert GradientNoiseScale.from_json(loaded.to_json()) == loaded
+    with pytest.raises(ValueError, match=r"unexpected|missing"):
+        GradientNoiseScale.from_json(old | {"schema": "adaptdl.gns/3"})

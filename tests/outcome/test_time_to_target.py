@@ -84,6 +84,62 @@ def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
     assert "not reached" in time_to_target.table("dyck", summary)
 
 
+def _trajectory(stop: bool) -> dict[str, object]:
+    # evals: progress, samples, wall s, val loss, val accuracy, CPU s
+    evals = [[10, 100, 2.0, 1.30, 0.50, 1.0], [20, 200, 4.0, 1.21, 0.70, 2.0]]
+    evals.append([30, 300, 6.0, 1.2005, 0.74, 3.0])
+    return {
+        "label": "fixed 16",
+        "seed": 0,
+        "problem": "dyck",
+        "config": {
+            "optimal_loss": 1.2,
+            "target_excess": 0.01,
+            "target_accuracy": 0.7,
+            "stop_at_target": stop,
+        },
+        "reached": {"progress": 20, "samples": 200, "seconds": 4.0, "cpu_seconds": 2.0},
+        "evals": evals,
+        "steps": [[p, 16, 8, 0, 1, 1, 1, 1, 0.0] for p in range(1, 31)],
+        "val_loss": 1.2005,
+        "val_acc": 0.74,
+    }
+
+
+def test_retarget_reads_the_first_evaluation_at_the_new_target() -> None:
+    run = _trajectory(stop=False)
+    hit = time_to_target.retarget(run, excess=0.001)["reached"]
+    assert hit == {"seconds": 6.0, "cpu_seconds": 3.0, "progress": 30, "samples": 300, "steps": 30}
+    assert time_to_target.retarget(run, accuracy=0.6)["reached"]["cpu_seconds"] == 2.0
+    assert time_to_target.retarget(run, accuracy=0.9)["reached"] is None
+    # A run that stopped at its own target knows nothing stricter.
+    with pytest.raises(ValueError, match="excess"):
+        time_to_target.retarget(_trajectory(stop=True), excess=0.001)
+    with pytest.raises(ValueError, match="accuracy"):
+        time_to_target.retarget(_trajectory(stop=True), accuracy=0.72)
+    with pytest.raises(ValueError, match="exactly one"):
+        time_to_target.retarget(run)
+
+
+def test_targets_follow_the_stated_rule_from_the_initial_size_alone() -> None:
+    dyck = {"optimal_loss": 1.2, "target_excess": 0.01}
+    runs = [
+        {**_trajectory(stop=False), "config": dyck},
+        {**_trajectory(stop=False), "config": dyck, "val_loss": 1.2032},
+    ]
+    # highest final excess 0.0032 + one grid step 0.0005, rounded up to the grid
+    assert time_to_target.choose_targets(runs) == {"target_excess": 0.004}
+    shapes = [
+        {**r, "config": {"target_accuracy": 0.8}, "val_acc": acc}
+        for r, acc in zip(runs, (0.7637, 0.771), strict=True)
+    ]
+    # lowest final accuracy 76.37% - 1 point, rounded down to half a point
+    assert time_to_target.choose_targets(shapes) == {"target_accuracy": 0.75}
+    others = [{**r, "label": "fixed 64"} for r in runs]
+    with pytest.raises(ValueError, match="fixed-16"):
+        time_to_target.choose_targets(others)
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("problem", ["shapes", "dyck"])

@@ -63,12 +63,18 @@ def _torch_decision(
     # decision's warm-up reads them off the normaliser), with the same statistics.
     smoothing = 0.999
     weight = max(-math.expm1(sim.goodput.samples / m0 * math.log(smoothing)), 1e-12)
+    # The simulator's statistics are exact: every step's estimate the same, no spread,
+    # so the decision's confidence cap (which the simulator does not apply) is no cap.
     job.metrics.gns = GradientNoiseScale(
         init_batch_size=m0,
         smoothing=smoothing,
         sqr_biased=(grad.sqr * weight,),
         var_biased=(grad.var * m0 * weight,),
         weight=weight,
+        sqr_diff_biased=0.0,
+        var_diff_biased=0.0,
+        moment_weight=weight,
+        moment_weight_sq=weight**2 / 1e6,
     )
     # The simulated job takes the statistics exactly as core's estimator reports them.
     measured = job.metrics.grad_params()

@@ -4,7 +4,8 @@ The loader asks a `BatchSizeDecision` at the start of every pass and after every
 restart. The default divides the target batch size evenly; `GoodputDecision`
 maximises goodput with the job's own fitted model, lets the total grow by at most a
 factor per decision while the gradient-noise estimate is still warming up
-(`estimate_maturity`, `growth_cap`), and keeps the current choice unless the new one
+(`estimate_maturity`, `growth_cap`), grows only as far as the noise estimate's lower
+confidence bound supports (`confidence_cap`), and keeps the current choice unless the new one
 is faster by more than a threshold (a change costs little, but flapping between
 near-equal choices makes the profile harder to read).
 """
@@ -192,12 +193,46 @@ def growth_cap(query: BatchSizeQuery, maturity: float, max_growth: float) -> int
     growth = check_float("max_growth", max_growth, min=1.0)
     if m >= 1.0:
         return None
+    base = current_total(query)
+    lo, _ = _bounds(query)
+    return max(math.floor(base * growth), lo * query.num_replicas, query.batch_size)
+
+
+def current_total(query: BatchSizeQuery) -> int:
+    """The larger of the current total batch size (if any) and the initial one."""
     base = query.batch_size
     if query.current is not None:
         local, accum = query.current
         base = max(base, local * query.num_replicas * (accum + 1))
-    lo, _ = _bounds(query)
-    return max(math.floor(base * growth), lo * query.num_replicas, query.batch_size)
+    return base
+
+
+def confidence_cap(query: BatchSizeQuery, bound: GoodputFunction, max_batch_size: int) -> int:
+    """The largest total a decision may choose given the conservative model ``bound``.
+
+    The total that ``bound`` (the goodput model at the noise scale's lower confidence
+    bound) rates best among the admissible configurations up to ``max_batch_size``,
+    but never below the larger of the current total and the initial batch size
+    (`current_total`): the bound limits growth only, a shrink is the point
+    estimate's to decide.
+    """
+    base = current_total(query)
+    if max_batch_size <= base:
+        return max_batch_size
+    _, local, accum = _optimum(query, bound, max_batch_size)
+    best = int(local) * query.num_replicas * (int(accum) + 1)
+    return max(best, base)
+
+
+def _optimum(query: BatchSizeQuery, fn: GoodputFunction, max_batch_size: int) -> Any:
+    """``fn``'s best admissible (goodput, local, accum) for ``query`` up to the total."""
+    return fn.optimize(
+        query.num_nodes,
+        query.num_replicas,
+        max_batch_size=max_batch_size,
+        atomic_bsz_range=query.local_bsz_bounds,
+        accumulation=query.gradient_accumulation,
+    )
 
 
 def _check_growth(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
@@ -228,7 +263,16 @@ class GoodputDecision:
        most ``max_growth`` per decision over the larger of the current total and the
        initial batch size (`growth_cap`); shrinking is never capped. A matured
        estimate chooses over every admissible configuration up to ``max_batch_size``.
-    3. Hysteresis. The optimum under the cap replaces an admissible current choice
+    3. Confidence cap. ``bound_fn(z)`` (None: no such cap) returns the goodput model
+       with the gradient statistics at the noise scale's lower confidence bound
+       (`GradientNoiseScale.grad_params_bound`, ``z = confidence_z`` standard
+       errors). The total may grow above the larger of the current total and the
+       initial batch size only up to the total that this conservative model
+       rates best (`confidence_cap`): a jump needs the estimate's own spread to
+       support it, whatever its age. It catches what the warm-up cannot: an
+       estimate whose |G|^2 has fallen to 0 within its noise (the gain then equals
+       the scale) asks for the largest batch while its upper bound on |G|^2 does not.
+    4. Hysteresis. The optimum under the caps replaces an admissible current choice
        only when its modelled goodput exceeds the current one's by more than
        ``speedup_threshold`` (a factor > 1); on a fixed model every change then
        raises goodput by that factor, so decisions never go back and forth.
@@ -240,6 +284,8 @@ class GoodputDecision:
     estimate_samples: Callable[[], float] | None = None
     warmup_steps: float = attrs.field(default=100.0, validator=_check_nonnegative)
     max_growth: float = attrs.field(default=2.0, validator=_check_growth)
+    bound_fn: Callable[[float], GoodputFunction | None] | None = None
+    confidence_z: float = attrs.field(default=2.0, validator=_check_nonnegative)
 
     def maturity(self, query: BatchSizeQuery) -> float:
         """The noise estimate's maturity for ``query`` (1 without ``estimate_samples``)."""
@@ -253,13 +299,11 @@ class GoodputDecision:
             return self.fallback(query)
         cap = growth_cap(query, self.maturity(query), self.max_growth)
         max_batch_size = query.max_batch_size if cap is None else min(cap, query.max_batch_size)
-        goodput, local, accum = fn.optimize(
-            query.num_nodes,
-            query.num_replicas,
-            max_batch_size=max_batch_size,
-            atomic_bsz_range=query.local_bsz_bounds,
-            accumulation=query.gradient_accumulation,
-        )
+        if self.bound_fn is not None:
+            bound = self.bound_fn(self.confidence_z)
+            if bound is not None:
+                max_batch_size = min(max_batch_size, confidence_cap(query, bound, max_batch_size))
+        goodput, local, accum = _optimum(query, fn, max_batch_size)
         if int(local) < 1:
             # No configuration fits max_batch_size on this many replicas.
             return self.fallback(query)

@@ -40,6 +40,23 @@ tr(D Sigma D) with ``D = diag(1 / P)``.
 
 The estimates are kept per parameter group; the model's values are the sums over
 groups.
+
+Spread. Next to the averages, the estimator keeps the same moving average of half
+the squared *relative successive differences* of each step's whole-model estimates,
+``(x_k - x_{k-1}) / l``, ``l`` the mean of the two steps' levels ``max(|G|^2, 0) +
+tr(Sigma) / init_batch_size`` (the expected squared norm of an initial-batch
+gradient, which sets the scale of both estimates' noise), with its own normaliser
+and the sum of its squared weights (``moment_weight``, ``moment_weight_sq``).
+Differences (von Neumann's estimator of a variance) because a drift of the truth
+cancels in them; relative because the noise of a squared-norm estimate grows with
+its level, which under Adam falls by orders of magnitude in the first hundreds of
+steps: measured on a Dyck transformer, absolute differences left that transient
+dominating the spread for the whole run. With weights ``a_k`` on the differences
+since the last restart, the effective number of steps is ``n = (sum a_k)^2 / sum
+a_k^2``, and the standard error of an average is ``L sqrt(r^2 / n)``, ``r^2`` that
+average and ``L`` the level of the current estimates (inf while ``n <= 1``). `sqr_error`,
+`var_error` and `grad_params_bound` read it; a batch-size decision grows only as far
+as the bound supports (`adaptdl.core.batchsize.GoodputDecision`).
 """
 
 from __future__ import annotations
@@ -68,9 +85,20 @@ FloatArray = npt.NDArray[np.float64]
 _REALS = "an array of real numbers"
 
 #: Schema tag of :meth:`GradientNoiseScale.to_json`.
-GNS_SCHEMA = "adaptdl.gns/2"
+GNS_SCHEMA = "adaptdl.gns/3"
 
-_JSON_KEYS = (
+#: The schema before the spread was kept; its states load with no spread known.
+GNS_SCHEMA_WITHOUT_SPREAD = "adaptdl.gns/2"
+
+_SPREAD_KEYS = (
+    "sqr_diff_biased",
+    "var_diff_biased",
+    "last_step",
+    "moment_weight",
+    "moment_weight_sq",
+)
+
+_JSON_KEYS_V2 = (
     "schema",
     "init_batch_size",
     "num_groups",
@@ -81,6 +109,8 @@ _JSON_KEYS = (
     "differenced",
     "num_updates",
 )
+
+_JSON_KEYS = (*_JSON_KEYS_V2, *_SPREAD_KEYS)
 
 
 def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> float:
@@ -150,6 +180,15 @@ def _float_tuple(name: str, value: Any) -> tuple[float, ...]:
     return tuple(check_float(f"{name}[{i}]", v) for i, v in enumerate(value))
 
 
+def _last_step(value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    pair = _float_tuple("last_step", value)
+    if len(pair) != 2:
+        raise ValueError(f"last_step must be None or two numbers, got {value!r}")
+    return pair[0], pair[1]
+
+
 def _sqr_sums(value: Any) -> tuple[float, ...]:
     return _float_tuple("sqr_biased", value)
 
@@ -187,6 +226,14 @@ class GradientNoiseScale:
     # Whether the averages hold estimates of the (biased) differenced kind.
     differenced: bool = attrs.field(default=False)
     num_updates: int = attrs.field(default=0)
+    # The spread (module docstring): moving sums of half the squared relative successive
+    # differences of the whole-model per-step estimates, the last step's (|G|^2,
+    # tr(Sigma)) estimates, and the normaliser and sum of squared weights of the sums.
+    sqr_diff_biased: float = attrs.field(default=0.0)
+    var_diff_biased: float = attrs.field(default=0.0)
+    last_step: tuple[float, float] | None = attrs.field(default=None, converter=_last_step)
+    moment_weight: float = attrs.field(default=0.0)
+    moment_weight_sq: float = attrs.field(default=0.0)
 
     SCHEMA: ClassVar[str] = GNS_SCHEMA
 
@@ -205,6 +252,12 @@ class GradientNoiseScale:
             raise ArgumentTypeError(f"differenced must be a bool, got {self.differenced!r}")
         self.differenced = bool(self.differenced)
         self.num_updates = check_int("num_updates", self.num_updates, min=0)
+        for name in ("sqr_diff_biased", "var_diff_biased"):
+            setattr(self, name, check_float(name, getattr(self, name), min=0.0))
+        self.moment_weight = check_float("moment_weight", self.moment_weight, min=0.0, max=1.0)
+        self.moment_weight_sq = check_float(
+            "moment_weight_sq", self.moment_weight_sq, min=0.0, max=self.moment_weight
+        )
 
     # -- estimates ---------------------------------------------------------
 
@@ -258,6 +311,53 @@ class GradientNoiseScale:
         if self.weight >= 1.0:
             return math.inf
         return max(self.init_batch_size * math.log1p(-self.weight) / math.log(self.smoothing), 0.0)
+
+    @property
+    def effective_updates(self) -> float:
+        """The effective number of steps in the averages' spread (0: none recorded).
+
+        ``(sum a_k)^2 / sum a_k^2`` over the weights ``a_k`` of the steps folded in
+        since the last restart (or since a state without spread was loaded).
+        """
+        if self.moment_weight_sq == 0.0:
+            return 0.0
+        return self.moment_weight**2 / self.moment_weight_sq
+
+    @property
+    def sqr_error(self) -> float:
+        """The standard error of `sqr` (inf before the spread holds two differences)."""
+        return self._error(self.sqr_diff_biased)
+
+    @property
+    def var_error(self) -> float:
+        """The standard error of `var` (inf before the spread holds two differences)."""
+        return self._error(self.var_diff_biased)
+
+    def grad_params_bound(self, z: float) -> GradParams | None:
+        """The statistics at the noise scale's lower confidence bound, or None before any update.
+
+        |G|^2 at its estimate plus ``z`` standard errors, tr(Sigma) at its estimate
+        minus ``z`` (at least 0): the least noise, so the least benefit from a larger
+        batch, that the data support at ``z``. Without a spread (fewer than three steps),
+        or with the upper bound on |G|^2 at or below 0 (an estimate outside its domain),
+        tr(Sigma) is 0: no larger batch is supported. ``z = 0`` gives `grad_params`.
+        """
+        z = check_float("z", z, min=0.0)
+        if not self.has_estimate:
+            return None
+        if z == 0.0:
+            return self.grad_params()
+        sqr_err, var_err = self.sqr_error, self.var_error
+        if not (math.isfinite(sqr_err) and math.isfinite(var_err)):
+            return GradParams(sqr=max(self.sqr, 1e-300), var=0.0)
+        sqr = max(math.fsum(self._normalised(self.sqr_biased)) + z * sqr_err, 0.0)
+        var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
+        if sqr == 0.0:
+            # |G|^2 is >= 0, so an upper bound at or below 0 is not evidence of pure
+            # noise but of an estimate that is off (measured under Adam, where the
+            # preconditioner changes between the steps averaged): it supports no growth.
+            return GradParams(sqr=1.0, var=0.0)
+        return GradParams(sqr=sqr, var=var / self.init_batch_size)
 
     def grad_params(self) -> GradParams | None:
         """The statistics in the form the goodput model takes, or None before any update.
@@ -381,11 +481,25 @@ class GradientNoiseScale:
             "weight": self.weight,
             "differenced": self.differenced,
             "num_updates": self.num_updates,
+            "sqr_diff_biased": self.sqr_diff_biased,
+            "var_diff_biased": self.var_diff_biased,
+            "last_step": list(self.last_step) if self.last_step is not None else None,
+            "moment_weight": self.moment_weight,
+            "moment_weight_sq": self.moment_weight_sq,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GradientNoiseScale:
-        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
+        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape.
+
+        A state of the schema before the spread was kept (``adaptdl.gns/2``) loads
+        with no spread: the errors are inf until three more steps are folded in.
+        """
+        if isinstance(data, Mapping) and data.get("schema") == GNS_SCHEMA_WITHOUT_SPREAD:
+            data = check_state(
+                "GradientNoiseScale state", data, GNS_SCHEMA_WITHOUT_SPREAD, _JSON_KEYS_V2
+            )
+            return cls(**{k: data[k] for k in _JSON_KEYS_V2 if k != "schema"})
         data = check_state("GradientNoiseScale state", data, cls.SCHEMA, _JSON_KEYS)
         return cls(**{k: data[k] for k in _JSON_KEYS if k != "schema"})
 
@@ -400,6 +514,21 @@ class GradientNoiseScale:
         self.sqr_biased = (0.0,) * self.num_groups
         self.var_biased = (0.0,) * self.num_groups
         self.weight = 0.0
+        self.sqr_diff_biased = self.var_diff_biased = 0.0
+        self.last_step = None
+        self.moment_weight = self.moment_weight_sq = 0.0
+
+    def _error(self, diff_biased: float) -> float:
+        n = self.effective_updates
+        if n <= 1.0 + 1e-9 or self.moment_weight == 0.0:
+            return math.inf
+        sqr = math.fsum(self._normalised(self.sqr_biased))
+        var = math.fsum(self._normalised(self.var_biased))
+        return self._level(sqr, var) * math.sqrt(diff_biased / self.moment_weight / n)
+
+    def _level(self, sqr: float, var: float) -> float:
+        """The scale of the estimates' noise: ``max(sqr, 0) + var / init_batch_size``."""
+        return max(sqr, 0.0) + max(var, 0.0) / self.init_batch_size
 
     def _fold(self, sqr: FloatArray, var: FloatArray, scale: float) -> None:
         theta = self.smoothing**scale
@@ -409,4 +538,19 @@ class GradientNoiseScale:
         self.var_biased = tuple(float(v) for v in new_var)
         # Rounding could lift the normaliser a hair above its limit 1.
         self.weight = min(theta * self.weight + (1.0 - theta), 1.0)
+        step = (math.fsum(sqr.tolist()), math.fsum(var.tolist()))
+        level = 0.0
+        if self.last_step is not None:
+            level = 0.5 * (self._level(*step) + self._level(*self.last_step))
+        if level > 0.0 and self.last_step is not None:
+            half_sq = [
+                0.5 * ((a - b) / level) ** 2 for a, b in zip(step, self.last_step, strict=True)
+            ]
+            self.sqr_diff_biased = theta * self.sqr_diff_biased + (1.0 - theta) * half_sq[0]
+            self.var_diff_biased = theta * self.var_diff_biased + (1.0 - theta) * half_sq[1]
+            self.moment_weight = min(theta * self.moment_weight + (1.0 - theta), 1.0)
+            self.moment_weight_sq = min(
+                theta**2 * self.moment_weight_sq + (1.0 - theta) ** 2, self.moment_weight
+            )
+        self.last_step = step
         self.num_updates += 1

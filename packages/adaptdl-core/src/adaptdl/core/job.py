@@ -79,7 +79,7 @@ class Job:
         self.store = store
         self.clock = clock
         self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
-            self.goodput_fn, estimate_samples=self.estimate_samples
+            self.goodput_fn, estimate_samples=self.estimate_samples, bound_fn=self.bound_goodput_fn
         )
         self._states: dict[str, State] = {}
         # name -> the epoch a state belongs to (see `register`).
@@ -590,3 +590,16 @@ class Job:
         if loader is None:
             return None
         return self.metrics.profiler.goodput_fn(self.metrics.grad_params(), loader.batch_size)
+
+    def bound_goodput_fn(self, z: float) -> GoodputFunction | None:
+        """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors).
+
+        None where `goodput_fn` is None or there is no noise estimate yet.
+        """
+        loader, gns = self.training_loader, self.metrics.gns
+        if loader is None or gns is None:
+            return None
+        bound = gns.grad_params_bound(z)
+        if bound is None:
+            return None
+        return self.metrics.profiler.goodput_fn(bound, loader.batch_size)

@@ -6,7 +6,7 @@ from typing import Any
 
 from adaptdl.core._validate import check_float
 from adaptdl.core.checkpoint import JsonState
-from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale
+from adaptdl.core.gns import GNS_SCHEMA_WITHOUT_SPREAD, GradientNoiseScale
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.profiler import Profiler
 
@@ -67,7 +67,9 @@ class MetricsState(JsonState):
         progress = data.get("progress", 0.0)
         if isinstance(gns, dict) and gns.get("schema") == _GNS_SCHEMA_WITH_PROGRESS:
             # Written before progress moved out of the estimator.
-            gns = {k: v for k, v in gns.items() if k != "progress"} | {"schema": GNS_SCHEMA}
+            gns = {k: v for k, v in gns.items() if k != "progress"} | {
+                "schema": GNS_SCHEMA_WITHOUT_SPREAD
+            }
             progress = data["gns"].get("progress", 0.0)
         self.gns = GradientNoiseScale.from_json(gns) if gns is not None else None
         self.progress = check_float("progress", progress, min=0.0)
