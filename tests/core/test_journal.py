@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,24 @@ def test_a_record_with_no_whole_slot_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "j").write_bytes(bytes(damaged))
     with pytest.raises(CheckpointError, match=r"j.*neither slot"):
         Journal(tmp_path / "j").read()
+
+
+@settings(max_examples=50, deadline=None)
+@given(written=st.lists(marks, min_size=1, max_size=4))
+def test_the_file_layout_is_the_one_earlier_versions_read(
+    tmp_path_factory: pytest.TempPathFactory, written: list[Mark]
+) -> None:
+    """128 bytes: the magic, then two 40-byte slots at bytes 8 and 48, each the four
+    counts (sequence first) as little-endian u64 and their CRC-32 right after."""
+    path = tmp_path_factory.mktemp("journal") / JOURNAL
+    journal = Journal(path)
+    for mark in written:
+        journal.write(mark)
+    journal.close()
+    raw = path.read_bytes()
+    assert len(raw) == 128 and raw.startswith(b"ADLJRNL2")
+    seq = len(written)
+    last = written[-1]
+    offset = 8 if seq % 2 == 0 else 48
+    body = struct.pack("<4Q", seq, last.samples, last.replayed, last.checkpoint)
+    assert raw[offset : offset + 36] == body + struct.pack("<I", zlib.crc32(body))

@@ -715,3 +715,34 @@ def test_one_loader_looped_twice_in_an_epoch_resumes_its_second_loop_exactly_onc
     with pytest.raises(Preempted):
         program(4)  # the stop lands after batch 5: the second loop's second batch
     assert program(None) == whole[5:]
+
+
+def test_the_training_loop_profiles_each_micro_batch_but_a_pass_s_first_with_its_own_sync():
+    """Each micro-batch after a pass's first is recorded once, in its configuration, as
+    accumulation or optimiser step, with its wall time and the sync time recorded
+    while the loop trained on it; sync time recorded elsewhere counts for no batch."""
+    clock = ManualClock()
+    job = Job(Topology(), clock=clock, batch_size_decision=lambda query: (4, 1))
+    loader = LoaderHelper(job, batch_size=8)
+    loader.autoscale_batch_size(8, gradient_accumulation=True)
+    job.record_sync_time(100.0)  # before the loop: no batch's
+    expected: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in job.epoch.remaining_epochs_until(1):
+        for number, _batch in enumerate(loader.iterate(24, shard_batches(24, 0, 1))):
+            accum = loader.is_accum_step()
+            assert job.accumulating() == accum
+            clock.now += 1.0 + number  # the batch's wall time
+            job.record_sync_time(0.25 * number)
+            if number:
+                expected[accum].append((1.0 + number, 0.25 * number))
+            if not accum:
+                job.metrics.add_progress(1.0)
+    assert not job.accumulating()  # outside a loop
+    timing = job.metrics.profiler.timing(1, 1, 4)
+    assert timing is not None
+    for accum, part in ((True, timing.accum), (False, timing.optim)):
+        steps = [step for step, _ in expected[accum]]
+        syncs = [sync for _, sync in expected[accum]]
+        assert part.count == len(steps) and part.step_sum == pytest.approx(sum(steps))
+        assert part.sync_sum == pytest.approx(sum(syncs))
+    assert timing.accum.count + timing.optim.count == 24 // 4 - 1

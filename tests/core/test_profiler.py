@@ -231,6 +231,66 @@ def test_record_rejects_bad_input(
     assert prof == Profiler()
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([(1, 1, 16), (1, 2, 16), (2, 4, 32)]),
+            st.booleans(),
+            st.floats(1e-4, 10.0),
+            st.floats(0.0, 10.0),
+            st.booleans(),
+        ),
+        max_size=30,
+    )
+)
+def test_a_recorder_records_exactly_what_record_does(
+    ops: list[tuple[tuple[int, int, int], bool, float, float, bool]],
+) -> None:
+    """The per-batch path (a recorder checked once per configuration) keeps the same
+    exact sums, refit cadence and state as `record`, whatever the interleaving."""
+    by_record, by_recorder = Profiler(refit_every=3), Profiler(refit_every=3)
+    recorders = {}
+    for key, accum, step, sync, fit in ops:
+        by_record.record(*key, accum_step=accum, step_time=step, sync_time=sync)
+        if key not in recorders:
+            recorders[key] = by_recorder.recorder(*key)
+        recorders[key](accum, step, sync)
+        if fit:
+            assert by_record.perf_params() == by_recorder.perf_params()
+        assert by_record == by_recorder
+    assert by_record.to_json() == by_recorder.to_json()
+    assert by_record.timings == by_recorder.timings
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((1, 0.1, 0.0), "accum_step must be a bool"),
+        ((False, 0.0, 0.0), "step_time must be > 0"),
+        ((False, math.nan, 0.0), "step_time must be finite"),
+        ((True, 0.1, -1.0), "sync_time must be >= 0"),
+        ((True, 0.1, math.inf), "sync_time must be finite"),
+    ],
+)
+def test_a_recorder_rejects_bad_times_and_records_nothing(args: Any, match: str) -> None:
+    prof = Profiler()
+    record = prof.recorder(1, 1, 8)
+    with pytest.raises(ValueError, match=match):
+        record(*args)
+    assert prof == Profiler() and prof.timing(1, 1, 8) is None and prof.to_json()["timings"] == []
+    with pytest.raises(ValueError, match="num_nodes must be <= num_replicas"):
+        prof.recorder(2, 1, 8)
+
+
+def test_a_recorder_takes_numpy_and_int_times_as_floats() -> None:
+    prof = Profiler()
+    prof.recorder(1, 1, 8)(np.bool_(False), np.float64(0.5), 0)
+    timing = prof.timing(1, 1, 8)
+    assert timing is not None and timing.optim == Timing(1, 0.5, 0.25, 0.0, 0.0)
+    assert type(timing.optim.step_sum) is float and type(timing.optim.sync_sum) is float
+
+
 def test_constructor_rejects_bad_configuration() -> None:
     with pytest.raises(ValueError, match="refit_every must be >= 1"):
         Profiler(refit_every=0)

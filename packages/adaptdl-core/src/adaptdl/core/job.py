@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Job"]
 
 LOG = logging.getLogger("adaptdl.core.job")
+_NOTHING = Boundary.of(False, False, False)  # a boundary that agreed on nothing
 
 
 class Job:
@@ -366,37 +367,45 @@ class Job:
         if training:
             self._steps_since_checkpoint += 1
             self.state.steps += 1
-        agreed = self._settle()
-        if agreed.stop:
-            self._stop_here()
-        if agreed.checkpoint:
-            self.checkpoint()
+        # Called after every optimiser step: the common case (nothing agreed, nothing
+        # pending, nothing due) runs no call but the clock's and builds nothing.
+        pending, self._boundary_future = self._boundary_future, None
+        if pending is None or pending is _NOTHING:
+            agreed = _NOTHING
+        else:
+            agreed = self._agreed(pending)
+            if agreed.stop:
+                self._stop_here()
+            if agreed.checkpoint:
+                self.checkpoint()
         # A decision waits for the next training boundary (a validation loop may run
         # in between).
         redecide = self._redecide_pending or agreed.redecide
         self._redecide_pending = redecide and not training
         now = self.clock()
-        rank0 = self._rank0
-        due_now = (
-            rank0
-            and self.store is not None
+        due_now = redecide_now = False
+        if self._rank0:
             # +1: what is found due now is written at the next boundary.
-            and self.checkpoint_policy.due(
+            due_now = self.store is not None and self.checkpoint_policy.due(
                 self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
-        )
-        redecide_now = training and rank0 and now >= self._next_redecide
-        if redecide_now:
-            self._redecide_interval = self.redecide_schedule.next_interval(self._redecide_interval)
-            self._next_redecide = now + self._redecide_interval
-        flags = (self._stop_requested, due_now, redecide_now)
-        # One replica's reduction is its own flags, kept as their Boundary: no future
-        # to build every step.
-        self._boundary_future = (
-            Boundary.of(*flags)
-            if self._one_replica
-            else self.collective.allreduce_async(list(flags), logical_or)
-        )
+            if training and now >= self._next_redecide:
+                redecide_now = True
+                interval = self.redecide_schedule.next_interval(self._redecide_interval)
+                self._redecide_interval = interval
+                self._next_redecide = now + interval
+        stop = self._stop_requested
+        if self._one_replica:
+            # One replica's reduction is its own flags, kept as their Boundary: no future
+            # to build every step.
+            if stop or due_now or redecide_now:
+                self._boundary_future = Boundary.of(stop, due_now, redecide_now)
+            else:
+                self._boundary_future = _NOTHING
+        else:
+            self._boundary_future = self.collective.allreduce_async(
+                [stop, due_now, redecide_now], logical_or
+            )
         if agreed.redecide == (redecide and training):  # the common case: no new value
             return agreed
         return Boundary.of(agreed.stop, agreed.checkpoint, redecide and training)
@@ -404,8 +413,11 @@ class Job:
     def _settle(self) -> Boundary:
         """What the replicas agreed at the last step boundary (nothing if none is pending)."""
         pending, self._boundary_future = self._boundary_future, None
-        if pending is None:
-            return Boundary.of(False, False, False)
+        return _NOTHING if pending is None else self._agreed(pending)
+
+    @staticmethod
+    def _agreed(pending: Future[Any] | Boundary) -> Boundary:
+        """The boundary a pending reduction (or one replica's own flags) agreed on."""
         if isinstance(pending, Boundary):
             return pending
         return Boundary.from_wire(pending.result())
@@ -538,6 +550,13 @@ class Job:
     def exit_loader(self, loader: LoaderHelper) -> None:
         if self.current_loader is loader:
             self.current_loader = None
+
+    def accumulating(self) -> bool:
+        """Whether the micro-batch in hand only accumulates its gradient (no optimiser
+        step follows it): the running loop's `LoaderHelper.is_accum_step`, False
+        outside a loop. What the model wrappers ask before each micro-batch."""
+        loader = self.current_loader
+        return loader is not None and loader.is_accum_step()
 
     def set_training_loader(self, loader: LoaderHelper) -> None:
         if self.training_loader is not None and self.training_loader is not loader:

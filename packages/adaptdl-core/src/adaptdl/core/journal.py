@@ -48,7 +48,9 @@ _RECORD_SIZE = 128  # bytes of the file (and of a record of the previous, JSON f
 _MAGIC = b"ADLJRNL2"  # the file's first bytes: two slots follow
 _SLOT = struct.Struct("<4Q")  # sequence number, samples, replayed, checkpoint
 _CRC = struct.Struct("<I")  # CRC-32 of the slot's packed fields, right after them
-_SLOT_SIZE = 40  # 32 bytes of fields, 4 of CRC, 4 unused
+_SLOT_AND_CRC = struct.Struct(f"<4Q{_CRC.format.lstrip('<')}")  # both, in one store
+# A slot: its fields and their CRC, padded to 8 bytes (the format of existing files).
+_SLOT_SIZE = -(-_SLOT_AND_CRC.size // 8) * 8
 _OFFSETS = (len(_MAGIC), len(_MAGIC) + _SLOT_SIZE)  # slot ``seq % 2`` takes sequence ``seq``
 
 
@@ -90,8 +92,8 @@ def _count(data: dict[str, Any], key: str) -> int:
 
 def _slot(seq: int, samples: int, replayed: int, checkpoint: int) -> bytes:
     """A slot's bytes: its fields, then their CRC-32."""
-    body = _SLOT.pack(seq, samples, replayed, checkpoint)
-    return body + _CRC.pack(zlib.crc32(body))
+    crc = zlib.crc32(_SLOT.pack(seq, samples, replayed, checkpoint))
+    return _SLOT_AND_CRC.pack(seq, samples, replayed, checkpoint, crc)
 
 
 def _newest_slot(raw: bytes) -> dict[str, int]:
@@ -179,10 +181,10 @@ class Journal:
             return
         seq = self._seq + 1
         self._seq = seq
-        body = _SLOT.pack(seq, samples, replayed, checkpoint)
-        offset = _OFFSETS[seq & 1]
-        buffer[offset : offset + 32] = body
-        _CRC.pack_into(buffer, offset + 32, zlib.crc32(body))
+        # The fields and their CRC in one store (the CRC is computed first, from the
+        # same values): a kill mid-store tears this slot and leaves the other whole.
+        crc = zlib.crc32(_SLOT.pack(seq, samples, replayed, checkpoint))
+        _SLOT_AND_CRC.pack_into(buffer, _OFFSETS[seq & 1], seq, samples, replayed, checkpoint, crc)
         if not self._mapped:
             self.storage.overwrite(self.name, bytes(buffer))
 

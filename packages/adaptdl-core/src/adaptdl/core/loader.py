@@ -31,6 +31,7 @@ __all__ = ["LoaderHelper"]
 
 LOG = logging.getLogger("adaptdl.core.loader")
 _POSITION_FORMAT = 1
+_NEVER = 2**63  # the batch number of a decision that is not coming
 T = TypeVar("T")
 
 
@@ -61,11 +62,12 @@ class LoaderHelper:
         self._accum_count = 0
         self._skipped = False  # whether the loop in `context` was skipped by replay
         self._in_flight = 0  # samples of the batch the loop has yielded and not yet counted
-        self._arrived_bsz: int | None = None  # the batch in hand's size, when resizable
-        # The accumulation count in force while batches issued before a decision arrive.
+        # The size and accumulation count of the batch in hand while batches issued
+        # before an in-place decision arrive (None: the decided ones, in `_state`).
+        self._arrived_bsz: int | None = None
         self._arrived_accum: int | None = None
-        # Decided counts still to apply: (from batch number, accumulation steps), in order.
-        self._accum_changes: deque[tuple[int, int]] = deque()
+        # Decisions still to apply: (from batch number, local_bsz, accumulation steps).
+        self._changes: deque[tuple[int, int, int]] = deque()
         self._loop_epoch: int | None = None  # the epoch keying the running loop's passes
         self._resume_epoch: int | None = None  # set by load_position: keys the next loop
 
@@ -139,8 +141,13 @@ class LoaderHelper:
         return self.job.training_loader is self
 
     def is_accum_step(self) -> bool:
-        """Whether the current micro-batch's gradient is accumulated (no optimiser step)."""
-        return self._accum_count < self.accumulation_steps
+        """Whether the current micro-batch's gradient is accumulated (no optimiser step).
+
+        The one definition of it: the job's `accumulating`, the model wrappers and the
+        loop itself ask here.
+        """
+        accum = self._arrived_accum
+        return self._accum_count < (self._state.accumulation_steps if accum is None else accum)
 
     def is_optim_step(self) -> bool:
         """Whether the optimiser step is taken after the current micro-batch."""
@@ -331,38 +338,51 @@ class LoaderHelper:
         self.job.take_sync_time()
         return start
 
-    def _record_profile(self, start: float, local_bsz: int) -> None:
+    def _recorder(self, local_bsz: int) -> Callable[[bool, float, float], None]:
+        """The profiler's record of micro-batches of ``local_bsz`` in this configuration."""
         topo = self.job.topology
-        self.job.metrics.profiler.record(
-            topo.num_nodes,
-            topo.num_replicas,
-            local_bsz,
-            accum_step=self.is_accum_step(),
-            step_time=self.job.clock() - start,
-            sync_time=self.job.take_sync_time(),
+        return self.job.metrics.profiler.recorder(topo.num_nodes, topo.num_replicas, local_bsz)
+
+    def _record_profile(self, start: float, local_bsz: int) -> None:
+        self._recorder(local_bsz)(
+            self.is_accum_step(), self.job.clock() - start, self.job.take_sync_time()
         )
 
     def _count_micro_batch(self) -> bool:
         """Count one micro-batch; True when it ends an optimiser step (the next starts one)."""
-        if self._accum_count < self.accumulation_steps:
+        if self.is_accum_step():
             self._accum_count += 1
             return False
         self._accum_count = 0
         return True
 
-    def _defer_accumulation(self, arrived: int, at: int, before: int) -> int:
+    def _defer_change(self, arrived: int, at: int, size: int, accum: int) -> int:
         """Where a decision made after ``arrived`` batches applies, sizes issued up to
         ``at`` kept: the first step boundary at or after ``at`` of the batches issued
-        before it (accumulation count ``before`` from ``arrived``, or the last pending
-        decision's from its batch). Until then `accumulation_steps` stays theirs."""
-        changes = self._accum_changes
-        base, period = changes[-1] if changes else (arrived, before)
+        before it (of ``size`` and accumulation count ``accum`` from ``arrived``, or
+        the last pending decision's from its batch). Until then the batch in hand's
+        size and count stay theirs."""
+        changes = self._changes
+        base, _, period = changes[-1] if changes else (arrived, size, accum)
         period += 1
         at = base + -(-max(at - base, 0) // period) * period
-        if self._arrived_accum is None:
-            self._arrived_accum = before
-        changes.append((at, self._state.accumulation_steps))
+        if self._arrived_bsz is None:
+            self._arrived_bsz, self._arrived_accum = size, accum
+        changes.append((at, self._state.current_local_bsz, self._state.accumulation_steps))
         return at
+
+    def _apply_changes(self, number: int) -> tuple[int, int]:
+        """Apply the decisions due at batch ``number``: (its size, the batch number of
+        the next decision, or `_NEVER`)."""
+        changes = self._changes
+        size, accum = self.current_local_bsz, self.accumulation_steps
+        while changes and changes[0][0] <= number:
+            _, size, accum = changes.popleft()
+        if changes:
+            self._arrived_bsz, self._arrived_accum = size, accum
+            return size, changes[0][0]
+        self._arrived_bsz = self._arrived_accum = None  # the decided ones
+        return size, _NEVER
 
     def iterate(
         self,
@@ -419,6 +439,10 @@ class LoaderHelper:
             # level more costs every batch).
             job, state = self.job, self._state
             replicas = job.topology.num_replicas
+            adaptive = self._max_batch_size is not None
+            clock, take_sync, counting = job.clock, job.take_sync_time, job.count_samples
+            # Without a journal, taking a batch records nothing: no call for it.
+            taking = job.taking_samples if job.journal is not None else None
             # Checked first too: a restart may land exactly where the loop had ended.
             decided = False  # whether (local_bsz, accum) was just decided mid-pass
             local_bsz, progress, steps = 0, 0.0, 0
@@ -430,69 +454,79 @@ class LoaderHelper:
                 start = state.current_index
                 pass_end = (start // n + 1) * n
                 made = batches(epoch, start, local_bsz)
-                # The size of each batch as it arrives: read from the adapter's record of
-                # what it issued when batches can change size in place.
+                # Batches that can change size in place: a decision applies from a batch
+                # number (`_changes`); until then batches arrive at the size issued.
                 # (Not isinstance of the protocol: that inspects the protocol at every call.)
                 sizes = getattr(made, "sizes", None)
                 if not isinstance(sizes, IssuedSizes):
                     sizes = None
-                arrived = sizes.arrived if sizes is not None else None
                 # What follows runs once per batch, where every Python call shows in the
-                # loader's throughput: invariants of the pass are hoisted.
-                size, full = local_bsz, replicas * local_bsz
-                taking, counting = job.taking_samples, job.count_samples
+                # loader's throughput: invariants of the pass are hoisted, the micro-batch
+                # is counted here (`_count_micro_batch`), and a decision's batch number
+                # is the only check per batch.
+                size, full, change_at = local_bsz, replicas * local_bsz, _NEVER
+                record: Callable[[bool, float, float], None] | None = None
                 try:
                     for i, batch in enumerate(made):
-                        if arrived is not None:
-                            size = self._arrived_bsz = arrived()
-                            full = replicas * size
-                            changes = self._accum_changes
-                            if changes and i >= changes[0][0]:
-                                self._arrived_accum = changes.popleft()[1]
-                                if not changes:
-                                    self._arrived_accum = None  # the decided count
+                        if i >= change_at:
+                            size, change_at = self._apply_changes(i)
+                            full, record = replicas * size, None
                         index = state.current_index
                         # The pass's last batch may be short: count only real positions.
                         step = full if index + full <= pass_end else pass_end - index
-                        taking(step)
+                        if taking is not None:
+                            taking(step)
                         self._in_flight = step
-                        if i and job.training_loader is self:
-                            # Profiled (the first micro-batch of a pass waits for the data).
-                            began = self._start_profile()
+                        trainer = job.training_loader
+                        if trainer is not self:
                             yield batch
-                            self._record_profile(began, size)
+                            accumulating = self.is_accum_step()
+                        elif i:
+                            # Profiled (the first micro-batch of a pass waits for the data).
+                            if record is None:
+                                record = self._recorder(size)
+                            began = clock()
+                            yield batch
+                            accumulating = self.is_accum_step()
+                            record(accumulating, clock() - began, take_sync())
                         else:
                             yield batch
+                            accumulating = self.is_accum_step()
+                            take_sync()  # not profiled: its sync time counts for no batch
                         self._in_flight = 0
                         state.current_index = index + step
                         counting(step)
-                        if self._count_micro_batch():
-                            steps += 1
-                            # Without a designated training loader, every loop trains.
-                            trainer = job.training_loader
-                            trains = trainer is None or trainer is self
-                            boundary = job.step_boundary(training=trains)
-                            if self._max_batch_size is not None and self._finished(n, job_epoch):
-                                break
+                        if accumulating:
+                            self._accum_count += 1
+                            continue
+                        self._accum_count = 0
+                        steps += 1
+                        # Without a designated training loader, every loop trains.
+                        boundary = job.step_boundary(training=trainer is None or trainer is self)
+                        if adaptive and self._finished(n, job_epoch):
+                            break
+                        if boundary.redecide:
                             before = self.accumulation_steps
-                            if boundary.redecide and self._redecided():
-                                local_bsz = state.current_local_bsz
-                                if sizes is None:
-                                    # Go on from the current index with the new batch size.
-                                    decided = True
-                                    break
-                                # From the first batch no replica has issued yet, rounded
-                                # up to a step boundary: batches already issued make whole
-                                # steps of the old size and count, then both change.
-                                at = job.collective.allreduce(sizes.issued, maximum)
-                                at = self._defer_accumulation(i + 1, at, before)
-                                sizes.resize(local_bsz, at)
+                            if not self._redecided():
+                                continue
+                            local_bsz = state.current_local_bsz
+                            if sizes is None:
+                                # Go on from the current index with the new batch size.
+                                decided = True
+                                break
+                            # From the first batch no replica has issued yet, rounded up
+                            # to a step boundary: batches already issued make whole steps
+                            # of the old size and count, then both change.
+                            at = job.collective.allreduce(sizes.issued, maximum)
+                            at = self._defer_change(i + 1, at, size, before)
+                            sizes.resize(local_bsz, at)
+                            change_at = self._changes[0][0]
                     else:
                         # The pass ran to its end.
                         if start % n == 0 and state.current_index == start:
                             raise self._empty_pass(n, local_bsz)
                         if (
-                            self._max_batch_size is not None
+                            adaptive
                             and steps > 0
                             and job.metrics.progress == progress
                             and not self._finished(n, job_epoch)
@@ -507,9 +541,9 @@ class LoaderHelper:
                 finally:
                     # Drop the pass's iterator (a DataLoader's, with its workers) now, also
                     # when an exception (`Preempted`) keeps this frame alive in its traceback.
-                    made = sizes = arrived = None  # type: ignore[assignment]
+                    made = sizes = record = None  # type: ignore[assignment]
                     self._arrived_bsz = self._arrived_accum = None
-                    self._accum_changes.clear()
+                    self._changes.clear()
             # Every replica ends the loop here, at the same boundary.
             self.job.end_loop()
 

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from adaptdl.core.checkpoint import State
     from adaptdl.core.collective import Collective
     from adaptdl.core.epoch import EpochState
+    from adaptdl.core.journal import Journal
     from adaptdl.core.loader import LoaderHelper
     from adaptdl.core.metrics import MetricsState
     from adaptdl.core.restore import Store
@@ -23,8 +24,9 @@ class LoaderJob(Protocol):
     """What a loader needs of its job: `adaptdl.core.job.Job` has it all.
 
     Read-only: the topology, collective, clock, batch-size decision, epoch
-    counter, metrics (progress and profiler), checkpoint store and the loops
-    that run; the loader changes the job only through the methods below.
+    counter, metrics (progress and profiler), checkpoint store, journal (None:
+    `taking_samples` records nothing) and the loops that run; the loader changes
+    the job only through the methods below.
     """
 
     @property
@@ -50,6 +52,9 @@ class LoaderJob(Protocol):
 
     @property
     def restored_from(self) -> str | None: ...
+
+    @property
+    def journal(self) -> Journal | None: ...
 
     @property
     def current_loader(self) -> LoaderHelper | None: ...

@@ -3,10 +3,12 @@
 A loop asks its adapter for the batches of a pass (`BatchesFn`). An adapter whose
 batches are drawn ahead of the loop (DataLoader workers fetch several while the
 loop trains on one) may let their size change in place, without starting its
-readers anew: it hands back `ResizableBatches`, whose `IssuedSizes` records the
-size of each batch as it is issued, and the loop reads the size of each batch as
-it arrives. A new size applies from a batch number that every replica agrees on,
-so that all replicas switch at the same batch whatever each drew ahead.
+readers anew: it hands back `ResizableBatches`, whose `IssuedSizes` gives each
+batch its size as it is issued. A new size applies from a batch number that every
+replica agrees on, so that all replicas switch at the same batch whatever each
+drew ahead; batches arrive in the order they were issued, so the loop, which
+made the decision, knows the size of each batch it receives from its number
+alone and reads nothing per batch.
 """
 
 from __future__ import annotations
@@ -27,38 +29,32 @@ BatchesFn = Callable[[int, int, int], Iterable[T]]
 
 
 class IssuedSizes:
-    """The local batch size of each batch issued and not yet arrived, oldest first.
+    """The local batch size of each batch as it is issued, and the resizes to come.
 
     The adapter calls `issue` for each batch it issues (in issue order, the order
-    in which batches arrive); the loop calls `arrived` for each batch it receives.
-    `resize` changes the size of batches issued from a given batch number on.
+    in which batches arrive); the loop calls `resize` to change the size of the
+    batches issued from a given batch number on.
     """
 
-    __slots__ = ("_queue", "_resizes", "arrived", "issued", "size")
+    __slots__ = ("_resizes", "issued", "size")
 
     def __init__(self, size: int = 1) -> None:
         self.size = check_int("size", size, min=1)  # of the batches issued now
         self.issued = 0  # batches issued since `start`
-        queue: deque[int] = deque()
         self._resizes: deque[tuple[int, int]] = deque()  # (from batch number, size), in order
-        # The loop's call for every batch: the size of the one that arrived.
-        self.arrived: Callable[[], int] = queue.popleft
-        self._queue = queue
 
     def start(self, size: int) -> None:
         """A pass starts: nothing issued, batches of ``size`` from the first."""
         self.size = check_int("size", size, min=1)
         self.issued = 0
-        self._queue.clear()
         self._resizes.clear()
 
     def issue(self) -> int:
-        """The size of the batch being issued now, recorded for `arrived`."""
+        """The size of the batch being issued now (batch number `issued`)."""
         resizes = self._resizes
         while resizes and resizes[0][0] <= self.issued:
             self.size = resizes.popleft()[1]
         self.issued += 1
-        self._queue.append(self.size)
         return self.size
 
     def resize(self, size: int, at: int) -> None:
@@ -72,10 +68,6 @@ class IssuedSizes:
         least = max(self.issued, self._resizes[-1][0] if self._resizes else 0)
         at = check_int("at", at, min=least)
         self._resizes.append((at, size))
-
-    def pending(self) -> int:
-        """Batches issued and not yet arrived."""
-        return len(self._queue)
 
 
 @runtime_checkable

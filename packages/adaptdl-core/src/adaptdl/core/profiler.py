@@ -19,7 +19,7 @@ job's resources (see :func:`hints`), as plain data: core reads and writes no fil
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import attrs
@@ -144,6 +144,83 @@ class ConfigTiming:
         return self.optim.mean_step if self.optim.count else None
 
 
+class _Sums:
+    """The running sums of one configuration, added to in place by every record.
+
+    The per-batch path (`Profiler.recorder`) adds here, with no object built; the
+    immutable `ConfigTiming` is made only when someone reads the timings. The sums
+    are added in record order, so they equal those of `Timing.add` exactly.
+    """
+
+    __slots__ = (
+        "_profiler",
+        "a_count",
+        "a_step",
+        "a_step_sq",
+        "a_sync",
+        "a_sync_sq",
+        "o_count",
+        "o_step",
+        "o_step_sq",
+        "o_sync",
+        "o_sync_sq",
+    )
+
+    def __init__(self, profiler: Profiler, timing: ConfigTiming) -> None:
+        self._profiler = profiler
+        a, o = timing.accum, timing.optim
+        self.a_count, self.a_step, self.a_step_sq = a.count, a.step_sum, a.step_sqsum
+        self.a_sync, self.a_sync_sq = a.sync_sum, a.sync_sqsum
+        self.o_count, self.o_step, self.o_step_sq = o.count, o.step_sum, o.step_sqsum
+        self.o_sync, self.o_sync_sq = o.sync_sum, o.sync_sqsum
+
+    def timing(self) -> ConfigTiming:
+        return ConfigTiming(
+            Timing(self.a_count, self.a_step, self.a_step_sq, self.a_sync, self.a_sync_sq),
+            Timing(self.o_count, self.o_step, self.o_step_sq, self.o_sync, self.o_sync_sq),
+        )
+
+    def add(self, accum_step: bool, step_time: float, sync_time: float) -> None:
+        """Record one micro-batch (see `Profiler.record`); ValueError for bad times."""
+        # Checked inline: this runs for every micro-batch. Anything else (an int, a numpy
+        # float, nan, inf, a bad sign) takes the full check, which converts or raises.
+        if (
+            accum_step.__class__ is not bool
+            or step_time.__class__ is not float
+            or sync_time.__class__ is not float
+            or not 0.0 < step_time < math.inf
+            or not 0.0 <= sync_time < math.inf
+        ):
+            accum_step, step_time, sync_time = _check_times(accum_step, step_time, sync_time)
+        if accum_step:
+            self.a_count += 1
+            self.a_step += step_time
+            self.a_step_sq += step_time * step_time
+            self.a_sync += sync_time
+            self.a_sync_sq += sync_time * sync_time
+            return
+        profiler = self._profiler
+        if not self.o_count:
+            profiler.new_config_since_fit = True
+        self.o_count += 1
+        self.o_step += step_time
+        self.o_step_sq += step_time * step_time
+        self.o_sync += sync_time
+        self.o_sync_sq += sync_time * sync_time
+        profiler.steps_since_fit += 1
+
+    def empty(self) -> bool:
+        return not (self.a_count or self.o_count)
+
+
+def _check_times(accum_step: Any, step_time: Any, sync_time: Any) -> tuple[bool, float, float]:
+    return (
+        _check_bool("accum_step", accum_step),
+        check_float("step_time", step_time, min=0.0, min_exclusive=True),
+        check_float("sync_time", sync_time, min=0.0),
+    )
+
+
 class Observations(NamedTuple):
     """One row per configuration with an optimiser step, in the argument order of the fit."""
 
@@ -163,6 +240,24 @@ def _check_key(num_nodes: Any, num_replicas: Any, atomic_bsz: Any) -> Key:
             f"got {nodes}"
         )
     return nodes, replicas, check_int("atomic_bsz", atomic_bsz, min=1)
+
+
+_EMPTY = ConfigTiming()
+
+
+def _timings_of(sums: Mapping[Key, Any]) -> dict[Key, ConfigTiming]:
+    """The immutable view of running sums (or of timings given to the constructor),
+    without configurations that hold no record."""
+    out: dict[Key, ConfigTiming] = {}
+    for key, row in sums.items():
+        timing = row.timing() if isinstance(row, _Sums) else row
+        if timing != _EMPTY:
+            out[key] = timing
+    return out
+
+
+def _timings_repr(sums: Mapping[Key, Any]) -> str:
+    return repr(_timings_of(sums))
 
 
 def _refit_every(value: Any) -> int:
@@ -199,7 +294,16 @@ class Profiler:
     """
 
     refit_every: int = attrs.field(default=16, converter=_refit_every)
-    timings: dict[Key, ConfigTiming] = attrs.field(factory=dict, converter=_timings)
+    # The running sums per configuration; `timings` builds the immutable view. Compared
+    # (and shown) as that view, so that equal histories give equal profilers.
+    _sums: dict[Key, _Sums] = attrs.field(
+        factory=dict,
+        alias="timings",
+        converter=_timings,
+        eq=_timings_of,
+        repr=_timings_repr,
+        on_setattr=attrs.setters.NO_OP,
+    )
     last_fit: PerfParams | None = attrs.field(default=None, converter=_perf_params_or_none)
     steps_since_fit: int = attrs.field(default=0)
     new_config_since_fit: bool = attrs.field(default=False)
@@ -208,6 +312,7 @@ class Profiler:
     SCHEMA: ClassVar[str] = PROFILER_SCHEMA
 
     def __attrs_post_init__(self) -> None:
+        self._sums = {key: _Sums(self, timing) for key, timing in self._sums.items()}  # type: ignore[arg-type]
         self.steps_since_fit = check_int("steps_since_fit", self.steps_since_fit, min=0)
         self.new_config_since_fit = _check_bool("new_config_since_fit", self.new_config_since_fit)
         self.num_fits = check_int("num_fits", self.num_fits, min=0)
@@ -232,24 +337,36 @@ class Profiler:
         synchronisation (>= 0).
         """
         key = _check_key(num_nodes, num_replicas, atomic_bsz)
-        accum = _check_bool("accum_step", accum_step)
-        step = check_float("step_time", step_time, min=0.0, min_exclusive=True)
-        sync = check_float("sync_time", sync_time, min=0.0)
-        timing = self.timings.get(key, ConfigTiming())
-        if accum:
-            timing = attrs.evolve(timing, accum=timing.accum.add(step, sync))
-        else:
-            if timing.optim.count == 0:
-                self.new_config_since_fit = True
-            timing = attrs.evolve(timing, optim=timing.optim.add(step, sync))
-            self.steps_since_fit += 1
-        self.timings[key] = timing
+        accum, step, sync = _check_times(accum_step, step_time, sync_time)
+        self._row(key).add(accum, step, sync)
+
+    def recorder(
+        self, num_nodes: int, num_replicas: int, atomic_bsz: int
+    ) -> Callable[[bool, float, float], None]:
+        """`record` for one configuration, checked once: ``(accum_step, step_time, sync_time)``.
+
+        For a loop that records every micro-batch: the configuration is checked here,
+        the times at each call (ValueError as `record` raises).
+        """
+        return self._row(_check_key(num_nodes, num_replicas, atomic_bsz)).add
+
+    def _row(self, key: Key) -> _Sums:
+        row = self._sums.get(key)
+        if row is None:
+            row = self._sums[key] = _Sums(self, _EMPTY)
+        return row
+
+    @property
+    def timings(self) -> dict[Key, ConfigTiming]:
+        """The timings of every configuration recorded, as immutable values (a new dict)."""
+        return _timings_of(self._sums)
 
     # -- reading -------------------------------------------------------------
 
     def timing(self, num_nodes: int, num_replicas: int, atomic_bsz: int) -> ConfigTiming | None:
         """The timings of one configuration, or None if it was never recorded."""
-        return self.timings.get(_check_key(num_nodes, num_replicas, atomic_bsz))
+        row = self._sums.get(_check_key(num_nodes, num_replicas, atomic_bsz))
+        return None if row is None or row.empty() else row.timing()
 
     def observations(self) -> Observations:
         """Mean times of every configuration that has an optimiser step, sorted by key.
@@ -258,8 +375,9 @@ class Profiler:
         accumulated.
         """
         rows = []
-        for key in sorted(self.timings):
-            timing = self.timings[key]
+        timings = self.timings
+        for key in sorted(timings):
+            timing = timings[key]
             optim = timing.optim_step_time()
             accum = timing.accum_step_time()
             if optim is not None and accum is not None:
@@ -279,12 +397,12 @@ class Profiler:
     @property
     def max_profiled_replicas(self) -> int:
         """The most replicas of any configuration with an optimiser step (0 if none)."""
-        return max((k[1] for k, t in self.timings.items() if t.optim.count), default=0)
+        return max((k[1] for k, row in self._sums.items() if row.o_count), default=0)
 
     @property
     def max_profiled_nodes(self) -> int:
         """The most nodes of any configuration with an optimiser step (0 if none)."""
-        return max((k[0] for k, t in self.timings.items() if t.optim.count), default=0)
+        return max((k[0] for k, row in self._sums.items() if row.o_count), default=0)
 
     def perf_params(self) -> PerfParams | None:
         """The fitted throughput model, refitted if due; None before any optimiser step."""

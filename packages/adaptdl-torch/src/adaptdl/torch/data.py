@@ -150,11 +150,12 @@ class _ResizableBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         indices, issue, islice = iter(self.sampler), self.sizes.issue, itertools.islice
+        drop_last = self.drop_last
         while True:
             size = issue()
             batch = [*islice(indices, size)]
-            # A batch not made stays recorded: nothing reads it, the next pass starts anew.
-            if not batch or (self.drop_last and len(batch) < size):
+            # A batch not made stays counted as issued: the next pass starts anew.
+            if not batch or (drop_last and len(batch) < size):
                 return
             yield batch
 

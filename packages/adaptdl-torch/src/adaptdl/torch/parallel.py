@@ -67,9 +67,8 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
 
     # -- forward: skip gradient synchronisation on accumulation steps ------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        loader = self._job.current_loader
         # DDP reads this flag in forward to decide whether the backward all-reduces.
-        self.require_backward_grad_sync = not (loader is not None and loader.is_accum_step())
+        self.require_backward_grad_sync = not self._job.accumulating()
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
     def _will_sync(self) -> bool:

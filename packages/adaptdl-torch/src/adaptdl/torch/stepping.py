@@ -316,11 +316,6 @@ class AdaptiveSteps:
             return 1.0
         return float(scaler.get_scale())
 
-    def _accumulating(self) -> bool:
-        """Whether the current micro-batch only accumulates (no optimiser step)."""
-        loader = self._job.current_loader
-        return loader is not None and loader.is_accum_step()
-
     def _drop_stale_accumulation(self) -> None:
         # Gradients accumulated by a loop that ended before its step belong to no step.
         if not self._micro:
@@ -362,7 +357,7 @@ class AdaptiveSteps:
                 closure, *rest = args
                 args = tuple(rest)
             if closure is None:
-                if self._accumulating():
+                if self._job.accumulating():
                     return None  # the step comes with the last micro-batch of the batch
                 return self._step(step, *args, **kwargs)
             # A closure (Lightning passes one) computes this micro-batch's loss and
@@ -370,7 +365,7 @@ class AdaptiveSteps:
             # accumulation micro-batch, so that the step below sees its gradients.
             with torch.enable_grad():
                 loss = closure()
-            if not self._accumulating():
+            if not self._job.accumulating():
                 self._step(step, *args, **kwargs)
             return loss
 
@@ -417,7 +412,7 @@ class AdaptiveSteps:
             def skip_on_accumulation(
                 *args: Any, _original: Callable[..., Any] = original, **kwargs: Any
             ) -> Any:
-                if self._accumulating():
+                if self._job.accumulating():
                     return None  # gradients are still summing; scaling happens at the step
                 return _original(*args, **kwargs)
 
