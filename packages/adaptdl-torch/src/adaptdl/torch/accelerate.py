@@ -231,8 +231,7 @@ def _prepare_model(
     # and scheduler, the user's `if accelerator.sync_gradients:` around clipping or
     # logging) sees the loader's decision for this micro-batch.
     def follow_loader(module: torch.nn.Module, args: Any) -> None:
-        loader = wrapped._job.current_loader
-        accelerator.sync_gradients = loader is None or not loader.is_accum_step()
+        accelerator.sync_gradients = not wrapped._job.accumulating()
 
     wrapped.register_forward_pre_hook(follow_loader)
     # Accelerate's save_state saves the models of its list: the wrapper (which it

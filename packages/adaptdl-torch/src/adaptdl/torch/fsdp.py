@@ -129,8 +129,7 @@ class AdaptiveFSDP(AdaptiveSteps):
         return self.module(*args, **kwargs)
 
     def _set_sync(self, module: torch.nn.Module, args: Any) -> None:
-        loader = self._job.current_loader
-        self._sync = not (loader is not None and loader.is_accum_step())
+        self._sync = not self._job.accumulating()
         module.set_requires_gradient_sync(self._sync)  # type: ignore[operator]
 
     def _hook_unsharded(self, fqn: str, module: torch.nn.Module, args: Any) -> None:

@@ -491,8 +491,7 @@ def _step_schedulers_per_optimizer_step(module: Any, configs: Sequence[Any]) -> 
 
     def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
         job = current_job()
-        loader = job.current_loader
-        if loader is not None and loader.is_accum_step():
+        if job.accumulating():
             return
         # The step just taken is not counted yet: the loader's step boundary, which
         # counts it, runs when Lightning asks for the next batch.
