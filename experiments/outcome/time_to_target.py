@@ -84,21 +84,31 @@ def configs(
     kinds: str = "adaptive,fixed",
     to_cap: bool = False,
     overrides: dict[str, Any] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """The adaptive run and the fixed sweep for one problem and seed, in run order.
 
     ``kinds`` selects "adaptive" and/or "fixed" runs; ``to_cap`` runs every one to its
     progress cap instead of stopping at the target (the time to any target no
     stricter is then read off its evaluations, `retarget`); ``overrides`` replace
-    settings of the problem (e.g. a target).
+    settings of the problem (e.g. a target); ``sizes`` keeps only those fixed totals
+    of the sweep (ValueError for a total the sweep does not have).
     """
     base = {**PROBLEMS[problem], **(overrides or {}), "seed": seed, "stop_at_target": not to_cap}
     if quick:
         base.update(QUICK)
     wanted = set(kinds.split(","))
     runs = [{**base, **ADAPTIVE}] if "adaptive" in wanted else []
+    sweep = {2 * local * (accum + 1): (local, accum) for local, accum in SWEEP}
+    if sizes is not None:
+        unknown = sorted(set(sizes) - set(sweep))
+        if unknown:
+            raise ValueError(f"sizes {unknown} are not in the fixed sweep {sorted(sweep)}")
+        sweep = {total: split for total, split in sweep.items() if total in sizes}
     if "fixed" in wanted:
-        runs += [{**base, "local_bsz": local, "accum_steps": accum} for local, accum in SWEEP]
+        runs += [
+            {**base, "local_bsz": local, "accum_steps": accum} for local, accum in sweep.values()
+        ]
     return runs
 
 
@@ -125,7 +135,9 @@ def run(
     todo = [
         (seed, cfg)
         for seed in seeds
-        for cfg in configs(problem, seed, quick, kinds=kinds, to_cap=to_cap, overrides=overrides)
+        for cfg in configs(
+            problem, seed, quick, kinds=kinds, to_cap=to_cap, overrides=overrides, sizes=sizes
+        )
     ]
 
     def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any]:

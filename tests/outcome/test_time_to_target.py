@@ -156,3 +156,15 @@ def test_one_quick_adaptive_run_trains_and_reports(problem: str) -> None:
     evals = np.asarray(result["evals"])
     # It learns: the validation loss falls.
     assert evals[-1, 3] < evals[0, 3]
+
+
+def test_configs_run_only_the_fixed_sizes_asked_for() -> None:
+    def totals(runs: list[dict[str, object]]) -> list[object]:
+        return [r.get("local_bsz", "adaptive") for r in runs]
+
+    every = time_to_target.configs("dyck", 0)
+    assert len(every) == 1 + len(time_to_target.SWEEP)
+    some = time_to_target.configs("dyck", 0, sizes=[16, 256])
+    assert totals(some) == ["adaptive", 8, 128]  # 2 replicas x 8, 2 x 128
+    with pytest.raises(ValueError, match="1000"):
+        time_to_target.configs("dyck", 0, sizes=[1000])
