@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale, squared_norm
@@ -583,6 +583,10 @@ def test_errors_are_infinite_before_three_steps_and_bound_supports_no_growth() -
     st.floats(0.0, 4.0),
     st.floats(0.0, 4.0),
 )
+# Found by hypothesis: a negative |G|^2 estimate gave no growth at z = 0.5 but a
+# positive bound, so growth, at z = 1.
+@example([(0.0, 0.0), (1.0, 0.0), (4.0, 1.0)], 1.0, 0.5)
+@example([(0.0, 0.0), (1.0, 0.0), (0.0, 0.0)], 1.0, 0.5)
 def test_bound_has_no_more_noise_than_the_estimate_and_tightens_with_z(
     pairs: list[tuple[float, float]], z1: float, z2: float
 ) -> None:
@@ -595,6 +599,8 @@ def test_bound_has_no_more_noise_than_the_estimate_and_tightens_with_z(
     assert point is not None and a is not None and b is not None
     assert a.var <= point.var and b.var <= a.var
     assert a.sqr >= point.sqr - 1e-12 * (1 + point.sqr) and b.sqr >= a.sqr - 1e-12 * (1 + a.sqr)
+    # The noise scale, what the decision acts on, never grows with the confidence asked.
+    assert b.var * a.sqr <= a.var * b.sqr * (1 + 1e-12)
 
 
 def test_state_of_the_schema_without_spread_loads() -> None:

@@ -339,8 +339,9 @@ class GradientNoiseScale:
         |G|^2 at its estimate plus ``z`` standard errors, tr(Sigma) at its estimate
         minus ``z`` (at least 0): the least noise, so the least benefit from a larger
         batch, that the data support at ``z``. Without a spread (fewer than three steps),
-        or with the upper bound on |G|^2 at or below 0 (an estimate outside its domain),
-        tr(Sigma) is 0: no larger batch is supported. ``z = 0`` gives `grad_params`.
+        or with the estimate of |G|^2 at or below 0 (outside its domain), tr(Sigma) is
+        0: no larger batch is supported. The noise scale of the bound never grows
+        with ``z``. ``z = 0`` gives `grad_params`.
         """
         z = check_float("z", z, min=0.0)
         if not self.has_estimate:
@@ -350,13 +351,17 @@ class GradientNoiseScale:
         sqr_err, var_err = self.sqr_error, self.var_error
         if not (math.isfinite(sqr_err) and math.isfinite(var_err)):
             return GradParams(sqr=max(self.sqr, 1e-300), var=0.0)
-        sqr = max(math.fsum(self._normalised(self.sqr_biased)) + z * sqr_err, 0.0)
-        var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
-        if sqr == 0.0:
-            # |G|^2 is >= 0, so an upper bound at or below 0 is not evidence of pure
-            # noise but of an estimate that is off (measured under Adam, where the
-            # preconditioner changes between the steps averaged): it supports no growth.
+        raw_sqr = math.fsum(self._normalised(self.sqr_biased))
+        if raw_sqr <= 0.0:
+            # |G|^2 is >= 0, so an estimate at or below 0 is not evidence of pure noise
+            # but of an estimate that is off (measured under Adam, where the
+            # preconditioner changes between the steps averaged): it supports no growth,
+            # at every z. (Testing raw + z * error instead would let a larger z, more
+            # confidence asked for, lift the bound off 0 and allow a near-unbounded
+            # noise scale var / (raw + z * error): growth from asking for more caution.)
             return GradParams(sqr=1.0, var=0.0)
+        sqr = raw_sqr + z * sqr_err
+        var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
         return GradParams(sqr=sqr, var=var / self.init_batch_size)
 
     def grad_params(self) -> GradParams | None:
