@@ -60,10 +60,10 @@ from adaptdl.torch.shardreaders import (
     is_remote,
     open_shard,
 )
+from torch.utils.data import IterableDataset, get_worker_info
 
 if TYPE_CHECKING:
     from adaptdl.torch.shardstream import ShardedStream
-from torch.utils.data import IterableDataset, get_worker_info
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
