@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,12 +17,18 @@ from adaptdl.core.permutation import MAX_N
 from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
+    Chunk,
     ShardIndex,
     StreamPlan,
     _mix,
-    micro_batches,
     replica_chunk,
 )
+
+
+def micro_batches(n: int, index: int, replicas: int, rank: int, local_bsz: int) -> Iterator[Chunk]:
+    """Replica ``rank``'s chunks of a fixed size from ``index`` to the pass end."""
+    return StreamPlan(n, 1, 0, 0, index, replicas, rank, local_bsz).chunks()
+
 
 # Shard sizes 1 to 10^4, 1 to 1000 shards (of which only ranges are ever built).
 shard_counts = st.one_of(
@@ -209,6 +216,18 @@ def test_memory_does_not_grow_with_the_corpus(n: int) -> None:
     # are materialised, whatever n.
     assert order._inner.size == 2 * 64 and order._inner_last.size == n % 64
     assert len(order._page[1]) <= 1024
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_size_below_one_is_refused_not_looped_on(size: int) -> None:
+    plan = StreamPlan(10, 4, 0, 0, 0, 2, 0, 3)
+    with pytest.raises(ValueError, match=f"sizes\\(\\) must be >= 1, got {size}"):
+        next(plan.chunks(lambda: size))
+
+
+def test_plan_numbers_are_plain_ints() -> None:
+    plan = StreamPlan(10, 4, 0, 0, np.int64(3), np.int32(2), np.int64(1), np.int64(2))
+    assert all(type(v) is int for v in (plan.index, plan.num_replicas, plan.rank, plan.local_bsz))
 
 
 @pytest.mark.parametrize(
@@ -449,7 +468,10 @@ def test_num_batches_counts_the_chunks_of_a_fixed_size(
     plan = StreamPlan(n, 4, 0, 0, index, replicas, rank, local_bsz, drop_last=drop_last)
     chunks = list(plan.chunks())
     assert plan.num_batches() == len(chunks)
-    assert chunks == list(micro_batches(n, index, replicas, rank, local_bsz))[: len(chunks)]
+    at = index
+    for chunk in chunks:  # each is replica_chunk's at the index the ones before reached
+        assert chunk == replica_chunk(n, at, replicas, rank, local_bsz)
+        at += chunk.step
     if drop_last:
         assert all(c.step == replicas * local_bsz for c in chunks)
     assert plan.order() == BlockOrder(n, 4, seed=0, epoch=0, pass_=index // n)

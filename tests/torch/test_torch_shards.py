@@ -7,6 +7,7 @@ import itertools
 import json
 import mmap
 import os
+import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -26,7 +27,13 @@ from adaptdl.core.shards import BlockOrder
 from adaptdl.torch import _context
 from adaptdl.torch import shards as shards_module
 from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
-from adaptdl.torch.shards import JsonLinesReader, ParquetReader, ShardedDataset, TarReader
+from adaptdl.torch.shards import (
+    JsonLinesReader,
+    ParquetReader,
+    ShardedDataset,
+    ShardedStream,
+    TarReader,
+)
 
 COUNTS = [7, 30, 1, 0, 45, 37]  # 120 samples, an empty shard, one of a single sample
 
@@ -88,11 +95,7 @@ class Recording(JsonLinesReader):
 def record_spans(
     ds: ShardedDataset, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[int, int, int]]:
-    """Every (shard, begin, end) byte span the dataset reads from now on.
-
-    Local shards are then held as bytes instead of maps, which the dataset reads
-    through ``_read_span`` as it reads remote files.
-    """
+    """Every (shard, begin, end) byte span the dataset reads from now on."""
     spans: list[tuple[int, int, int]] = []
     read_span = ds._read_span
 
@@ -101,7 +104,6 @@ def record_spans(
         return read_span(shard, begin, end)
 
     ds.close()
-    monkeypatch.setattr(shards_module, "_map_local", lambda path: Path(path).read_bytes())
     monkeypatch.setattr(ds, "_read_span", recording_span)
     return spans
 
@@ -232,6 +234,91 @@ def test_open_shards_are_bounded_the_oldest_closed_first(tmp_path: Path) -> None
     ds.close()
     assert ds._handles == {}
     assert [s["i"] for s in ds.take(order, 5, 9)] == order.take(5, 9).tolist()
+
+
+def test_more_shards_than_stay_open_are_read_with_pread_not_maps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shards_module, "_OPEN_DESCRIPTORS", 8)
+    monkeypatch.setattr(shards_module, "_descriptor_limit", lambda: 64)
+    many = ShardedDataset(
+        write_jsonl(tmp_path / "many", [3] * 12), JsonLinesReader(), block_size=2
+    )
+    few = ShardedDataset(write_jsonl(tmp_path / "few", [3] * 8), JsonLinesReader(), block_size=2)
+    assert many._max_open == few._max_open == 8
+    for ds, kind in ((many, int), (few, mmap.mmap)):
+        order = BlockOrder(len(ds), 2, seed=4)
+        assert [s["i"] for s in ds.take(order, 0, len(ds))] == order.take(0, len(ds)).tolist()
+        assert 0 < len(ds._handles) <= 8
+        assert all(type(h) is kind for h in ds._handles.values())
+        ds.close()
+
+
+TRUNCATE_AFTER_A_BATCH = """
+import os, sys
+import adaptdl.torch as adl
+from adaptdl.torch.data import AdaptiveDataLoader
+from adaptdl.torch.shards import JsonLinesReader, ShardedDataset
+path, open_first = sys.argv[1], sys.argv[2] == "1"
+ds = ShardedDataset([path], JsonLinesReader())
+if open_first:  # the map is made before the file shrinks: reads past its end are refused
+    ds.read_block(0, 0, 16)
+else:  # the map is made after: a map shorter than the index counts is refused
+    ds.close()
+loader = AdaptiveDataLoader(ds, batch_size=16, shuffle=True)
+try:
+    for _ in adl.remaining_epochs_until(1):
+        for k, _batch in enumerate(loader):
+            if k == 0:
+                os.truncate(path, 1000)
+                if not open_first:
+                    ds.close()
+except ValueError as exc:
+    print("refused:", exc)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("open_first", [True, False])
+def test_a_shard_truncated_while_read_is_a_clear_error_not_sigbus(
+    tmp_path: Path, open_first: bool
+) -> None:
+    (path,) = write_jsonl(tmp_path, [20_000])
+    env = {**os.environ, "ADAPTDL_CHECKPOINT_PATH": str(tmp_path / "ckpt")}
+    done = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_AFTER_A_BATCH, str(path), str(int(open_first))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert "is 1000 bytes where its index counts" in done.stdout
+    assert "delete the index" in done.stdout
+
+
+def test_for_loader_takes_its_options_and_sets_no_sampler(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, COUNTS), JsonLinesReader(), block_size=8)
+    kwargs: dict[str, Any] = {"collate_fn": list, "drop_last": True, "num_workers": 0}
+    stream = ShardedStream.for_loader(ds, True, 0, kwargs)
+    assert kwargs == {"num_workers": 0}
+    assert stream.collate_fn is list and stream.drop_last
+
+
+def test_lengths_use_the_current_size_and_leave_the_plan_alone(tmp_path: Path) -> None:
+    ds = ShardedDataset(write_jsonl(tmp_path, COUNTS), JsonLinesReader(), block_size=8)
+    loader = AdaptiveDataLoader(ds, batch_size=5, shuffle=True)
+    stream = loader.dataset
+    assert isinstance(stream, ShardedStream)
+    stream.start(0, 20, 1, 0, 4)
+    plan = stream._plan
+    assert len(loader) == 20  # 100 samples left at the target size 5
+    assert len(stream.sampler) == 25  # at the size issued now, 4
+    stream.sizes.resize(8, 0)
+    stream.sizes.issue()
+    assert len(stream.sampler) == 13  # 100 samples left at the size issued now, 8
+    assert stream._plan is plan
 
 
 def test_a_sole_reader_reads_each_sample_once_and_decodes_only_what_it_uses(

@@ -82,7 +82,6 @@ __all__ = [
     "ShardIndex",
     "StreamPlan",
     "check_block_size",
-    "micro_batches",
     "replica_chunk",
 ]
 
@@ -428,17 +427,6 @@ def _chunk(n: int, index: int, replicas: int, rank: int, local_bsz: int) -> Chun
     return _new_chunk((lo, hi, pad, size, m))
 
 
-def micro_batches(
-    n: int, index: int, num_replicas: int, rank: int, local_bsz: int
-) -> Iterator[Chunk]:
-    """Replica ``rank``'s chunks from global ``index`` to the end of its pass."""
-    # Checked once: the loop is on every reader's path, a chunk per micro-batch.
-    n, index, replicas, rank, local_bsz = _check_chunk_args(
-        n, index, num_replicas, rank, local_bsz
-    )
-    return _chunks(n, index, replicas, rank, itertools.repeat(local_bsz).__next__, False)
-
-
 def _chunks(
     n: int, index: int, replicas: int, rank: int, sizes: Callable[[], int], drop_last: bool
 ) -> Iterator[Chunk]:
@@ -446,27 +434,13 @@ def _chunks(
     end = (index // n + 1) * n
     while index < end:
         size = sizes()
+        if type(size) is not int or size < 1:  # a size <= 0 would never reach the end
+            size = check_int("sizes()", size, min=1)
         chunk = _chunk(n, index, replicas, rank, size)
         if drop_last and chunk.step < replicas * size:
             return  # a short last micro-batch is dropped on every replica alike
         yield chunk
         index += chunk.step
-
-
-def _check_index(value: Any) -> int:
-    return check_int("index", value, min=0)
-
-
-def _check_replicas(value: Any) -> int:
-    return check_int("num_replicas", value, min=1)
-
-
-def _check_rank(value: Any) -> int:
-    return check_int("rank", value, min=0)
-
-
-def _check_local_bsz(value: Any) -> int:
-    return check_int("local_bsz", value, min=1)
 
 
 def _check_drop_last(value: Any) -> bool:
@@ -495,19 +469,25 @@ class StreamPlan:
     block_size: int = attrs.field(converter=check_block_size)
     seed: int = attrs.field(converter=check_seed)
     epoch: int = attrs.field(converter=check_epoch)
-    index: int = attrs.field(converter=_check_index)
-    num_replicas: int = attrs.field(converter=_check_replicas)
-    rank: int = attrs.field(converter=_check_rank)
-    local_bsz: int = attrs.field(converter=_check_local_bsz)
+    index: int
+    num_replicas: int
+    rank: int
+    local_bsz: int
     shuffle: bool = attrs.field(default=True, converter=_check_shuffle)
     drop_last: bool = attrs.field(default=False, converter=_check_drop_last)
 
     def __attrs_post_init__(self) -> None:
-        if self.rank >= self.num_replicas:
-            raise ValueError(
-                f"rank must be in [0, {self.num_replicas - 1}] for num_replicas="
-                f"{self.num_replicas}, got {self.rank}"
-            )
+        # replica_chunk's checks, once; they also make numpy ints plain ints.
+        _, index, replicas, rank, local_bsz = _check_chunk_args(
+            self.n, self.index, self.num_replicas, self.rank, self.local_bsz
+        )
+        for name, value in (
+            ("index", index),
+            ("num_replicas", replicas),
+            ("rank", rank),
+            ("local_bsz", local_bsz),
+        ):
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     @property
     def pass_(self) -> int:

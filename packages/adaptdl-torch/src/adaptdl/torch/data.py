@@ -332,10 +332,12 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
             generator = torch.Generator()
         worker_init_fn = _WorkerInit(kwargs.pop("worker_init_fn", None))
         if stream is not None:
-            # The stream yields whole, collated micro-batches: no sampler, no batching.
+            # The sampler issues a chunk per micro-batch and the stream reads it whole,
+            # collated: no batching by the DataLoader.
             super().__init__(
                 stream,
                 batch_size=None,
+                sampler=stream.sampler,
                 collate_fn=stream.loader_collate(),
                 generator=generator,
                 worker_init_fn=worker_init_fn,
@@ -425,8 +427,6 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
         replicas = helper.job.topology.num_replicas
         local = helper.current_local_bsz or -(-helper.batch_size // replicas)
         if isinstance(self.dataset, ShardedStream):
-            epoch, index, *_ = self.dataset.plan
-            self.dataset.set_plan(epoch, index, replicas, helper.job.topology.rank, local)
-            return self.dataset.num_batches()
+            return self.dataset.num_batches(local, replicas, helper.job.topology.rank)
         count = len(self.sampler)  # type: ignore[arg-type]
         return count // local if self.drop_last else -(-count // local)

@@ -14,10 +14,10 @@ shuffled, samples shuffled inside each block, each replica a contiguous run of
 positions, each micro-batch read whole by one DataLoader worker. A reader reads
 each block's bytes at once and keeps the last block it read, so its memory is one
 block whatever the corpus size. Local shards are read through read-only memory
-maps (a slice per block, no system call); their pages are the page cache's,
-shared and reclaimable. Like any mapped file, a shard must not be truncated while
-a job reads it (a read past the new end kills the reader with SIGBUS); a shard
-rewritten with other content is detected and refused. Remote shards (``s3://``,
+maps (a slice per block) when they all stay open at once, else with a ``pread``
+per block; mapped pages are the page cache's, shared and reclaimable. A shard
+truncated or rewritten with other content while a job reads it is detected and
+refused (a ValueError, never a read past a map's end). Remote shards (``s3://``,
 ``gs://``, ...) are opened through fsspec when it is installed (``pip install
 'adaptdl-torch[fsspec]'``) and read with a seek and a read per block.
 """
@@ -29,7 +29,6 @@ import contextlib
 import fcntl
 import hashlib
 import io
-import itertools
 import json
 import logging
 import mmap
@@ -41,18 +40,14 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import torch
-from adaptdl.core.passbatches import IssuedSizes
 from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
-    Chunk,
     ShardIndex,
-    StreamPlan,
     check_block_size,
 )
 from adaptdl.core.storage import LocalStorage, open_regular
@@ -65,7 +60,10 @@ from adaptdl.torch.shardreaders import (
     is_remote,
     open_shard,
 )
-from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
+
+if TYPE_CHECKING:
+    from adaptdl.torch.shardstream import ShardedStream
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -111,7 +109,10 @@ def _map_local(path: str) -> mmap.mmap | bytes:
 
 
 def _close(handle: Any) -> None:
-    """Close an open shard: a map, a file object or a positioned reader's state."""
+    """Close an open shard: a map, a descriptor, a file object or a reader's state."""
+    if type(handle) is int:
+        os.close(handle)
+        return
     close = getattr(handle, "close", None)
     if close is not None:
         close()
@@ -225,8 +226,12 @@ class ShardedDataset(IterableDataset[Any]):
         # The index's numbers as plain tuples, looked up once per block read.
         self._offsets, self._counts = self.index.offsets, self.index.counts
         self._max_open = _OPEN_FILES
-        if self._read_at is None and not any(is_remote(n) for n in names):
+        local = self._read_at is None and not any(is_remote(n) for n in names)
+        if local:
             self._max_open = max(_OPEN_FILES, min(_OPEN_DESCRIPTORS, _descriptor_limit() // 4))
+        # Local shards are mapped when all stay open; with more, shuffled blocks mostly
+        # miss the cache, and a map made and unmade per block costs ~7x a pread.
+        self._mapped = local and len(names) <= self._max_open
         self._reset_caches()
 
     # -- the index ----------------------------------------------------------------------
@@ -349,16 +354,32 @@ class ShardedDataset(IterableDataset[Any]):
                 handle = self.reader.open_state(open_shard(name))  # type: ignore[attr-defined]
             elif is_remote(name):
                 handle = open_shard(name)
-            else:
+            elif self._mapped:
                 handle = _map_local(name.removeprefix("file://"))
+                length = len(handle)
+                if length < self._sizes[shard]:  # reads past its end would be SIGBUS
+                    _close(handle)
+                    self._truncated(shard, length)
+            else:
+                handle = os.open(name.removeprefix("file://"), os.O_RDONLY)
             self._handles[shard] = handle
         return handle
 
     def _read_span(self, shard: int, begin: int, end: int) -> bytes:
-        """Bytes ``[begin, end)`` of a shard (fewer where it ends before ``end``)."""
-        handle = self._handle(shard)
-        if isinstance(handle, (mmap.mmap, bytes)):
+        """Bytes ``[begin, end)`` of a shard (fewer where it ends before ``end``).
+
+        Raises ValueError for a mapped shard now shorter than ``end`` (a truncated
+        file: reading its map past the end would kill the process with SIGBUS).
+        """
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handle(shard)
+        if type(handle) is mmap.mmap:
+            if end > handle.size():  # one fstat; a shorter pread needs no check
+                self._truncated(shard, handle.size())
             return handle[begin:end]
+        if type(handle) is int:
+            return os.pread(handle, end - begin, begin)
         handle.seek(begin)
         return handle.read(end - begin)  # type: ignore[no-any-return]
 
@@ -395,19 +416,13 @@ class ShardedDataset(IterableDataset[Any]):
         shard = bisect.bisect_right(offsets, start) - 1
         offset = start - offsets[shard]
         size, rest = stop - start, self._counts[shard] - offset
-        handle, seeks = self._handles.get(shard), self._seeks
-        if size <= rest and type(handle) is mmap.mmap and seeks is not None:
-            # The usual case: a block inside one local shard, a slice of its map.
-            data = handle[seeks[block] : seeks[block + 1] if size < rest else self._sizes[shard]]
-            records = self._split(data) if self._split is not None else self._records(data)
-            if len(records) != size:
-                self._mismatch(shard, offset, size, records, size == rest)
-        elif size > rest or self._read_at is not None:
+        if size > rest or self._read_at is not None:
             records = self._read_across(block, shard, offset, size)
-        else:
-            begin = self._seek_position(block)
-            end = self._seek_position(block + 1) if size < rest else self._sizes[shard]
-            records = self._records(self._read_span(shard, begin, end))
+        else:  # the usual case: a block inside one shard, one span of its bytes
+            seeks = self._seeks if self._seeks is not None else self._seek_table()
+            end = seeks[block + 1] if size < rest else self._sizes[shard]
+            data = self._read_span(shard, seeks[block], end)
+            records = self._split(data) if self._split is not None else self._records(data)
             if len(records) != size:
                 self._mismatch(shard, offset, size, records, size == rest)
         self._block = (block, records)
@@ -444,6 +459,13 @@ class ShardedDataset(IterableDataset[Any]):
         if self._split is not None:
             return self._split(data)
         return list(self.reader.records(io.BytesIO(data)))
+
+    def _truncated(self, shard: int, length: int) -> None:
+        raise ValueError(
+            f"shard {self.index.names[shard]!r} is {length} bytes where its index counts "
+            f"{self._sizes[shard]} (truncated while read?); delete the index "
+            f"{os.fspath(self.index_path)!r} to count the shards again"
+        )
 
     def _mismatch(self, shard: int, offset: int, want: int, got: list[Any], to_end: bool) -> None:
         name, count = self.index.names[shard], self.index.counts[shard]
@@ -503,141 +525,10 @@ def _default_index(names: list[str], block_size: int) -> Path:
     return Path(names[0].removeprefix("file://")).resolve().parent / f"adaptdl-index-{digest}.json"
 
 
-def _keep(batch: Any) -> Any:
-    """The DataLoader's collate step: the stream yields collated micro-batches already."""
-    return batch
+def __getattr__(name: str) -> Any:
+    # ShardedStream lives in shardstream, which imports this module: looked up lazily.
+    if name == "ShardedStream":
+        from adaptdl.torch.shardstream import ShardedStream
 
-
-class ShardedStream(Dataset[Any]):
-    """What `AdaptiveDataLoader` hands its DataLoader for a `ShardedDataset`.
-
-    Its :attr:`sampler` issues this replica's chunks of the pass (core's
-    `StreamPlan`, from the planned global index), one per micro-batch, each of the
-    local batch size that :attr:`sizes` gives as it is issued; indexing the stream
-    with one reads and collates that micro-batch. So, as for a map-style dataset,
-    the DataLoader's workers read micro-batches in turn, and a batch size changed in
-    the middle of a pass applies to the micro-batches issued from then on, without
-    new workers.
-    """
-
-    def __init__(
-        self,
-        dataset: ShardedDataset,
-        *,
-        shuffle: bool,
-        seed: int,
-        collate_fn: Callable[[list[Any]], Any] | None,
-        drop_last: bool,
-    ) -> None:
-        self.dataset = dataset
-        self.shuffle = shuffle
-        self.seed = seed
-        self.collate_fn = collate_fn or torch.utils.data.default_collate
-        self.drop_last = drop_last
-        self.sizes = IssuedSizes()
-        self.sampler = _ChunkSampler(self)
-        self._plan = self._make_plan(0, 0, 1, 0, 1)
-        # The plan of the chunks read last, and its order (made once per plan).
-        self._read_plan: StreamPlan | None = None
-        self._order: Any = None
-
-    @classmethod
-    def for_loader(
-        cls, dataset: Any, shuffle: bool, seed: int, kwargs: dict[str, Any]
-    ) -> ShardedStream:
-        """The stream for `AdaptiveDataLoader`; pops the options it takes from ``kwargs``
-        and sets ``kwargs["sampler"]`` to the stream's :attr:`sampler`.
-
-        Raises ValueError for an IterableDataset that is not a `ShardedDataset`.
-        """
-        if not isinstance(dataset, ShardedDataset):
-            raise ValueError(
-                "AdaptiveDataLoader needs a map-style dataset (with __len__ and "
-                "__getitem__) or a sharded one: adaptdl.torch.shards.ShardedDataset(shards, "
-                "reader) streams shard files with known sample counts and resumes exactly "
-                f"once after restarts at any size; got the IterableDataset {type(dataset)!r}"
-            )
-        if not isinstance(shuffle, bool):
-            raise ValueError(f"shuffle must be a bool, got {shuffle!r}")
-        stream = cls(
-            dataset,
-            shuffle=shuffle,
-            seed=seed,
-            collate_fn=kwargs.pop("collate_fn", None),
-            drop_last=bool(kwargs.pop("drop_last", False)),
-        )
-        kwargs["sampler"] = stream.sampler
-        return stream
-
-    @staticmethod
-    def loader_collate() -> Callable[[Any], Any]:
-        return _keep
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def _make_plan(
-        self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int
-    ) -> StreamPlan:
-        return StreamPlan(
-            len(self.dataset),
-            self.dataset.block_size,
-            self.seed,
-            epoch,
-            index,
-            replicas,
-            rank,
-            local_bsz,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-        )
-
-    def set_plan(self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int) -> None:
-        """Read the pass from global ``index`` (epoch, replicas, rank, local batch size)."""
-        self._plan = self._make_plan(epoch, index, replicas, rank, local_bsz)
-
-    def start(self, epoch: int, index: int, replicas: int, rank: int, local_bsz: int) -> None:
-        """A pass starts: `set_plan`, and issue micro-batches of ``local_bsz`` from the first."""
-        self.set_plan(epoch, index, replicas, rank, local_bsz)
-        self.sizes.start(local_bsz)
-
-    @property
-    def plan(self) -> tuple[int, int, int, int, int]:
-        """(epoch, index, replicas, rank, local batch size) of the planned pass."""
-        p = self._plan
-        return p.epoch, p.index, p.num_replicas, p.rank, p.local_bsz
-
-    def num_batches(self) -> int:
-        """Micro-batches this replica yields from the planned index to the pass end."""
-        return self._plan.num_batches()
-
-    def batches(self) -> Iterator[Any]:
-        """The planned pass's micro-batches read in this process (no DataLoader)."""
-        return map(self.__getitem__, self.sampler)
-
-    def __getitem__(self, ticket: tuple[StreamPlan, Chunk]) -> Any:
-        """The collated micro-batch of a chunk that :attr:`sampler` issued."""
-        plan, (lo, hi, pad, _, _) = ticket
-        if plan is not self._read_plan:  # a worker gets a copy of the plan with each chunk
-            if plan != self._read_plan:
-                self._order = plan.order()
-            self._read_plan = plan
-        take, order = self.dataset.take, self._order
-        samples = take(order, lo, hi)
-        if pad is not None:
-            samples += take(order, pad, pad + 1)
-        return self.collate_fn(samples)
-
-
-class _ChunkSampler(Sampler[Any]):
-    """Issues the planned pass's chunks, one per micro-batch, each with its plan."""
-
-    def __init__(self, stream: ShardedStream) -> None:
-        self.stream = stream
-
-    def __iter__(self) -> Iterator[tuple[StreamPlan, Chunk]]:
-        plan = self.stream._plan
-        return zip(itertools.repeat(plan), plan.chunks(self.stream.sizes.issue))
-
-    def __len__(self) -> int:
-        return self.stream.num_batches()
+        return ShardedStream
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
