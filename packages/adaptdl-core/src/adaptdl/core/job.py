@@ -423,17 +423,16 @@ class Job:
     def _committed(self, *, together: bool = True) -> None:
         """Wait for a checkpoint being written in the background to be committed.
 
-        ``together`` (every replica here): then a barrier keeps every replica alive
-        until rank 0 has committed it (a launcher may end the others once one
-        exits). A signal meanwhile waits too.
+        ``together`` (every replica here): then the replicas agree on its outcome,
+        which keeps every replica alive until rank 0 has committed it (a launcher
+        may end the others once one exits) and has all raise if it failed. A
+        signal meanwhile waits too.
         """
         if self.store is None or not self.store.pending:
             return
         deferred, self._checkpointing = self._checkpointing, True
         try:
-            self.store.wait()
-            if together:
-                self.collective.barrier()
+            self.store.wait(self.collective if together else None)
         finally:
             self._checkpointing = deferred
 

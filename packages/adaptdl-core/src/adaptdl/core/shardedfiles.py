@@ -38,7 +38,6 @@ import os
 import re
 import secrets
 import stat
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +47,7 @@ import attrs
 
 from adaptdl.core._validate import check_int
 from adaptdl.core.checkpoint import (
+    _SAVE_ATTEMPTS,
     Checkpoint,
     CheckpointError,
     CheckpointStore,
@@ -83,6 +83,15 @@ FILES_SCHEMA = "adaptdl.files/1"
 _NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,200}\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _CHUNK = 1 << 20
+
+MISSING, DAMAGED = "missing", "damaged"
+# A problem a replica found with a file: [MISSING or DAMAGED, "state/name", message] (JSON).
+Problem = list[str]
+
+SHARED_HINT = (
+    "every replica must see one shared checkpoint directory alike (check that the path "
+    "is shared by every node and not served from a stale cache)"
+)
 
 _log = logging.getLogger("adaptdl.core.checkpoint")
 
@@ -302,7 +311,8 @@ class ShardedCheckpointStore(CheckpointStore):
         super().__init__(root, **options)
         self._staging: StagingStorage = root
         self._staged: _Staged | None = None
-        self._pending: Future[Any] | None = None
+        # What `wait` waits for: rank 0's commit, another replica's own writes.
+        self._pending: list[Future[Any]] = []
         self._committer: ThreadPoolExecutor | None = None
         # Labels whose files every replica, each checking a share, found intact.
         self._verified: set[str] = set()
@@ -312,34 +322,48 @@ class ShardedCheckpointStore(CheckpointStore):
     @property
     def pending(self) -> bool:
         """Whether a checkpoint is still being written in the background."""
-        return self._pending is not None
+        return bool(self._pending)
 
-    def wait(self) -> None:
+    def wait(self, collective: Collective | None = None) -> None:
         """Return once the checkpoint being written in the background is committed.
 
         Raises CheckpointError if writing or committing it failed (the previous
-        checkpoint is then still the newest).
+        checkpoint is then still the newest). With ``collective`` (every replica
+        calls it at the same point, each with a checkpoint pending) the replicas
+        agree on the outcome: all raise the first failing replica's error, so that
+        none goes on to wait for a peer that stopped.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
+        pending, self._pending = self._pending, []
+        if not pending:
             return
+        error: CheckpointError | None = None
         try:
-            pending.result()
-        except CheckpointError:
-            raise
-        except Exception as exc:  # whatever stopped a replica's write
-            raise CheckpointError(
+            for future in pending:
+                future.result()
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # whatever stopped a replica's write or rank 0's commit
+            error = CheckpointError(
                 f"a checkpoint written in the background into {self._where()} failed "
                 f"({type(exc).__name__}: {exc}); the previous checkpoint is still the newest"
-            ) from exc
+            )
+            error.__cause__ = exc
+        if collective is not None and collective.num_replicas > 1:
+            texts = collective.allgather(None if error is None else str(error))
+            first = next(((r, t) for r, t in enumerate(texts) if t is not None), None)
+            if first is not None and first[0] != collective.rank:
+                raise CheckpointError(f"replica {first[0]}: {first[1]}") from error
+        if error is not None:
+            raise error
 
     def write_files(self, states: Sequence[FileState], collective: Collective) -> None:
         """Collective: every replica writes ``states``' files into one staging directory.
 
         An :class:`AsyncFileState` only starts writing. Rank 0 keeps the staging
-        directory and the listing for its next :meth:`save`.
+        directory and the listing for its next :meth:`save`. A checkpoint still
+        pending is waited for first, and its outcome agreed (:meth:`wait`).
         """
-        self.wait()
+        self.wait(collective)
         token = collective.broadcast(secrets.token_hex(8) if collective.rank == 0 else "")
         staged = self._staging.stage(token)
         mine: dict[str, dict[str, list[Any]]] = {}
@@ -359,8 +383,8 @@ class ShardedCheckpointStore(CheckpointStore):
         listing = _merge_listings(collective.allgather(mine))
         if collective.rank == 0:
             self._staged = _Staged(staged, listing, started)
-        elif started:
-            self._pending = _all_of([future for _, future in started])
+        else:
+            self._pending = [future for _, future in started]
 
     def save(
         self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
@@ -383,7 +407,7 @@ class ShardedCheckpointStore(CheckpointStore):
         label = self._free_label(labels)
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="adaptdl-commit")
-        self._pending = self._committer.submit(self._commit, staged, frozen, meta, labels, label)
+        self._pending = [self._committer.submit(self._commit, staged, frozen, meta, labels, label)]
         return Checkpoint(label, frozen, meta)
 
     def _save_staged(
@@ -401,10 +425,11 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def _free_label(self, labels: list[str]) -> str:
         """The label the next checkpoint takes: after every one, skipping names taken by debris."""
-        sequence = sequence_of(labels[-1]) + 1 if labels else 1
-        while os.path.lexists(self._staging.root / label_of(sequence)):
-            sequence += 1
-        return label_of(sequence)
+        first = sequence_of(labels[-1]) + 1 if labels else 1
+        for sequence in range(first, first + _SAVE_ATTEMPTS):
+            if not os.path.lexists(self._staging.root / label_of(sequence)):
+                return label_of(sequence)
+        raise self._names_taken()
 
     def _commit(
         self,
@@ -457,26 +482,35 @@ class ShardedCheckpointStore(CheckpointStore):
         return checkpoint
 
     def _check_all(self, label: str, listing: Listing) -> list[str]:
-        return self._check(
-            label, [(s, n, r) for s, row in listing.items() for n, r in row.items()]
-        )
+        return [text for _, _, text in self._check(label, _files_of(listing))]
 
-    def _check(self, label: str, files: Sequence[tuple[str, str, FileRecord]]) -> list[str]:
+    def _check(self, label: str, files: Sequence[tuple[str, str, FileRecord]]) -> list[Problem]:
         """What is wrong with ``files`` (state, name, record) of checkpoint ``label``."""
-        problems = []
+        problems: list[Problem] = []
         for state, name, record in files:
             directory = self.files_directory(label, state)
             try:
                 if not stat.S_ISDIR(os.lstat(directory).st_mode):
                     raise OSError(errno.ENOTDIR, "not a directory", str(directory))
                 found = self._staging.digest(directory / name, limit=record.size)
+            except FileNotFoundError as exc:
+                problems.append(
+                    [MISSING, f"{state}/{name}", f"file {state}/{name} is missing ({exc})"]
+                )
+                continue
             except OSError as exc:
-                problems.append(f"file {state}/{name} is missing or unreadable ({exc})")
+                problems.append(
+                    [DAMAGED, f"{state}/{name}", f"file {state}/{name} is unreadable ({exc})"]
+                )
                 continue
             if found != record:
                 problems.append(
-                    f"file {state}/{name} does not match its size and SHA-256 in "
-                    f"{FILES_ENTRY} (truncated, damaged or replaced)"
+                    [
+                        DAMAGED,
+                        f"{state}/{name}",
+                        f"file {state}/{name} does not match its size and SHA-256 in "
+                        f"{FILES_ENTRY} (truncated, damaged or replaced)",
+                    ]
                 )
         return problems
 
@@ -487,12 +521,24 @@ class ShardedCheckpointStore(CheckpointStore):
         Each replica hashes a share of the files (:func:`shares`, balanced by
         size) and all learn the verdict, so a damaged file still makes every
         replica fall back to the older checkpoint while none reads every file.
-        The other replicas run :meth:`help_check_files` meanwhile.
+        The other replicas run :meth:`help_check_files` meanwhile. A file another
+        replica does not find but rank 0 does raises CheckpointError: the replicas
+        do not share one checkpoint directory, and no checkpoint is damaged.
         """
 
         def together(label: str, listing: Listing) -> list[str]:
             collective.broadcast([label, encode_listing(listing).decode("ascii")])
-            return self._check_share(label, listing, collective)
+            parts = collective.allgather(self._share_problems(label, listing, collective))
+            problems = []
+            for rank, part in enumerate(parts):
+                for kind, path, text in part:
+                    if kind == MISSING and rank != 0 and self._sees(label, path):
+                        raise CheckpointError(
+                            f"replica {rank} does not see the file {path} of checkpoint "
+                            f"{self._where(label)} that rank 0 sees; {SHARED_HINT}"
+                        )
+                    problems.append(text if rank == 0 else f"{text} (found by replica {rank})")
+            return problems
 
         self._check_files = together
         try:
@@ -502,27 +548,48 @@ class ShardedCheckpointStore(CheckpointStore):
             collective.broadcast(None)  # the other replicas stop helping
 
     def help_check_files(self, collective: Collective) -> None:
-        """On every replica but rank 0, while rank 0 is in :meth:`checking_files_with`."""
+        """On every replica but rank 0, while rank 0 is in :meth:`checking_files_with`.
+
+        A label whose share this replica found intact, as every other replica
+        did theirs, then loads without hashing (:meth:`forget_verified` ends that).
+        """
         while True:
             request = collective.broadcast(None)
             if request is None:
                 return
-            label, text = request
             try:
+                label, text = request
                 check_label(label)
                 listing = decode_listing(text.encode("ascii"))
-            except (ValueError, TypeError, UnicodeError) as exc:
-                collective.allgather([f"the listing rank 0 sent cannot be read ({exc})"])
+            except Exception as exc:  # sent all the same: rank 0 waits for every share
+                collective.allgather(
+                    [[DAMAGED, "", f"the listing rank 0 sent cannot be read ({exc})"]]
+                )
                 continue
-            self._check_share(label, listing, collective)
+            parts = collective.allgather(self._share_problems(label, listing, collective))
+            if not any(parts):
+                self._verified.add(label)
 
-    def _check_share(self, label: str, listing: Listing, collective: Collective) -> list[str]:
-        """Collective: check this replica's share of ``listing``; every replica's problems."""
-        files = shares(listing, collective.num_replicas)[collective.rank]
-        problems = [p for part in collective.allgather(self._check(label, files)) for p in part]
-        if not problems:
-            self._verified.add(label)
-        return problems
+    def forget_verified(self) -> None:
+        """Have every later load hash the files again (after a restore has used the verdicts)."""
+        self._verified.clear()
+
+    def _share_problems(
+        self, label: str, listing: Listing, collective: Collective
+    ) -> list[Problem]:
+        """What is wrong with this replica's share of ``listing``; never raises."""
+        try:
+            return self._check(label, shares(listing, collective.num_replicas)[collective.rank])
+        except Exception as exc:  # a helper that stopped would leave rank 0 waiting
+            return [
+                [DAMAGED, "", f"replica {collective.rank} could not check its share ({exc!r})"]
+            ]
+
+    def _sees(self, label: str, path: str) -> bool:
+        try:
+            return os.path.lexists(self._staging.root / label / path)
+        except (OSError, ValueError):
+            return False
 
 
 @attrs.frozen
@@ -532,28 +599,6 @@ class _Staged:
     directory: Path
     listing: Listing
     started: list[tuple[str, Future[Mapping[str, FileRecord] | None]]]
-
-
-def _all_of(futures: list[Future[Any]]) -> Future[None]:
-    """A future that completes when every one of ``futures`` has (with the first error)."""
-    out: Future[None] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0] > 0:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            out.set_result(None)
-
-    for future in futures:
-        future.add_done_callback(done)
-    return out
 
 
 def shares(listing: Listing, replicas: int) -> list[list[tuple[str, str, FileRecord]]]:
