@@ -409,3 +409,34 @@ def test_verdicts_are_forgotten_after_a_restore(tmp_path: Path) -> None:
     for _, store in results:
         with pytest.raises(CheckpointError, match="does not match"):
             store.load_label("ckpt-000001")
+
+
+def test_a_background_checkpoint_counts_and_is_said_written_once_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="adaptdl.lifecycle")
+    writes = Writes(1)
+    job = Job(store=ShardedCheckpointStore(tmp_path, job_id="j"))
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.checkpoint()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("ckpt-000001" in m and "started" in m for m in said), said
+    assert not any("written in" in m for m in said), said
+    assert job._base == 0  # not committed yet: a crash now resumes from nothing
+    writes.release.set()
+    job._committed()
+    assert job._base == 1
+    assert any(
+        "ckpt-000001" in r.getMessage() and "written in" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_failed_background_commit_does_not_count_as_a_checkpoint(tmp_path: Path) -> None:
+    writes = Writes(1, fail=True)
+    writes.release.set()
+    job = Job(store=ShardedCheckpointStore(tmp_path, job_id="j"))
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.checkpoint()
+    with pytest.raises(CheckpointError, match="disk full"):
+        job._committed()
+    assert job._base == 0
