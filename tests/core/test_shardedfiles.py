@@ -440,3 +440,21 @@ def test_a_failed_background_commit_does_not_count_as_a_checkpoint(tmp_path: Pat
     with pytest.raises(CheckpointError, match="disk full"):
         job._committed()
     assert job._base == 0
+
+
+def test_a_failed_commit_is_logged_even_if_nothing_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import concurrent.futures
+
+    caplog.set_level("ERROR", logger="adaptdl.core.checkpoint")
+    writes = Writes(1, fail=True)
+    writes.release.set()
+    store = ShardedCheckpointStore(tmp_path, job_id="j")
+    job = Job(store=store)
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.checkpoint()
+    concurrent.futures.wait(store._pending)  # as the interpreter's exit does, no `wait`
+    assert any(
+        "not committed" in r.getMessage() and "disk full" in r.getMessage() for r in caplog.records
+    )

@@ -407,7 +407,9 @@ class ShardedCheckpointStore(CheckpointStore):
         label = self._free_label(labels)
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="adaptdl-commit")
-        self._pending = [self._committer.submit(self._commit, staged, frozen, meta, labels, label)]
+        self._pending = [
+            self._committer.submit(self._commit_or_log, staged, frozen, meta, labels, label)
+        ]
         return Checkpoint(label, frozen, meta)
 
     def _save_staged(
@@ -430,6 +432,20 @@ class ShardedCheckpointStore(CheckpointStore):
             if not os.path.lexists(self._staging.root / label_of(sequence)):
                 return label_of(sequence)
         raise self._names_taken()
+
+    def _commit_or_log(self, staged: _Staged, *args: Any) -> Checkpoint:
+        """`_commit`, logging its failure: a process that exits without `wait` still says it."""
+        try:
+            return self._commit(staged, *args)
+        except Exception as exc:
+            _log.error(
+                "a checkpoint written in the background into %s was not committed (%s: %s); "
+                "the previous checkpoint is still the newest",
+                self._where(),
+                type(exc).__name__,
+                exc,
+            )
+            raise
 
     def _commit(
         self,
