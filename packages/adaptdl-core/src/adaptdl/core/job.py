@@ -302,9 +302,9 @@ class Job:
                     "finished_epochs": self.epoch.finished_epochs,
                 },
             )
-            if self.store.pending:
-                self._uncommitted = (saved, self.clock())
-            else:
+            # A plain save first waited for any checkpoint still being committed.
+            self._uncommitted = (saved, self.clock()) if self.store.pending else None
+            if self._uncommitted is None:
                 self._base = saved.sequence
         return saved
 
