@@ -313,3 +313,148 @@ def test_shares_give_each_file_to_one_replica_balanced_by_size(
     loads = [sum(r.size + 1 for _, _, r in part) for part in split]
     largest = max((r.size + 1 for row in listing.values() for r in row.values()), default=0)
     assert max(loads) - min(loads) <= largest
+
+
+# --------------------------------------------------------------------- failures agreed
+
+
+def test_a_commit_failing_on_rank_0_alone_raises_on_every_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tmp_path, 2, [9, 9, 9])
+
+    def refused(*_: Any) -> Any:
+        raise OSError("manifest write refused")
+
+    monkeypatch.setattr(ShardedCheckpointStore, "_write", refused)  # rank 0's commit only
+    writes = Writes(2)
+    writes.release.set()
+
+    def replica(collective: ThreadCollective) -> str:
+        store = ShardedCheckpointStore(tmp_path, job_id="j")
+        job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        job.register(BackgroundShards(collective.rank, 2, [1, 2], writes))
+        job.checkpoint()
+        try:
+            job._committed()  # every replica, as at a stop or the end of training
+        except CheckpointError as exc:
+            return str(exc)
+        return "passed"
+
+    errors = run_replicas(2, replica, timeout=10)  # the collective times out on a hang
+    assert all("manifest write refused" in e for e in errors), errors
+    assert ShardedCheckpointStore(tmp_path, job_id="j").latest_label() == "ckpt-000001"
+
+
+def restore_at(paths: list[Path]) -> list[Any]:
+    """Each replica restores from its own path: its result, or its error's text."""
+
+    def replica(collective: ThreadCollective) -> Any:
+        store = ShardedCheckpointStore(paths[collective.rank], job_id="j")
+        try:
+            job = Job(
+                Topology(rank=collective.rank, num_replicas=len(paths)),
+                collective=collective,
+                store=store,
+            )
+            state = Shards(collective.rank, len(paths), [])
+            job.register(state)
+        except CheckpointError as exc:
+            return str(exc), store
+        return state.restored, store
+
+    return run_replicas(len(paths), replica, timeout=20)
+
+
+def test_a_replica_not_seeing_rank_0s_files_raises_rather_than_falling_back(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    shared, other = tmp_path / "shared", tmp_path / "other"
+    run(shared, 2, [1, 2, 3])
+    run(shared, 2, [4, 5, 6])
+    shutil.copytree(shared, other)
+    for victim in (other / "ckpt-000002" / "shards").iterdir():
+        victim.unlink()  # replica 1 sees the manifest but none of the files (a stale cache)
+    results = restore_at([shared, other])
+    assert all("does not see" in r and "shared" in r for r, _ in results), results
+    # A file missing on rank 0 too is damage: every replica falls back.
+    (shared / "ckpt-000002" / "shards" / "part-1-of-2.json").unlink()
+    assert [r for r, _ in restore_at([shared, shared])] == [[1, 2, 3]] * 2
+
+
+def test_a_helper_failing_unexpectedly_still_answers_and_the_job_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tmp_path, 2, [1, 2, 3])
+    run(tmp_path, 2, [4, 5, 6])
+    original = shardedfiles.file_record
+
+    def broken(path: Path, limit: int | None = None) -> FileRecord:
+        if threading.current_thread().name == "replica-1" and "ckpt-000002" in str(path):
+            raise RuntimeError("hash library broke")
+        return original(path, limit)
+
+    monkeypatch.setattr(shardedfiles, "file_record", broken)
+    assert [r for r, _ in restore_at([tmp_path, tmp_path])] == [[1, 2, 3]] * 2
+
+
+def test_verdicts_are_forgotten_after_a_restore(tmp_path: Path) -> None:
+    run(tmp_path, 2, [1, 2, 3])
+    results = restore_at([tmp_path, tmp_path])
+    assert [r for r, _ in results] == [[1, 2, 3]] * 2
+    for victim in (tmp_path / "ckpt-000001" / "shards").iterdir():
+        victim.write_bytes(b"altered")
+    for _, store in results:
+        with pytest.raises(CheckpointError, match="does not match"):
+            store.load_label("ckpt-000001")
+
+
+def test_a_background_checkpoint_counts_and_is_said_written_once_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="adaptdl.lifecycle")
+    writes = Writes(1)
+    job = Job(store=ShardedCheckpointStore(tmp_path, job_id="j"))
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.checkpoint()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("ckpt-000001" in m and "started" in m for m in said), said
+    assert not any("written in" in m for m in said), said
+    assert job._base == 0  # not committed yet: a crash now resumes from nothing
+    writes.release.set()
+    job._committed()
+    assert job._base == 1
+    assert any(
+        "ckpt-000001" in r.getMessage() and "written in" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_failed_background_commit_does_not_count_as_a_checkpoint(tmp_path: Path) -> None:
+    writes = Writes(1, fail=True)
+    writes.release.set()
+    job = Job(store=ShardedCheckpointStore(tmp_path, job_id="j"))
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.checkpoint()
+    with pytest.raises(CheckpointError, match="disk full"):
+        job._committed()
+    assert job._base == 0
+
+
+def test_a_failed_commit_is_logged_even_if_nothing_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import concurrent.futures
+
+    caplog.set_level("ERROR", logger="adaptdl.core.checkpoint")
+    writes = Writes(1, fail=True)
+    writes.release.set()
+    store = ShardedCheckpointStore(tmp_path, job_id="j")
+    job = Job(store=store)
+    job.register(BackgroundShards(0, 1, [1, 2], writes))
+    job.checkpoint()
+    concurrent.futures.wait(store._pending)  # as the interpreter's exit does, no `wait`
+    assert any(
+        "not committed" in r.getMessage() and "disk full" in r.getMessage() for r in caplog.records
+    )

@@ -54,6 +54,7 @@ from adaptdl.core._validate import check_int
 
 # The collective wire format is the project's one canonical JSON (sorted keys, ASCII,
 # NaN/Infinity allowed for metrics); checkpoints use the same, with the same checks.
+from adaptdl.core.collective import Collective
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
 from adaptdl.core.manifest import (
@@ -292,7 +293,7 @@ class CheckpointStore:
         """Whether a checkpoint is still being written in the background (never, here)."""
         return False
 
-    def wait(self) -> None:
+    def wait(self, collective: Collective | None = None) -> None:
         """Return once no checkpoint is being written in the background (at once, here)."""
 
     def check_writable(self) -> None:
@@ -358,12 +359,16 @@ class CheckpointStore:
                 )
                 sequence += 1
         else:
-            raise CheckpointError(
-                f"could not write a checkpoint into {self._where()}: the next "
-                f"{_SAVE_ATTEMPTS} checkpoint names are all taken by other files; remove them"
-            )
+            raise self._names_taken()
         self._prune(labels, label)
         return checkpoint
+
+    def _names_taken(self) -> CheckpointError:
+        """The error when every one of the next `_SAVE_ATTEMPTS` names is taken by debris."""
+        return CheckpointError(
+            f"could not write a checkpoint into {self._where()}: the next "
+            f"{_SAVE_ATTEMPTS} checkpoint names are all taken by other files; remove them"
+        )
 
     def _prepare(
         self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None

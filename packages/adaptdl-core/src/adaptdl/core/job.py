@@ -90,6 +90,9 @@ class Job:
         if store is not None:
             self._loaded = restore_agreed(store, self.collective, self.topology.rank)
         self._base = self._loaded.sequence if self._loaded is not None else 0
+        # Rank 0: a checkpoint being committed in the background, and when it was taken;
+        # `_base` advances to it only once it is committed.
+        self._uncommitted: tuple[Checkpoint, float] | None = None
         self.current_loader: LoaderHelper | None = None
         self.training_loader: LoaderHelper | None = None
         self._sync_time = 0.0
@@ -248,7 +251,9 @@ class Job:
                     state.sync()
             files = [state for state in self._states.values() if isinstance(state, FileState)]
             if files and self.store is not None:
+                previous, self._uncommitted = self._uncommitted, None
                 files_store(self.store, files[0]).write_files(files, self.collective)
+                self._commit_known(previous)  # it waited for the previous commit
             self.state.in_loop = self.current_loader is not None
             # Every replica serialises: some states' bytes are made by collectives.
             entries = {name: state.to_bytes() for name, state in self._states.items()}
@@ -259,13 +264,33 @@ class Job:
         self.checkpoints_written += 1
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = self.clock()
-        if saved is not None:
+        if saved is None:
+            return
+        if self._uncommitted is not None:  # committed in the background: said when known
+            lifecycle.checkpoint_started(
+                self._where(saved.label), epoch=self.epoch.current_epoch, steps=self.state.steps
+            )
+            self._uncommitted = (saved, started)
+        else:
             lifecycle.checkpoint_written(
                 self._where(saved.label),
                 seconds=self._last_checkpoint_time - started,
                 epoch=self.epoch.current_epoch,
                 steps=self.state.steps,
             )
+
+    def _commit_known(self, uncommitted: tuple[Checkpoint, float] | None) -> None:
+        """``uncommitted``, a checkpoint committed in the background, is now committed."""
+        if uncommitted is None:
+            return
+        saved, started = uncommitted
+        self._base = saved.sequence
+        lifecycle.checkpoint_written(
+            self._where(saved.label),
+            seconds=self.clock() - started,
+            epoch=self.epoch.current_epoch,
+            steps=self.state.steps,
+        )
 
     def _save(self, entries: Mapping[str, bytes]) -> Checkpoint | None:
         saved = None
@@ -278,7 +303,10 @@ class Job:
                     "finished_epochs": self.epoch.finished_epochs,
                 },
             )
-            self._base = saved.sequence
+            # A plain save first waited for any checkpoint still being committed.
+            self._uncommitted = (saved, self.clock()) if self.store.pending else None
+            if self._uncommitted is None:
+                self._base = saved.sequence
         return saved
 
     # -- stopping at a batch boundary ----------------------------------------------------
@@ -435,17 +463,18 @@ class Job:
     def _committed(self, *, together: bool = True) -> None:
         """Wait for a checkpoint being written in the background to be committed.
 
-        ``together`` (every replica here): then a barrier keeps every replica alive
-        until rank 0 has committed it (a launcher may end the others once one
-        exits). A signal meanwhile waits too.
+        ``together`` (every replica here): then the replicas agree on its outcome,
+        which keeps every replica alive until rank 0 has committed it (a launcher
+        may end the others once one exits) and has all raise if it failed. A
+        signal meanwhile waits too.
         """
         if self.store is None or not self.store.pending:
             return
         deferred, self._checkpointing = self._checkpointing, True
+        previous, self._uncommitted = self._uncommitted, None
         try:
-            self.store.wait()
-            if together:
-                self.collective.barrier()
+            self.store.wait(self.collective if together else None)
+            self._commit_known(previous)
         finally:
             self._checkpointing = deferred
 

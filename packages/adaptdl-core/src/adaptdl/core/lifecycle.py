@@ -53,6 +53,17 @@ def checkpoint_written(where: str, *, seconds: float, epoch: int | None, steps: 
     LOG.info("checkpoint %s written in %.3f s %s, at step %d", where, seconds, at, steps)
 
 
+def checkpoint_started(where: str, *, epoch: int | None, steps: int) -> None:
+    """Checkpoint ``where`` was taken; its files are written in the background."""
+    at = "between epochs" if epoch is None else f"in epoch {epoch}"
+    LOG.info(
+        "checkpoint %s started %s, at step %d: its files are saved in the background",
+        where,
+        at,
+        steps,
+    )
+
+
 def batch_size_changed(
     name: str, *, local: int, micro_batches: int, replicas: int, total: int
 ) -> None:

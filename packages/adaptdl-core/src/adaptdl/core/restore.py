@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from adaptdl.core.checkpoint import Checkpoint, CheckpointError, State
 from adaptdl.core.collective import Collective
-from adaptdl.core.shardedfiles import FileState, ShardedCheckpointStore
+from adaptdl.core.shardedfiles import SHARED_HINT, FileState, ShardedCheckpointStore
 
 __all__ = [
     "ALL_STATES",
@@ -54,8 +54,11 @@ class Store(Protocol):
         """Whether a checkpoint is still being written in the background."""
         ...
 
-    def wait(self) -> None:
-        """Return once no checkpoint is being written in the background."""
+    def wait(self, collective: Collective | None = None) -> None:
+        """Return once no checkpoint is being written in the background.
+
+        With ``collective`` (every replica at the same point) all agree on whether it failed.
+        """
         ...
 
     def labels(self) -> list[str]: ...
@@ -80,6 +83,14 @@ def restore_agreed(store: Store, collective: Collective, rank: int) -> Checkpoin
     choice, so that none waits for a peer that stopped. A replica that sees the
     label but reads other bytes raises on its own.
     """
+    try:
+        return _restore_agreed(store, collective, rank)
+    finally:
+        if isinstance(store, ShardedCheckpointStore):
+            store.forget_verified()  # a later load of the same label hashes its files again
+
+
+def _restore_agreed(store: Store, collective: Collective, rank: int) -> Checkpoint | None:
     view: dict[str, Any] = {}
     loaded: Checkpoint | None = None
     error: CheckpointError | None = None
@@ -117,9 +128,7 @@ def restore_agreed(store: Store, collective: Collective, rank: int) -> Checkpoin
             newest = max(labels, key=lambda name: (len(name), name), default=None)
             raise CheckpointError(
                 f"replica {r} does not see checkpoint {where(store, label)} that rank 0 restores "
-                f"(the newest it sees is {newest or 'none'}); every replica must see one "
-                "shared checkpoint directory alike (check that the path is shared by every "
-                "node and not served from a stale cache)"
+                f"(the newest it sees is {newest or 'none'}); {SHARED_HINT}"
             )
     if rank == 0:
         return loaded

@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
-import re
 import secrets
 import stat
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -46,18 +43,29 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from adaptdl.core._validate import check_int
 from adaptdl.core.checkpoint import (
+    _SAVE_ATTEMPTS,
     Checkpoint,
     CheckpointError,
     CheckpointStore,
     State,
 )
 from adaptdl.core.collective import Collective
-from adaptdl.core.collective import decode as _json_decode
-from adaptdl.core.collective import encode as _json_encode
+from adaptdl.core.filelisting import (
+    FILES_ENTRY,
+    FILES_SCHEMA,
+    FileRecord,
+    Listing,
+    check_name,
+    decode_listing,
+    encode_listing,
+    file_record,
+    files_of,
+    merge_listings,
+    shares,
+)
 from adaptdl.core.manifest import Unusable, check_label, label_of, sequence_of
-from adaptdl.core.storage import TMP_PREFIX, LocalStorage, open_regular
+from adaptdl.core.storage import TMP_PREFIX, LocalStorage
 
 __all__ = [
     "FILES_ENTRY",
@@ -73,28 +81,16 @@ __all__ = [
     "shares",
 ]
 
-FILES_ENTRY = "adaptdl-files"
-"""The checkpoint entry listing every file the :class:`FileState` s wrote."""
+MISSING, DAMAGED = "missing", "damaged"
+# A problem a replica found with a file: [MISSING or DAMAGED, "state/name", message] (JSON).
+Problem = list[str]
 
-FILES_SCHEMA = "adaptdl.files/1"
-"""The schema of that entry."""
-
-# A file or state name inside a checkpoint: one path component, never "." or "..".
-_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,200}\Z")
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-_CHUNK = 1 << 20
+SHARED_HINT = (
+    "every replica must see one shared checkpoint directory alike (check that the path "
+    "is shared by every node and not served from a stale cache)"
+)
 
 _log = logging.getLogger("adaptdl.core.checkpoint")
-
-
-def check_name(what: str, name: Any) -> str:
-    """``name`` if it is one safe path component, else ValueError naming ``what``."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(
-            f"{what} must be 1-200 letters, digits, '_', '.' or '-' (not '.' or '..'), "
-            f"got {name!r}"
-        )
-    return name
 
 
 @runtime_checkable
@@ -137,59 +133,6 @@ class AsyncFileState(FileState, Protocol):
         error that stopped any replica's write.
         """
         ...
-
-
-@attrs.frozen
-class FileRecord:
-    """The size and SHA-256 of one file."""
-
-    size: int
-    sha256: str
-
-    def __attrs_post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
-            raise ValueError(f"size must be an int >= 0, got {self.size!r}")
-        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
-            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
-
-
-Listing = Mapping[str, Mapping[str, FileRecord]]
-"""Per state name, per file name, its record."""
-
-
-def encode_listing(listing: Listing) -> bytes:
-    """The :data:`FILES_ENTRY` bytes for ``listing``."""
-    files = {
-        check_name("state name", state): {
-            check_name("file name", name): [record.size, record.sha256]
-            for name, record in sorted(records.items())
-        }
-        for state, records in sorted(listing.items())
-    }
-    return _json_encode({"schema": FILES_SCHEMA, "files": files})
-
-
-def decode_listing(data: bytes) -> dict[str, dict[str, FileRecord]]:
-    """The listing :func:`encode_listing` wrote; ValueError saying what is malformed."""
-    value = _json_decode(data)
-    if not isinstance(value, dict) or value.get("schema") != FILES_SCHEMA:
-        raise ValueError(f"{FILES_ENTRY} is not a {FILES_SCHEMA!r} listing")
-    files = value.get("files")
-    if not isinstance(files, dict):
-        raise ValueError(f"{FILES_ENTRY} has no files object")
-    out: dict[str, dict[str, FileRecord]] = {}
-    for state, records in files.items():
-        check_name("state name", state)
-        if not isinstance(records, dict):
-            raise ValueError(f"{FILES_ENTRY}: the files of {state!r} are not an object")
-        row: dict[str, FileRecord] = {}
-        for name, record in records.items():
-            check_name("file name", name)
-            if not (isinstance(record, list) and len(record) == 2):
-                raise ValueError(f"{FILES_ENTRY}: malformed record for {state}/{name}")
-            row[name] = FileRecord(record[0], record[1])
-        out[state] = row
-    return out
 
 
 class StagingStorage(LocalStorage):
@@ -242,41 +185,6 @@ class StagingStorage(LocalStorage):
         return file_record(path, limit)
 
 
-def file_record(path: Path, limit: int | None = None) -> FileRecord:
-    """Size and SHA-256 of the regular file ``path`` (reading at most ``limit`` + 1 bytes).
-
-    A symlink, FIFO or directory in its place raises OSError, never followed.
-    """
-    fd = open_regular(path, os.O_RDONLY)
-    sha = hashlib.sha256()
-    size = 0
-    try:
-        while limit is None or size <= limit:
-            chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit + 1 - size))
-            if not chunk:
-                break
-            sha.update(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    return FileRecord(size, sha.hexdigest())
-
-
-def _merge_listings(parts: Sequence[Any]) -> dict[str, dict[str, FileRecord]]:
-    listing: dict[str, dict[str, FileRecord]] = {}
-    for part in parts:
-        for state, records in part.items():
-            row = listing.setdefault(state, {})
-            for name, (size, sha256) in records.items():
-                if name in row:
-                    raise CheckpointError(
-                        f"state {state!r}: two replicas both wrote the file {name!r}; each "
-                        "file of a sharded state must be written by one replica"
-                    )
-                row[name] = FileRecord(size, sha256)
-    return listing
-
-
 class ShardedCheckpointStore(CheckpointStore):
     """A checkpoint store that also holds the files of :class:`FileState` s.
 
@@ -302,7 +210,8 @@ class ShardedCheckpointStore(CheckpointStore):
         super().__init__(root, **options)
         self._staging: StagingStorage = root
         self._staged: _Staged | None = None
-        self._pending: Future[Any] | None = None
+        # What `wait` waits for: rank 0's commit, another replica's own writes.
+        self._pending: list[Future[Any]] = []
         self._committer: ThreadPoolExecutor | None = None
         # Labels whose files every replica, each checking a share, found intact.
         self._verified: set[str] = set()
@@ -312,34 +221,48 @@ class ShardedCheckpointStore(CheckpointStore):
     @property
     def pending(self) -> bool:
         """Whether a checkpoint is still being written in the background."""
-        return self._pending is not None
+        return bool(self._pending)
 
-    def wait(self) -> None:
+    def wait(self, collective: Collective | None = None) -> None:
         """Return once the checkpoint being written in the background is committed.
 
         Raises CheckpointError if writing or committing it failed (the previous
-        checkpoint is then still the newest).
+        checkpoint is then still the newest). With ``collective`` (every replica
+        calls it at the same point, each with a checkpoint pending) the replicas
+        agree on the outcome: all raise the first failing replica's error, so that
+        none goes on to wait for a peer that stopped.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
+        pending, self._pending = self._pending, []
+        if not pending:
             return
+        error: CheckpointError | None = None
         try:
-            pending.result()
-        except CheckpointError:
-            raise
-        except Exception as exc:  # whatever stopped a replica's write
-            raise CheckpointError(
+            for future in pending:
+                future.result()
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # whatever stopped a replica's write or rank 0's commit
+            error = CheckpointError(
                 f"a checkpoint written in the background into {self._where()} failed "
                 f"({type(exc).__name__}: {exc}); the previous checkpoint is still the newest"
-            ) from exc
+            )
+            error.__cause__ = exc
+        if collective is not None and collective.num_replicas > 1:
+            texts = collective.allgather(None if error is None else str(error))
+            first = next(((r, t) for r, t in enumerate(texts) if t is not None), None)
+            if first is not None and first[0] != collective.rank:
+                raise CheckpointError(f"replica {first[0]}: {first[1]}") from error
+        if error is not None:
+            raise error
 
     def write_files(self, states: Sequence[FileState], collective: Collective) -> None:
         """Collective: every replica writes ``states``' files into one staging directory.
 
         An :class:`AsyncFileState` only starts writing. Rank 0 keeps the staging
-        directory and the listing for its next :meth:`save`.
+        directory and the listing for its next :meth:`save`. A checkpoint still
+        pending is waited for first, and its outcome agreed (:meth:`wait`).
         """
-        self.wait()
+        self.wait(collective)
         token = collective.broadcast(secrets.token_hex(8) if collective.rank == 0 else "")
         staged = self._staging.stage(token)
         mine: dict[str, dict[str, list[Any]]] = {}
@@ -356,11 +279,11 @@ class ShardedCheckpointStore(CheckpointStore):
             for file in written:
                 record = self._staging.digest(directory / check_name("file name", file))
                 row[file] = [record.size, record.sha256]
-        listing = _merge_listings(collective.allgather(mine))
+        listing = merge_listings(collective.allgather(mine))
         if collective.rank == 0:
             self._staged = _Staged(staged, listing, started)
-        elif started:
-            self._pending = _all_of([future for _, future in started])
+        else:
+            self._pending = [future for _, future in started]
 
     def save(
         self, entries: Mapping[str, bytes], metadata: Mapping[str, Any] | None = None
@@ -383,7 +306,9 @@ class ShardedCheckpointStore(CheckpointStore):
         label = self._free_label(labels)
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="adaptdl-commit")
-        self._pending = self._committer.submit(self._commit, staged, frozen, meta, labels, label)
+        self._pending = [
+            self._committer.submit(self._commit_or_log, staged, frozen, meta, labels, label)
+        ]
         return Checkpoint(label, frozen, meta)
 
     def _save_staged(
@@ -401,10 +326,25 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def _free_label(self, labels: list[str]) -> str:
         """The label the next checkpoint takes: after every one, skipping names taken by debris."""
-        sequence = sequence_of(labels[-1]) + 1 if labels else 1
-        while os.path.lexists(self._staging.root / label_of(sequence)):
-            sequence += 1
-        return label_of(sequence)
+        first = sequence_of(labels[-1]) + 1 if labels else 1
+        for sequence in range(first, first + _SAVE_ATTEMPTS):
+            if not os.path.lexists(self._staging.root / label_of(sequence)):
+                return label_of(sequence)
+        raise self._names_taken()
+
+    def _commit_or_log(self, staged: _Staged, *args: Any) -> Checkpoint:
+        """`_commit`, logging its failure: a process that exits without `wait` still says it."""
+        try:
+            return self._commit(staged, *args)
+        except Exception as exc:
+            _log.error(
+                "a checkpoint written in the background into %s was not committed (%s: %s); "
+                "the previous checkpoint is still the newest",
+                self._where(),
+                type(exc).__name__,
+                exc,
+            )
+            raise
 
     def _commit(
         self,
@@ -457,26 +397,35 @@ class ShardedCheckpointStore(CheckpointStore):
         return checkpoint
 
     def _check_all(self, label: str, listing: Listing) -> list[str]:
-        return self._check(
-            label, [(s, n, r) for s, row in listing.items() for n, r in row.items()]
-        )
+        return [text for _, _, text in self._check(label, files_of(listing))]
 
-    def _check(self, label: str, files: Sequence[tuple[str, str, FileRecord]]) -> list[str]:
+    def _check(self, label: str, files: Sequence[tuple[str, str, FileRecord]]) -> list[Problem]:
         """What is wrong with ``files`` (state, name, record) of checkpoint ``label``."""
-        problems = []
+        problems: list[Problem] = []
         for state, name, record in files:
             directory = self.files_directory(label, state)
             try:
                 if not stat.S_ISDIR(os.lstat(directory).st_mode):
                     raise OSError(errno.ENOTDIR, "not a directory", str(directory))
                 found = self._staging.digest(directory / name, limit=record.size)
+            except FileNotFoundError as exc:
+                problems.append(
+                    [MISSING, f"{state}/{name}", f"file {state}/{name} is missing ({exc})"]
+                )
+                continue
             except OSError as exc:
-                problems.append(f"file {state}/{name} is missing or unreadable ({exc})")
+                problems.append(
+                    [DAMAGED, f"{state}/{name}", f"file {state}/{name} is unreadable ({exc})"]
+                )
                 continue
             if found != record:
                 problems.append(
-                    f"file {state}/{name} does not match its size and SHA-256 in "
-                    f"{FILES_ENTRY} (truncated, damaged or replaced)"
+                    [
+                        DAMAGED,
+                        f"{state}/{name}",
+                        f"file {state}/{name} does not match its size and SHA-256 in "
+                        f"{FILES_ENTRY} (truncated, damaged or replaced)",
+                    ]
                 )
         return problems
 
@@ -487,12 +436,24 @@ class ShardedCheckpointStore(CheckpointStore):
         Each replica hashes a share of the files (:func:`shares`, balanced by
         size) and all learn the verdict, so a damaged file still makes every
         replica fall back to the older checkpoint while none reads every file.
-        The other replicas run :meth:`help_check_files` meanwhile.
+        The other replicas run :meth:`help_check_files` meanwhile. A file another
+        replica does not find but rank 0 does raises CheckpointError: the replicas
+        do not share one checkpoint directory, and no checkpoint is damaged.
         """
 
         def together(label: str, listing: Listing) -> list[str]:
             collective.broadcast([label, encode_listing(listing).decode("ascii")])
-            return self._check_share(label, listing, collective)
+            parts = collective.allgather(self._share_problems(label, listing, collective))
+            problems = []
+            for rank, part in enumerate(parts):
+                for kind, path, text in part:
+                    if kind == MISSING and rank != 0 and self._sees(label, path):
+                        raise CheckpointError(
+                            f"replica {rank} does not see the file {path} of checkpoint "
+                            f"{self._where(label)} that rank 0 sees; {SHARED_HINT}"
+                        )
+                    problems.append(text if rank == 0 else f"{text} (found by replica {rank})")
+            return problems
 
         self._check_files = together
         try:
@@ -502,27 +463,48 @@ class ShardedCheckpointStore(CheckpointStore):
             collective.broadcast(None)  # the other replicas stop helping
 
     def help_check_files(self, collective: Collective) -> None:
-        """On every replica but rank 0, while rank 0 is in :meth:`checking_files_with`."""
+        """On every replica but rank 0, while rank 0 is in :meth:`checking_files_with`.
+
+        A label whose share this replica found intact, as every other replica
+        did theirs, then loads without hashing (:meth:`forget_verified` ends that).
+        """
         while True:
             request = collective.broadcast(None)
             if request is None:
                 return
-            label, text = request
             try:
+                label, text = request
                 check_label(label)
                 listing = decode_listing(text.encode("ascii"))
-            except (ValueError, TypeError, UnicodeError) as exc:
-                collective.allgather([f"the listing rank 0 sent cannot be read ({exc})"])
+            except Exception as exc:  # sent all the same: rank 0 waits for every share
+                collective.allgather(
+                    [[DAMAGED, "", f"the listing rank 0 sent cannot be read ({exc})"]]
+                )
                 continue
-            self._check_share(label, listing, collective)
+            parts = collective.allgather(self._share_problems(label, listing, collective))
+            if not any(parts):
+                self._verified.add(label)
 
-    def _check_share(self, label: str, listing: Listing, collective: Collective) -> list[str]:
-        """Collective: check this replica's share of ``listing``; every replica's problems."""
-        files = shares(listing, collective.num_replicas)[collective.rank]
-        problems = [p for part in collective.allgather(self._check(label, files)) for p in part]
-        if not problems:
-            self._verified.add(label)
-        return problems
+    def forget_verified(self) -> None:
+        """Have every later load hash the files again (after a restore has used the verdicts)."""
+        self._verified.clear()
+
+    def _share_problems(
+        self, label: str, listing: Listing, collective: Collective
+    ) -> list[Problem]:
+        """What is wrong with this replica's share of ``listing``; never raises."""
+        try:
+            return self._check(label, shares(listing, collective.num_replicas)[collective.rank])
+        except Exception as exc:  # a helper that stopped would leave rank 0 waiting
+            return [
+                [DAMAGED, "", f"replica {collective.rank} could not check its share ({exc!r})"]
+            ]
+
+    def _sees(self, label: str, path: str) -> bool:
+        try:
+            return os.path.lexists(self._staging.root / label / path)
+        except (OSError, ValueError):
+            return False
 
 
 @attrs.frozen
@@ -532,47 +514,3 @@ class _Staged:
     directory: Path
     listing: Listing
     started: list[tuple[str, Future[Mapping[str, FileRecord] | None]]]
-
-
-def _all_of(futures: list[Future[Any]]) -> Future[None]:
-    """A future that completes when every one of ``futures`` has (with the first error)."""
-    out: Future[None] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0] > 0:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            out.set_result(None)
-
-    for future in futures:
-        future.add_done_callback(done)
-    return out
-
-
-def shares(listing: Listing, replicas: int) -> list[list[tuple[str, str, FileRecord]]]:
-    """The files of ``listing`` split among ``replicas``: by size, largest to the least loaded.
-
-    The same on every replica: ties go by name and then to the lowest rank.
-    """
-    check_int("replicas", replicas, min=1)
-    files = sorted(_files_of(listing), key=lambda f: (-f[2].size, f[0], f[1]))
-    out: list[list[tuple[str, str, FileRecord]]] = [[] for _ in range(replicas)]
-    load = [0] * replicas
-    for file in files:
-        rank = min(range(replicas), key=lambda r: (load[r], r))
-        out[rank].append(file)
-        load[rank] += file[2].size + 1
-    return out
-
-
-def _files_of(listing: Listing) -> list[tuple[str, str, FileRecord]]:
-    return [
-        (state, name, record) for state, row in listing.items() for name, record in row.items()
-    ]

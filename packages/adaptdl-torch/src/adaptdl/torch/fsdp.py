@@ -58,6 +58,14 @@ class AdaptiveFSDP(AdaptiveSteps):
     time in the backward pass (one all-gather of ``exp_avg_sq`` per micro-batch),
     and the reduced gradient's shards by the replica's own shard of it.
 
+    That all-gather costs, per parameter and per micro-batch, as much traffic as
+    gathering the parameter itself (``exp_avg_sq`` has its shape), on top of
+    FSDP2's own. And being a collective run from each parameter's gradient hook,
+    it needs every parameter to receive a gradient on every replica in every
+    micro-batch: a trainable parameter one replica leaves unused (a branch not
+    taken, an expert not routed to) leaves the others waiting in its all-gather
+    until the collective timeout. Use `AdaScale` for such models.
+
     With ``async_checkpoint``, a checkpoint stalls training only while each
     replica copies its shards aside in host memory (a second copy of them, held
     until written); they are written in the background and the checkpoint

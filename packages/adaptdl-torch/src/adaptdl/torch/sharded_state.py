@@ -30,6 +30,7 @@ import torch.distributed as dist
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.shardedfiles import FileRecord, file_record
 from adaptdl.torch import dcp
+from adaptdl.torch.collective import collective_timeout
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -179,7 +180,10 @@ class AsyncShardedState(ShardedState):
     The shards are copied aside in host memory when the checkpoint is taken (so
     the replica holds a second copy of its shards until they are written), then
     written by a thread that talks to the other replicas over a process group of
-    its own, made at the first checkpoint (every replica takes part).
+    its own, made at the first checkpoint (every replica takes part). That group
+    waits for a peer no longer than the job's collective timeout
+    (``ADAPTDL_COLLECTIVE_TIMEOUT``), so that a write whose peer died fails, and
+    the process can exit, rather than wait behind it for torch's default half hour.
     """
 
     _group: Any = None
@@ -188,18 +192,20 @@ class AsyncShardedState(ShardedState):
         """Collective: copy this replica's shards aside and write them in the background."""
         if self._group is None:
             # Its own group: the writing thread's collectives never meet the training's.
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=collective_timeout())
         writer = _HashingWriter(directory)
         upload = async_save(self._state_dict(), storage_writer=writer, process_group=self._group)
-        assert isinstance(upload, ConcurrentFuture)  # the writer stages before it returns
+        if not isinstance(upload, ConcurrentFuture):  # a torch whose async_save changed
+            raise TypeError(
+                f"async_save returned {type(upload).__name__}, not a concurrent.futures.Future"
+            )
         out: ConcurrentFuture[Mapping[str, FileRecord] | None] = ConcurrentFuture()
-
-        def done(finished: ConcurrentFuture[Any]) -> None:
-            error = finished.exception()
-            if error is not None:
-                out.set_exception(error)
-            else:
+        # The records are the writer's once the upload is done (on rank 0; None elsewhere).
+        upload.add_done_callback(
+            lambda done: (
                 out.set_result(writer.records)
-
-        upload.add_done_callback(done)
+                if done.exception() is None
+                else out.set_exception(done.exception())
+            )
+        )
         return out
