@@ -216,10 +216,15 @@ def worker_speed(args: argparse.Namespace) -> None:
                 dataset, batch_size=local_bsz, sampler=sampler, pin_memory=not args.cpu
             )
 
+        passes = [0]  # this side's own pass count: one pass per call, never a catch-up
+
         def one_epoch(epoch: int, one_pass: Any) -> None:
             if adaptive:
-                for _ in adl.remaining_epochs_until(epoch + 1):
+                # The job's epoch counts only this side's passes; driven by the shared
+                # round counter, remaining_epochs_until would run every skipped epoch.
+                for _ in adl.remaining_epochs_until(passes[0] + 1):
                     one_pass()
+                passes[0] += 1
             else:
                 sampler.set_epoch(epoch)
                 one_pass()
