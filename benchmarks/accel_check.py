@@ -137,6 +137,10 @@ def worker_elastic(args: argparse.Namespace) -> None:
                 assert helper is not None
                 entry = {
                     "epoch": epoch,
+                    # The loop's index before this batch is counted: which pass of the
+                    # epoch it belongs to (an adaptive epoch ends on statistical progress,
+                    # so it may run into a second pass of the data).
+                    "pass": helper.current_index // n,
                     "indices": idx.tolist(),
                     "batch_size": helper.current_batch_size,
                     "accumulation_steps": helper.accumulation_steps,
@@ -301,7 +305,9 @@ def check_elastic(nproc: int, cpu: bool, tmp: Path, fsdp: bool = False) -> dict[
     resume_s = time.perf_counter() - started
     if second.returncode != 0:
         _fail("the resumed run did not finish", second)
-    seen: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    seen: dict[tuple[int, int], collections.Counter[int]] = collections.defaultdict(
+        collections.Counter
+    )
     batch_sizes, gains, stop_exits = set(), [], []
     for path in records.glob("run*-rank*.jsonl"):
         for line in path.read_text().splitlines():
@@ -310,22 +316,28 @@ def check_elastic(nproc: int, cpu: bool, tmp: Path, fsdp: bool = False) -> dict[
                 if path.name.startswith("run0-"):
                     stop_exits.append(entry["exit"])
                 continue
-            seen[entry["epoch"]].update(entry["indices"])
+            seen[entry["epoch"], entry["pass"]].update(entry["indices"])
             batch_sizes.add((entry["batch_size"], entry["accumulation_steps"]))
             gains.append(entry["gain"])
     n = 512 if cpu else 65536
-    lost = sum(n - len(seen[e]) for e in range(epochs))
-    repeated = sum(c - 1 for e in range(epochs) for c in seen[e].values() if c > 1)
+    # Exactly once per pass: every pass but an epoch's last is whole; none repeats a
+    # sample beyond the padding that keeps replicas in step (under one per replica).
+    last = {e: max(p for ep, p in seen if ep == e) for e, _ in seen}
+    whole = [(e, p) for e, p in seen if p < last[e]]
+    lost = sum(n - len(seen[e, 0]) for e in range(epochs)) + sum(n - len(seen[k]) for k in whole)
+    repeated = sum(c - 1 for counts in seen.values() for c in counts.values() if c > 1)
     if stop_exits != [SIGTERM_EXIT] * nproc:
         raise SystemExit(f"accelerator check failed: replicas exited {stop_exits} on SIGTERM")
-    # Padding that keeps replicas in step repeats a few samples at a pass's end.
     if lost:
         raise SystemExit(f"accelerator check failed: {lost} samples lost across the restart")
+    if repeated > (nproc - 1) * len(seen):
+        raise SystemExit(f"accelerator check failed: {repeated} samples repeated in a pass")
     return {
         "model": "FSDP2" if fsdp else "DDP",
         "replicas": nproc,
         "samples_lost": lost,
-        "samples_repeated_padding": repeated,
+        "samples_repeated_in_a_pass": repeated,
+        "passes": len(seen),
         "batch_configs_seen": sorted(batch_sizes),
         "max_gain": max(gains),
         "stopped_run_s": round(stop_s, 1),

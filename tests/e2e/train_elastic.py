@@ -48,6 +48,9 @@ FSDP = os.environ.get("E2E_FSDP") == "1"
 DROP_LAST = os.environ.get("E2E_DROP_LAST", "") == "1"
 EVAL_SLEEP = float(os.environ.get("E2E_EVAL_SLEEP", "0"))  # after each epoch's loop
 POST_SLEEP = float(os.environ.get("E2E_POST_SLEEP", "0"))  # after the epoch loop
+# The label noise: a noisier target has a larger gradient noise scale, which makes a
+# larger batch worth its cost early (tests that must see the batch size grow raise it).
+NOISE = float(os.environ.get("E2E_NOISE", "0.05"))
 BLOCK_SIZE = 4
 SHARD_SIZES = (7, 30, 1, 45, 37)  # cycled until N samples are written
 
@@ -59,7 +62,7 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         gen = torch.Generator().manual_seed(1234)
         self.x = torch.randn(n, 8, generator=gen)
         w = torch.randn(8, 1, generator=gen)
-        self.y = self.x @ w + 0.05 * torch.randn(n, 1, generator=gen)
+        self.y = self.x @ w + NOISE * torch.randn(n, 1, generator=gen)
 
     def __len__(self) -> int:
         return len(self.x)
