@@ -204,6 +204,10 @@ def worker_speed(args: argparse.Namespace) -> None:
     dataset = _Indexed(n, width, 10)
     ids = [device.index] if device.type == "cuda" else None
 
+    # The job's epochs that the adaptive side has run: one pass per timed call, never a
+    # catch-up of the epochs that the other side's calls numbered.
+    passes = [0]
+
     def build(adaptive: bool) -> Any:
         torch.manual_seed(0)
         model = _mlp(width, hidden, depth, 10).to(device)
@@ -219,8 +223,6 @@ def worker_speed(args: argparse.Namespace) -> None:
             loader = DataLoader(
                 dataset, batch_size=local_bsz, sampler=sampler, pin_memory=not args.cpu
             )
-
-        passes = [0]  # this side's own pass count: one pass per call, never a catch-up
 
         def one_epoch(epoch: int, one_pass: Any) -> None:
             if adaptive:
@@ -246,11 +248,11 @@ def worker_speed(args: argparse.Namespace) -> None:
     sides = {"plain": build(False), "adaptive": build(True)}
     rounds = 2 if args.quick else 6
     times: dict[str, dict[str, list[float]]] = {
-        kind: {"plain": [], "adaptive": []} for kind in ("step", "load")
+        kind: {side: [] for side in sides} for kind in ("step", "load")
     }
     epoch = 0
     for r in range(rounds + 1):  # round 0 warms up
-        for side in ("plain", "adaptive") if r % 2 else ("adaptive", "plain"):
+        for side in list(sides) if r % 2 else list(sides)[::-1]:
             train_round, load_round = sides[side]
             for kind, fn in (("step", train_round), ("load", load_round)):
                 dist.barrier()

@@ -190,12 +190,13 @@ class AdaptiveFSDP(AdaptiveSteps):
 
     def _total_sqr(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """Each group's shard-local squares, summed over the replicas' shards."""
-        local = torch.stack([_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = next((t.device for g in groups for t in g), torch.device("cpu"))
-            if dist.get_backend() == "nccl" and device.type == "cpu":
-                device = torch.device("cuda", torch.cuda.current_device())
-            summed = local.to(device)
-            dist.all_reduce(summed)
-            local = summed.cpu()
-        return list(local.unbind())
+        squares = [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return squares
+        device = next((t.device for g in groups for t in g), torch.device("cpu"))
+        if dist.get_backend() == "nccl" and device.type == "cpu":
+            device = torch.device("cuda", torch.cuda.current_device())
+        # Summed on the device; the step reads every scalar in one transfer.
+        summed = torch.stack([t.to(device) for t in squares])
+        dist.all_reduce(summed)
+        return list(summed.unbind())

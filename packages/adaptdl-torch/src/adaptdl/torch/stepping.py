@@ -49,15 +49,42 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_norm(g) for g in grads]
 
 
+def _sums(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``a[i] + b[i]`` for each i (one fused call for dense tensors)."""
+    if a and not any(t.is_sparse for t in (*a, *b)):
+        return list(torch._foreach_add(a, b))
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
 def _same_shapes(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
     return [[t.shape for t in g] for g in a] == [[t.shape for t in g] for g in b]
 
 
 def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squares of ``norms`` as a float64 scalar tensor on the CPU (0 for none)."""
+    """The sum of the squares of ``norms`` as a float64 scalar tensor (0 for none).
+
+    On the norms' device, without a host transfer: the step reads every scalar it
+    needs in one transfer (`_to_host`), since each transfer waits for the device.
+    """
     if not norms:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([n.double() for n in norms]).square().sum().cpu()
+    return torch.stack(norms).double().square().sum()
+
+
+def _to_host(scalars: list[torch.Tensor]) -> list[float]:
+    """Scalar tensors (of any devices) as floats, in one transfer."""
+    if not scalars:
+        return []
+    device = next((t.device for t in scalars if t.device.type != "cpu"), torch.device("cpu"))
+    values: list[float] = torch.stack([t.to(device) for t in scalars]).tolist()
+    return values
+
+
+def _scaled_copies(grads: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    """Fresh tensors holding ``grads / scale`` (one fused call for dense gradients)."""
+    if grads and not any(g.is_sparse for g in grads):
+        return list(torch._foreach_div(grads, scale))
+    return [g.detach() / scale for g in grads]
 
 
 class _Gain(float):
@@ -144,6 +171,7 @@ class AdaptiveSteps:
         # Per group, squared norms of the local micro-batch gradients since the last step.
         self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
         self._in_backward = False
+        self._need_local = True  # whether the gradient hooks measure local norms
         # Loop positions of the micro-batches accumulated in .grad since the last step:
         # several backward passes on one micro-batch add up, they are not averaged.
         self._micro: set[int] = set()
@@ -155,6 +183,7 @@ class AdaptiveSteps:
         job.on_drain(self._steps.drain)
         self._prev_grads: list[list[torch.Tensor]] | None = None
         self._prev_bsz = 0
+        self._prev_sqr: tuple[float, ...] = ()  # the squared norms of `_prev_grads`
         self.last_lr_factor = 1.0
         self.last_gain = 1.0
         self._plain = False
@@ -163,6 +192,8 @@ class AdaptiveSteps:
     def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         if not self._in_backward:
             self._begin_backward()
+        if not self._need_local:
+            return
         precond = self._preconditioner(group, param)
         self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
 
@@ -197,6 +228,14 @@ class AdaptiveSteps:
         self._drop_stale_accumulation()
         self._in_backward = True
         self._loader = loader
+        # The local norms count only in a step of several micro-batches in all (replicas
+        # x accumulated): a single one's local gradient is the step's, paired instead.
+        self._need_local = (
+            self._job.topology.num_replicas > 1
+            or bool(self._micro)
+            or loader.accumulation_steps > 0
+            or self._job.accumulating()
+        )
         # Runs after the backward computation; it queues the step after the wrapper's
         # own callback (DDP's, queued later; FSDP2's, queued earlier), which waits for
         # the gradients' reduction.
@@ -226,44 +265,63 @@ class AdaptiveSteps:
             for grads in groups:
                 torch._foreach_div_(grads, float(micro))
         mp2 = self._mp_scale() ** 2
-        # One host transfer for every squared norm of the step.
-        sums = torch.stack([_sum_sqr_norms(p) for p in parts] + self._total_sqr(groups)).tolist()
-        local = [v / mp2 for v in sums[: self._num_groups]]
-        total = [v / mp2 for v in sums[self._num_groups :]]
-        training = job.training_loader or loader
-        bsz = max(loader.current_local_bsz, 1)
         replicas = job.topology.num_replicas
         single = replicas * micro == 1
-        current = [[g.detach() / mp2**0.5 for g in grads] for grads in groups] if single else None
+        current = [_scaled_copies(g, mp2**0.5) for g in groups] if single else None
+        pair = self._pair(current) if current is not None else None
+        # Every squared norm of the step in one host transfer: each transfer waits for
+        # the device to finish its queued work.
+        count = self._num_groups
+        scalars = [_sum_sqr_norms(p) for p in parts] if not single else []
+        scalars += self._total_sqr(groups)
+        raw = _to_host(scalars + (pair[0] + pair[1] if pair is not None else []))
+        # The gradients' norms carry the loss scale; the pair's are of scaled copies.
+        values, rest = [v / mp2 for v in raw[: len(scalars)]], raw[len(scalars) :]
+        # A single micro-batch's local gradient is the step's own.
+        total = tuple(values[-count:])
+        local = tuple(values[:count]) if not single else total
+        paired = None
+        if pair is not None:
+            # |prev + current|^2 first: the squared norm of their mean is a quarter.
+            paired = PairedNorms(
+                prev_sqr=tuple(rest[count:]) if pair[1] else self._prev_sqr,
+                mixed_sqr=tuple(v / 4 for v in rest[:count]),
+                prev_batch_size=self._prev_bsz,
+            )
+        training = job.training_loader or loader
+        bsz = max(loader.current_local_bsz, 1)
         measurement = StepMeasurement(
-            local_sqr=tuple(local),
-            total_sqr=tuple(total),
+            local_sqr=local,
+            total_sqr=total,
             micro_batches=micro,
             num_replicas=replicas,
             batch_size=bsz,
-            pair=self._pair(current) if current is not None else None,
+            pair=paired,
         )
         fold = self._steps.measure(measurement, training.batch_size)
         if current is not None and fold.pairable:
-            self._prev_grads = current  # fresh tensors already (the division above)
+            self._prev_grads = current  # fresh tensors already (the scaled copies)
             self._prev_bsz = bsz
+            self._prev_sqr = total
         else:
             self._prev_grads = None
 
-    def _pair(self, current: list[list[torch.Tensor]]) -> PairedNorms | None:
-        """The norms that pair this single-micro-batch step with the previous one, if any."""
+    def _pair(
+        self, current: list[list[torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The squared norms (on the device) that pair this single-micro-batch step with
+        the previous one, if any: per group |prev + current|^2, then |prev|^2 (none
+        where the previous step's total is it: without a preconditioner)."""
         prev = self._prev_grads
         if prev is None or not _same_shapes(prev, current):
             return None
         # Both gradients with this step's preconditioner, as the estimator requires.
         prev = self._preconditioned(prev)
         pairs = zip(prev, self._preconditioned(current), strict=True)
-        mixed = tuple(
-            float(_sum_sqr_norms(_norms([(p + c) / 2 for p, c in zip(pg, cg, strict=True)])))
-            for pg, cg in pairs
-        )
-        prev_sqr = tuple(float(_sum_sqr_norms(_norms(pg))) for pg in prev)
-        return PairedNorms(prev_sqr=prev_sqr, mixed_sqr=mixed, prev_batch_size=self._prev_bsz)
+        summed = [_sum_sqr_norms(_norms(_sums(pg, cg))) for pg, cg in pairs]
+        if not isinstance(self.scaling_rule, AdamScale):
+            return summed, []  # no preconditioner: |prev|^2 is the last step's total
+        return summed, [_sum_sqr_norms(_norms(pg)) for pg in prev]
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``groups`` (gradients of the params with grads) divided by their preconditioners."""
@@ -304,7 +362,7 @@ class AdaptiveSteps:
         return grad
 
     def _total_sqr(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Per group, the squared norm of the step's reduced gradient (float64 CPU scalars).
+        """Per group, the squared norm of the step's reduced gradient (float64 scalars).
 
         ``groups`` are :meth:`_grad_groups`; a replicated model holds all of it.
         """
