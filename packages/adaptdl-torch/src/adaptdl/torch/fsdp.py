@@ -188,15 +188,15 @@ class AdaptiveFSDP(AdaptiveSteps):
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad.to_local() if isinstance(grad, DTensor) else grad
 
-    def _total_sqr(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Each group's shard-local squares, summed over the replicas' shards."""
+    def _total_norms(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Per group, the norm of the full gradient: the square root of the shard-local
+        squares summed over the replicas' shards."""
         squares = [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return squares
-        device = next((t.device for g in groups for t in g), torch.device("cpu"))
-        if dist.get_backend() == "nccl" and device.type == "cpu":
-            device = torch.device("cuda", torch.cuda.current_device())
-        # Summed on the device; the step reads every scalar in one transfer.
-        summed = torch.stack([t.to(device) for t in squares])
-        dist.all_reduce(summed)
-        return list(summed.unbind())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = next((t.device for g in groups for t in g), torch.device("cpu"))
+            if dist.get_backend() == "nccl" and device.type == "cpu":
+                device = torch.device("cuda", torch.cuda.current_device())
+            summed = torch.stack([t.to(device) for t in squares])
+            dist.all_reduce(summed)
+            squares = list(summed.unbind())
+        return [[t.sqrt()] for t in squares]

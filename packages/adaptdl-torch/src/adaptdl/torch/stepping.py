@@ -5,7 +5,7 @@ have in common. Per micro-batch, a hook on every parameter's gradient adds the
 squared norm of the local gradient (before any reduction) to a per-group sum.
 After the optimiser-step micro-batch's backward pass, once the wrapper has
 reduced the gradients, the squared norm of the reduced gradient (the wrapper's
-`AdaptiveSteps._total_sqr`) and the local sums go to core as a `StepMeasurement`
+`AdaptiveSteps._total_norms`) and the local sums go to core as a `StepMeasurement`
 (`adaptdl.core.step`); the time spent waiting for the reduction after the
 backward computation goes to the profiler. Accumulation micro-batches leave the
 gradients summing in ``.grad`` without a reduction; on the step they are divided
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,23 +62,34 @@ def _same_shapes(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bo
 
 
 def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squares of ``norms`` as a float64 scalar tensor (0 for none).
-
-    On the norms' device, without a host transfer: the step reads every scalar it
-    needs in one transfer (`_to_host`), since each transfer waits for the device.
-    """
+    """The sum of the squares of ``norms`` as a float64 scalar tensor on their device
+    (0 for none)."""
     if not norms:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(norms).double().square().sum()
 
 
-def _to_host(scalars: list[torch.Tensor]) -> list[float]:
-    """Scalar tensors (of any devices) as floats, in one transfer."""
-    if not scalars:
-        return []
-    device = next((t.device for t in scalars if t.device.type != "cpu"), torch.device("cpu"))
-    values: list[float] = torch.stack([t.to(device) for t in scalars]).tolist()
-    return values
+def _sums_of_squares(segments: list[list[torch.Tensor]]) -> list[float]:
+    """Per segment, the sum of the squares of its norms (scalar tensors of any devices).
+
+    Every norm crosses to the host in one transfer (each transfer waits for the device
+    to finish its queued work) and is squared in float64 before it; the host adds them
+    up (``math.fsum``), so that a step costs a few device operations however many
+    parameters and groups it has.
+    """
+    flat = [n for segment in segments for n in segment]
+    if not flat:
+        return [0.0] * len(segments)
+    device = flat[0].device
+    if any(n.device != device for n in flat):
+        device = next((n.device for n in flat if n.device.type != "cpu"), device)
+        flat = [n.to(device) for n in flat]
+    squares: list[float] = torch.stack(flat).double().square().tolist()
+    sums, start = [], 0
+    for segment in segments:
+        sums.append(math.fsum(squares[start : start + len(segment)]))
+        start += len(segment)
+    return sums
 
 
 def _scaled_copies(grads: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
@@ -145,7 +157,7 @@ class AdaptiveSteps:
 
     A wrapper calls :meth:`_init_steps`, registers its gradient hooks
     (:func:`register_grad_hooks`) and provides :meth:`_will_sync` (and, for a
-    sharded model, :meth:`_local_grad` and :meth:`_total_sqr`).
+    sharded model, :meth:`_local_grad` and :meth:`_total_norms`).
     """
 
     _job: Job
@@ -269,14 +281,14 @@ class AdaptiveSteps:
         single = replicas * micro == 1
         current = [_scaled_copies(g, mp2**0.5) for g in groups] if single else None
         pair = self._pair(current) if current is not None else None
-        # Every squared norm of the step in one host transfer: each transfer waits for
-        # the device to finish its queued work.
+        # Per group: the local norms (several micro-batches in all), the total's; then
+        # the pair's |prev + current| and (with a preconditioner) |prev|.
         count = self._num_groups
-        scalars = [_sum_sqr_norms(p) for p in parts] if not single else []
-        scalars += self._total_sqr(groups)
-        raw = _to_host(scalars + (pair[0] + pair[1] if pair is not None else []))
+        measured = (parts if not single else []) + self._total_norms(groups)
+        sums = _sums_of_squares(measured + (pair[0] + pair[1] if pair is not None else []))
         # The gradients' norms carry the loss scale; the pair's are of scaled copies.
-        values, rest = [v / mp2 for v in raw[: len(scalars)]], raw[len(scalars) :]
+        values = [v / mp2 for v in sums[: len(measured)]]
+        rest = sums[len(measured) :]
         # A single micro-batch's local gradient is the step's own.
         total = tuple(values[-count:])
         local = tuple(values[:count]) if not single else total
@@ -308,20 +320,21 @@ class AdaptiveSteps:
 
     def _pair(
         self, current: list[list[torch.Tensor]]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """The squared norms (on the device) that pair this single-micro-batch step with
-        the previous one, if any: per group |prev + current|^2, then |prev|^2 (none
-        where the previous step's total is it: without a preconditioner)."""
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]] | None:
+        """The norms (on the device) that pair this single-micro-batch step with the
+        previous one, if any: per group those of prev + current, then those of prev
+        (none where the previous step's total is its squared norm: without a
+        preconditioner)."""
         prev = self._prev_grads
         if prev is None or not _same_shapes(prev, current):
             return None
         # Both gradients with this step's preconditioner, as the estimator requires.
         prev = self._preconditioned(prev)
         pairs = zip(prev, self._preconditioned(current), strict=True)
-        summed = [_sum_sqr_norms(_norms(_sums(pg, cg))) for pg, cg in pairs]
+        summed = [_norms(_sums(pg, cg)) for pg, cg in pairs]
         if not isinstance(self.scaling_rule, AdamScale):
             return summed, []  # no preconditioner: |prev|^2 is the last step's total
-        return summed, [_sum_sqr_norms(_norms(pg)) for pg in prev]
+        return summed, [_norms(pg) for pg in prev]
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``groups`` (gradients of the params with grads) divided by their preconditioners."""
@@ -361,12 +374,13 @@ class AdaptiveSteps:
         """The part of ``grad`` this replica holds (all of it for a replicated model)."""
         return grad
 
-    def _total_sqr(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Per group, the squared norm of the step's reduced gradient (float64 scalars).
+    def _total_norms(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Per group, norms (scalar tensors) whose squares add up to the squared norm of
+        the step's reduced gradient.
 
         ``groups`` are :meth:`_grad_groups`; a replicated model holds all of it.
         """
-        return [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
+        return [_norms(g) for g in self._preconditioned(groups)]
 
     def _mp_scale(self) -> float:
         scaler = self.adaptdl_mp_scaler
