@@ -624,3 +624,26 @@ def test_state_of_the_schema_without_spread_loads() -> None:
     assert GradientNoiseScale.from_json(loaded.to_json()) == loaded
     with pytest.raises(ValueError, match=r"unexpected|missing"):
         GradientNoiseScale.from_json(old | {"schema": "adaptdl.gns/3"})
+
+
+norms = st.lists(st.floats(min_value=0.0, max_value=1e6), min_size=2, max_size=2)
+
+
+@given(st.lists(st.tuples(norms, norms, norms), min_size=1, max_size=6), sizes)
+def test_tuples_of_floats_fold_exactly_as_arrays_do(steps: list[Any], batch: int) -> None:
+    # The per-step path takes tuples of floats without numpy; any other form of the
+    # same values goes through the array check and must fold to the same bits.
+    fast, checked = (GradientNoiseScale(init_batch_size=4, num_groups=2) for _ in range(2))
+    for a, b, c in steps:
+        fast.update(tuple(a), tuple(b), 3, batch)
+        checked.update(np.array(a), list(b), 3, batch)
+        fast.update_differenced(tuple(a), tuple(b), tuple(c), batch)
+        checked.update_differenced(np.array(a), np.array(b), list(c), batch)
+    assert fast.to_json() == checked.to_json()
+
+
+@pytest.mark.parametrize("bad", [(-1.0, 1.0), (math.inf, 1.0), (math.nan, 1.0), (1.0,)])
+def test_a_bad_tuple_of_floats_is_refused_as_an_array_is(bad: tuple[float, ...]) -> None:
+    gns = GradientNoiseScale(init_batch_size=4, num_groups=2)
+    with pytest.raises(ValueError, match="local_sqr"):
+        gns.update(bad, (1.0, 1.0), 2, 4)

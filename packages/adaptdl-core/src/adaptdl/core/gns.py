@@ -79,8 +79,6 @@ from adaptdl.core._validate import (
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.scaling import adascale_gain
 
-FloatArray = npt.NDArray[np.float64]
-
 # What the squared norms must be, in error messages.
 _REALS = "an array of real numbers"
 
@@ -134,8 +132,16 @@ def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> f
     return value
 
 
-def _group_values(name: str, value: Any, num_groups: int) -> FloatArray:
+def _group_values(name: str, value: Any, num_groups: int) -> tuple[float, ...]:
     """Return one finite, non-negative float per group, or raise naming ``name``."""
+    # The common case, checked without numpy (it runs at every optimiser step): a tuple
+    # of floats, as `adaptdl.core.step.StepMeasurement` holds them.
+    if (
+        type(value) is tuple
+        and len(value) == num_groups
+        and all(type(v) is float and 0.0 <= v < math.inf for v in value)
+    ):
+        return value
     if isinstance(value, (str, bytes)):
         raise ArgumentTypeError(f"{name} must be a number or a sequence of numbers, got {value!r}")
     array = as_real_array(name, value, expected=_REALS)
@@ -156,7 +162,7 @@ def _group_values(name: str, value: Any, num_groups: int) -> FloatArray:
             f"{name} must be finite and >= 0, got {array[bad][0].item()!r} "
             f"(group {int(np.flatnonzero(bad)[0])})"
         )
-    return array
+    return tuple(float(v) for v in array)
 
 
 def _init_batch_size(value: Any) -> int:
@@ -424,9 +430,11 @@ class GradientNoiseScale:
         b = check_int("batch_size", batch_size, min=1)
         local = _group_values("local_sqr", local_sqr, self.num_groups)
         total = _group_values("total_sqr", total_sqr, self.num_groups)
-        mean_local = local / count
-        sqr = (count * total - mean_local) / (count - 1)
-        var = (mean_local - total) * (b * count / (count - 1))
+        factor = b * count / (count - 1)
+        sqr = tuple(
+            (count * t - lo / count) / (count - 1) for lo, t in zip(local, total, strict=True)
+        )
+        var = tuple((lo / count - t) * factor for lo, t in zip(local, total, strict=True))
         if self.differenced:
             self._restart()
         self.differenced = False
@@ -461,9 +469,11 @@ class GradientNoiseScale:
         cur = _group_values("cur_sqr", cur_sqr, self.num_groups)
         mixed = _group_values("mixed_sqr", mixed_sqr, self.num_groups)
         # g_p . g_c and |g_p - g_c|^2 from the three squared norms.
-        dot = 2.0 * mixed - 0.5 * (prev + cur)
-        diff = 2.0 * (prev + cur) - 4.0 * mixed
-        var = diff / (1.0 / b_p + 1.0 / b_c)
+        dot = tuple(2.0 * m - 0.5 * (p + c) for p, c, m in zip(prev, cur, mixed, strict=True))
+        weight = 1.0 / b_p + 1.0 / b_c
+        var = tuple(
+            (2.0 * (p + c) - 4.0 * m) / weight for p, c, m in zip(prev, cur, mixed, strict=True)
+        )
         self.differenced = True
         self._fold(dot, var, b_c / self.init_batch_size)
 
@@ -535,27 +545,37 @@ class GradientNoiseScale:
         """The scale of the estimates' noise: ``max(sqr, 0) + var / init_batch_size``."""
         return max(sqr, 0.0) + max(var, 0.0) / self.init_batch_size
 
-    def _fold(self, sqr: FloatArray, var: FloatArray, scale: float) -> None:
+    def _fold(self, sqr: tuple[float, ...], var: tuple[float, ...], scale: float) -> None:
+        # Runs at every optimiser step: plain floats, and the fields set past attrs'
+        # on_setattr hooks (their converters re-check what is computed here from
+        # checked values).
         theta = self.smoothing**scale
-        new_sqr = theta * np.asarray(self.sqr_biased) + (1.0 - theta) * sqr
-        new_var = theta * np.asarray(self.var_biased) + (1.0 - theta) * var
-        self.sqr_biased = tuple(float(v) for v in new_sqr)
-        self.var_biased = tuple(float(v) for v in new_var)
+        rest = 1.0 - theta
+        put = object.__setattr__
+        put(
+            self,
+            "sqr_biased",
+            tuple(theta * a + rest * b for a, b in zip(self.sqr_biased, sqr, strict=True)),
+        )
+        put(
+            self,
+            "var_biased",
+            tuple(theta * a + rest * b for a, b in zip(self.var_biased, var, strict=True)),
+        )
         # Rounding could lift the normaliser a hair above its limit 1.
-        self.weight = min(theta * self.weight + (1.0 - theta), 1.0)
-        step = (math.fsum(sqr.tolist()), math.fsum(var.tolist()))
+        put(self, "weight", min(theta * self.weight + rest, 1.0))
+        step = (math.fsum(sqr), math.fsum(var))
+        last = self.last_step
         level = 0.0
-        if self.last_step is not None:
-            level = 0.5 * (self._level(*step) + self._level(*self.last_step))
-        if level > 0.0 and self.last_step is not None:
-            half_sq = [
-                0.5 * ((a - b) / level) ** 2 for a, b in zip(step, self.last_step, strict=True)
-            ]
-            self.sqr_diff_biased = theta * self.sqr_diff_biased + (1.0 - theta) * half_sq[0]
-            self.var_diff_biased = theta * self.var_diff_biased + (1.0 - theta) * half_sq[1]
-            self.moment_weight = min(theta * self.moment_weight + (1.0 - theta), 1.0)
-            self.moment_weight_sq = min(
-                theta**2 * self.moment_weight_sq + (1.0 - theta) ** 2, self.moment_weight
-            )
-        self.last_step = step
-        self.num_updates += 1
+        if last is not None:
+            level = 0.5 * (self._level(*step) + self._level(*last))
+        if level > 0.0 and last is not None:
+            half_sqr = 0.5 * ((step[0] - last[0]) / level) ** 2
+            half_var = 0.5 * ((step[1] - last[1]) / level) ** 2
+            put(self, "sqr_diff_biased", theta * self.sqr_diff_biased + rest * half_sqr)
+            put(self, "var_diff_biased", theta * self.var_diff_biased + rest * half_var)
+            moment = min(theta * self.moment_weight + rest, 1.0)
+            put(self, "moment_weight", moment)
+            put(self, "moment_weight_sq", min(theta**2 * self.moment_weight_sq + rest**2, moment))
+        put(self, "last_step", step)
+        put(self, "num_updates", self.num_updates + 1)
