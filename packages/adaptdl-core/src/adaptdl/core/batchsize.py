@@ -195,12 +195,17 @@ def growth_cap(query: BatchSizeQuery, maturity: float, max_growth: float) -> int
         return None
     base = current_total(query)
     lo, _ = _bounds(query)
-    return max(math.floor(base * growth), lo * query.num_replicas, query.batch_size)
+    return max(math.floor(base * growth), lo * query.num_replicas, base)
 
 
 def current_total(query: BatchSizeQuery) -> int:
-    """The larger of the current total batch size (if any) and the initial one."""
-    base = query.batch_size
+    """The larger of the current total batch size (if any) and the initial one.
+
+    The initial one is rounded up to a multiple of the replicas, as `even_split` starts
+    there: a cap at the bare initial size would force a total below it (16 on 3
+    replicas admits 15 and 18, never 16), a shrink the caps must never cause.
+    """
+    base = -(-query.batch_size // query.num_replicas) * query.num_replicas
     if query.current is not None:
         local, accum = query.current
         base = max(base, local * query.num_replicas * (accum + 1))
