@@ -325,8 +325,8 @@ def check_elastic(nproc: int, cpu: bool, tmp: Path, fsdp: bool = False) -> dict[
     # Exactly once per pass: every pass but an epoch's last is whole; none repeats a
     # sample beyond the padding that keeps replicas in step (under one per replica).
     last = {e: max(p for ep, p in seen if ep == e) for e, _ in seen}
-    whole = [(e, p) for e, p in seen if p < last[e]]
-    lost = sum(n - len(seen[e, 0]) for e in range(epochs)) + sum(n - len(seen[k]) for k in whole)
+    whole = {(e, p) for e, p in seen if p < last[e]} | {(e, 0) for e in range(epochs)}
+    lost = sum(n - len(seen[k]) for k in whole)
     repeated = sum(c - 1 for counts in seen.values() for c in counts.values() if c > 1)
     if stop_exits != [SIGTERM_EXIT] * nproc:
         raise SystemExit(f"accelerator check failed: replicas exited {stop_exits} on SIGTERM")

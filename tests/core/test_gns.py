@@ -647,3 +647,14 @@ def test_a_bad_tuple_of_floats_is_refused_as_an_array_is(bad: tuple[float, ...])
     gns = GradientNoiseScale(init_batch_size=4, num_groups=2)
     with pytest.raises(ValueError, match="local_sqr"):
         gns.update(bad, (1.0, 1.0), 2, 4)
+
+
+def test_an_overflowing_step_is_refused_and_changes_nothing() -> None:
+    gns = GradientNoiseScale(init_batch_size=4)
+    gns.update_differenced((1.0,), (2.0,), (1.2,), 4)
+    before = gns.to_json()
+    # Finite squared norms whose differences overflow the float range.
+    with pytest.raises(ValueError, match="overflow"):
+        gns.update_differenced((1e308,), (1e308,), (0.0,), 4)
+    assert gns.to_json() == before
+    assert GradientNoiseScale.from_json(gns.to_json()) == gns

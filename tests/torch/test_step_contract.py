@@ -23,6 +23,7 @@ from adaptdl.core.step import StepStatistics
 from adaptdl.sim.replay import ReplaySteps
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.stepping import _scaled_copies
 
 INF = float("inf")
 
@@ -163,3 +164,30 @@ def test_progress_is_the_sum_of_the_gains(accum: int) -> None:
     ]
     decisions, _ = _torch_decisions(steps, 2, accum)
     assert decisions[-1][2] == pytest.approx(math.fsum(g for _, g, _ in decisions))
+
+
+def test_the_kept_gradient_copies_hold_no_graph() -> None:
+    # backward(create_graph=True) (a gradient penalty, MAML) gives gradients with a
+    # graph; the copies kept to pair with the next step must not hold on to it.
+    w = torch.randn(3, requires_grad=True)
+    (grad,) = torch.autograd.grad((w**3).sum(), w, create_graph=True)
+    assert grad.requires_grad
+    for grads in ([grad, grad * 2], [grad.to_sparse()]):
+        copies = _scaled_copies(grads, 2.0)
+        assert not any(c.requires_grad for c in copies)
+        assert all(
+            torch.equal(c.to_dense(), g.detach().to_dense() / 2)
+            for c, g in zip(copies, grads, strict=True)
+        )
+
+
+def test_a_parameter_group_added_after_wrapping_is_refused_by_name() -> None:
+    loader = adl.AdaptiveDataLoader(TensorDataset(torch.randn(16, 3)), batch_size=4)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.01)
+    adp = AdaptiveDataParallel(model, optimizer)
+    optimizer.add_param_group({"params": model[1].parameters()})
+    with pytest.raises(ValueError, match="2 parameter groups but had 1"):
+        for _ in adl.remaining_epochs_until(1):
+            for (x,) in loader:
+                adp(x).sum().backward()

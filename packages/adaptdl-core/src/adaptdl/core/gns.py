@@ -551,20 +551,21 @@ class GradientNoiseScale:
         # checked values).
         theta = self.smoothing**scale
         rest = 1.0 - theta
+        new_sqr = tuple(theta * a + rest * b for a, b in zip(self.sqr_biased, sqr, strict=True))
+        new_var = tuple(theta * a + rest * b for a, b in zip(self.var_biased, var, strict=True))
+        step = (math.fsum(sqr), math.fsum(var))
+        # Finite inputs can still overflow (squared norms near the float range): refuse
+        # them before any field changes, as the fields' converters would.
+        if not all(math.isfinite(v) for v in (*new_sqr, *new_var, *step)):
+            raise ValueError(
+                f"the step's estimates overflow: |G|^2 {sqr!r}, tr(Sigma) {var!r}; "
+                "squared norms must stay well inside the float range"
+            )
         put = object.__setattr__
-        put(
-            self,
-            "sqr_biased",
-            tuple(theta * a + rest * b for a, b in zip(self.sqr_biased, sqr, strict=True)),
-        )
-        put(
-            self,
-            "var_biased",
-            tuple(theta * a + rest * b for a, b in zip(self.var_biased, var, strict=True)),
-        )
+        put(self, "sqr_biased", new_sqr)
+        put(self, "var_biased", new_var)
         # Rounding could lift the normaliser a hair above its limit 1.
         put(self, "weight", min(theta * self.weight + rest, 1.0))
-        step = (math.fsum(sqr), math.fsum(var))
         last = self.last_step
         level = 0.0
         if last is not None:

@@ -158,6 +158,8 @@ class AdaptiveFSDP(AdaptiveSteps):
         """``grad`` is the unsharded gradient of sharded ``param``: this replica's, unreduced."""
         if not self._in_backward:
             self._begin_backward()
+        if not self._need_local:
+            return  # one replica, one micro-batch: the local gradient is the step's
         precond = AdaptiveSteps._preconditioner(self, group, param)
         if isinstance(precond, DTensor):
             # Collective, in the same hook order on every replica: the whole

@@ -94,9 +94,12 @@ def _sums_of_squares(segments: list[list[torch.Tensor]]) -> list[float]:
 
 def _scaled_copies(grads: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     """Fresh tensors holding ``grads / scale`` (one fused call for dense gradients)."""
+    # Detached: under backward(create_graph=True) the gradients carry a graph, which
+    # the copies kept until the next step must not hold on to.
+    grads = [g.detach() for g in grads]
     if grads and not any(g.is_sparse for g in grads):
         return list(torch._foreach_div(grads, scale))
-    return [g.detach() / scale for g in grads]
+    return [g / scale for g in grads]
 
 
 class _Gain(float):
@@ -273,6 +276,12 @@ class AdaptiveSteps:
         micro, self._micro = max(len(self._micro), 1), set()
         parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
         groups = self._grad_groups()
+        if len(groups) != self._num_groups:
+            raise ValueError(
+                f"the optimizer has {len(groups)} parameter groups but had "
+                f"{self._num_groups} when {type(self).__name__} wrapped it: add every "
+                "parameter group before wrapping the model and optimizer"
+            )
         if micro > 1:
             for grads in groups:
                 torch._foreach_div_(grads, float(micro))
