@@ -74,19 +74,10 @@ def _decide(
     return GoodputDecision(lambda: fn, estimate_samples=lambda: samples, **kwargs)(query)
 
 
+# 3 replicas and an initial batch of 16: totals 15 and 18 are admissible, never 16.
 _ROUNDED_PROBLEM = (
-    GoodputFunction(
-        PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5), GradParams(sqr=1.0, var=0.0), 16
-    ),
-    BatchSizeQuery(
-        num_nodes=1,
-        num_replicas=3,
-        batch_size=16,
-        max_batch_size=64,
-        local_bsz_bounds=(1, 64),
-        gradient_accumulation=False,
-        current=None,
-    ),
+    GoodputFunction(PERF, GradParams(sqr=1.0, var=0.0), 16),
+    attrs.evolve(_CI_PROBLEM[1], num_replicas=3, batch_size=16, max_batch_size=64),
 )
 
 

@@ -191,14 +191,15 @@ class AdaptiveFSDP(AdaptiveSteps):
         return grad.to_local() if isinstance(grad, DTensor) else grad
 
     def _total_norms(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Per group, the norm of the full gradient: the square root of the shard-local
-        squares summed over the replicas' shards."""
+        """Per group, the norm of the full gradient: on one replica its shards' norms
+        (the shards are the whole), else the square root of the shard-local squares
+        summed over the replicas' shards."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return super()._total_norms(groups)
         squares = [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = next((t.device for g in groups for t in g), torch.device("cpu"))
-            if dist.get_backend() == "nccl" and device.type == "cpu":
-                device = torch.device("cuda", torch.cuda.current_device())
-            summed = torch.stack([t.to(device) for t in squares])
-            dist.all_reduce(summed)
-            squares = list(summed.unbind())
-        return [[t.sqrt()] for t in squares]
+        device = next((t.device for g in groups for t in g), torch.device("cpu"))
+        if dist.get_backend() == "nccl" and device.type == "cpu":
+            device = torch.device("cuda", torch.cuda.current_device())
+        summed = torch.stack([t.to(device) for t in squares])
+        dist.all_reduce(summed)
+        return [[t.sqrt()] for t in summed.unbind()]

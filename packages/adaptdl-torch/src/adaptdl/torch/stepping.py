@@ -245,11 +245,12 @@ class AdaptiveSteps:
         self._loader = loader
         # The local norms count only in a step of several micro-batches in all (replicas
         # x accumulated): a single one's local gradient is the step's, paired instead.
+        # (`accumulation_steps` is the count of the batch in hand, so it also covers
+        # `Job.accumulating`.)
         self._need_local = (
             self._job.topology.num_replicas > 1
             or bool(self._micro)
             or loader.accumulation_steps > 0
-            or self._job.accumulating()
         )
         # Runs after the backward computation; it queues the step after the wrapper's
         # own callback (DDP's, queued later; FSDP2's, queued earlier), which waits for
