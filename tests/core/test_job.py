@@ -96,6 +96,30 @@ def test_periodic_checkpoint_by_time():
     assert job.checkpoints_written == 1
 
 
+@given(
+    every=st.none() | st.integers(1, 7),
+    seconds=st.none() | st.sampled_from([4.0, 7.0, 25.0]),
+    steps=st.integers(1, 40),
+)
+def test_a_policy_assigned_later_counts_as_its_due_says(every, seconds, steps):
+    # The job reads a policy's thresholds when it is assigned (not at every step): one
+    # set after construction must checkpoint exactly where the policy's `due` says,
+    # counting steps and seconds from the last checkpoint.
+    clock = ManualClock()
+    job = Job(store=MemoryCheckpointStore(keep=100), clock=clock)
+    policy = CheckpointPolicy(every_seconds=seconds, every_steps=every)
+    job.checkpoint_policy = policy
+    expected, since, last, found = 0, 0, clock.now, False
+    for _ in range(steps):
+        clock.now += 3.0
+        since += 1
+        if found:  # found due at the previous boundary: written at this one
+            expected, since, last = expected + 1, 0, clock.now
+        found = policy.due(since + 1, clock.now - last)
+        job.step_boundary()
+        assert job.checkpoints_written == expected
+
+
 def test_periodic_checkpoints_can_be_off():
     clock = ManualClock()
     job = Job(
