@@ -401,6 +401,38 @@ def _ratio(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def decision_paths(runs: Sequence[dict[str, Any]]) -> str:
+    """Each adaptive run's decisions, one line per run: ``cpu s: total (noise scale)``.
+
+    The noise scale is the estimate's tr(Sigma) / |G|^2 in samples, then that of its
+    confidence bound (``inf``: |G|^2 estimated at or below 0, the gradient lost in the
+    noise; ``-``: no estimate yet). Read off the `DecisionLog` records.
+    """
+
+    def scale(pair: Sequence[float] | None) -> str:
+        if not pair:
+            return "-"
+        return "inf" if pair[0] <= 0.0 else f"{pair[1] / pair[0]:.0f}"
+
+    lines = []
+    for r in runs:
+        if r.get("label") != "adaptive" or not r.get("decisions"):
+            continue
+        reached = r.get("reached") or {}
+        head = f"seed {r.get('seed')}: " + (
+            f"reached in {reached['cpu_seconds']:.1f} CPU s" if reached else "target not reached"
+        )
+        steps = []
+        for d in r["decisions"]:
+            local, accum = d["choice"]
+            total = local * r.get("replicas", 1) * (accum + 1)
+            steps.append(
+                f"{d['cpu_seconds']:.1f}: {total} ({scale(d.get('gns'))}/{scale(d.get('bound'))})"
+            )
+        lines.append(head + "\n    " + ", ".join(steps))
+    return "\n".join(lines)
+
+
 def plot(results: Sequence[dict[str, Any]], summaries: dict[str, Any], path: Path) -> None:
     """Per problem: CPU time to target per run (seeds as points); the adaptive batch size."""
     import matplotlib
@@ -474,6 +506,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="with --from-log: the targets of `choose_targets`, from the fixed-16 runs",
     )
+    parser.add_argument(
+        "--decisions",
+        action="store_true",
+        help="also print each adaptive run's decisions (CPU s: total, noise scale / bound)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
@@ -524,6 +561,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         summaries[problem] = summarise(runs)
         print(table(problem, summaries[problem], target))
         print()
+        if args.decisions:
+            print(f"{problem}: decisions (CPU s: total (noise scale / its bound))")
+            print(decision_paths(runs))
+            print()
         if args.from_log is not None:
             summaries[problem]["model_vs_measured"] = model_vs_measured(runs)
             print(model_table(problem, summaries[problem]["model_vs_measured"]))

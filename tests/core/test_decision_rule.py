@@ -325,16 +325,58 @@ def test_clamped_sqr_with_a_wide_spread_does_not_jump() -> None:
     assert bounded <= 64
 
 
-def test_a_confidently_negative_sqr_supports_no_growth() -> None:
+def test_a_confidently_negative_sqr_supports_little_growth() -> None:
     # Measured (Dyck, Adam, seed 1): |G|^2 fell well below 0 with a small spread; read
     # as pure noise it let the decision jump to 1024, where the gain (= scale) raced
-    # the schedule to its end without reaching the target.
+    # the schedule to its end without reaching the target. The estimate is off by at
+    # least its distance from 0, so the bound reads |G|^2 >= 5: a noise scale of at
+    # most 16 * 62.5 / 5 = 200 samples.
     gns = _estimate(-5.0, sd=0.5, effective_steps=1000.0)
-    assert gns.sqr == 0.0 and gns.sqr_error < 1.0
+    assert gns.sqr == 0.0 and gns.sqr_error < 1.0 and not gns.resolved
+    bound = gns.grad_params_bound(2.0)
+    assert bound is not None and bound.sqr >= 5.0
     query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (16, 0))
     point, bounded = _choices(gns, query)
     assert point == 1024
-    assert bounded == 32  # the current total: no growth
+    assert 32 <= bounded <= 64
+    # The whole rule, which also knows the estimate resolves no gradient: at most
+    # doubled per decision.
+    rule = attrs.evolve(
+        _bounded(GoodputFunction(PERF, gns.grad_params(), 16), _bound_fn(gns)),
+        resolved=lambda: gns.resolved,
+    )
+    assert 32 <= _total(query, rule(query)) <= 64
+
+
+def _bound_fn(gns: GradientNoiseScale) -> GoodputFunction:
+    bound = gns.grad_params_bound(2.0)
+    assert bound is not None
+    return GoodputFunction(PERF, bound, 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    raw=st.floats(-1.0, 0.0),
+    sd=st.floats(0.01, 50.0),
+    current=st.sampled_from([16, 32, 64, 128, 256]),
+)
+def test_an_unresolved_estimate_grows_at_most_by_max_growth_per_decision(
+    raw: float, sd: float, current: int
+) -> None:
+    # A plateau (an untrained network): |G|^2 within its noise of 0, a mature estimate.
+    # The gain is the scale at every size, so the point optimum is the largest total;
+    # the rule grows by at most max_growth a decision, and never shrinks for it.
+    gns = _estimate(raw, sd=sd, effective_steps=1000.0)
+    assert not gns.resolved and gns.samples == math.inf
+    point = GoodputFunction(PERF, gns.grad_params(), 16)
+    rule = attrs.evolve(_bounded(point, _bound_fn(gns)), resolved=lambda: gns.resolved)
+    query = BatchSizeQuery(1, 2, 16, 1024, (8, 128), True, (current // 2, 0))
+    total = _total(query, rule(query))
+    assert current <= total <= min(2 * current, 1024)
+    # Once the estimate resolves a gradient, a mature one is no longer capped so.
+    assert rule.maturity(query) == 0.0
+    resolved = attrs.evolve(rule, resolved=lambda: True)
+    assert resolved.maturity(query) == 1.0
 
 
 def test_a_tight_spread_lets_the_decision_grow_as_far_as_the_point_estimate() -> None:

@@ -168,3 +168,27 @@ def test_configs_run_only_the_fixed_sizes_asked_for() -> None:
     assert totals(some) == ["adaptive", 8, 128]  # 2 replicas x 8, 2 x 128
     with pytest.raises(ValueError, match="1000"):
         time_to_target.configs("dyck", 0, sizes=[1000])
+
+
+def test_decision_paths_read_totals_and_noise_scales_off_the_log() -> None:
+    run = {
+        "label": "adaptive",
+        "seed": 1,
+        "replicas": 2,
+        "reached": {"cpu_seconds": 24.4},
+        "decisions": [
+            {"cpu_seconds": 0.5, "choice": [8, 0]},
+            {"cpu_seconds": 1.0, "choice": [12, 0], "gns": [0.0, 5.0, 99], "bound": [0.5, 11.0]},
+            {"cpu_seconds": 2.0, "choice": [32, 1], "gns": [2.0, 60.0, 99], "bound": [3.0, 60.0]},
+        ],
+    }
+    fixed = {
+        "label": "fixed 64",
+        "seed": 1,
+        "decisions": [{"cpu_seconds": 1.0, "choice": [32, 0]}],
+    }
+    text = time_to_target.decision_paths([run, fixed])
+    assert text.splitlines() == [
+        "seed 1: reached in 24.4 CPU s",
+        "    0.5: 16 (-/-), 1.0: 24 (inf/22), 2.0: 128 (30/20)",
+    ]

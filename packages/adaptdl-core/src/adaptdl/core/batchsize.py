@@ -268,6 +268,12 @@ class GoodputDecision:
        most ``max_growth`` per decision over the larger of the current total and the
        initial batch size (`growth_cap`); shrinking is never capped. A matured
        estimate chooses over every admissible configuration up to ``max_batch_size``.
+       ``resolved`` (None: always) returns whether the estimate resolves the
+       gradient (|G|^2 above 0, `GradientNoiseScale.resolved`); one that does not
+       reads as pure noise, the gain is the scale at every size, and it is capped as
+       an immature one whatever its age: growth by ``max_growth`` per decision while
+       the gradient stays lost in the noise (an untrained network's plateau), which
+       the next decision undoes once the estimate resolves a gradient.
     3. Confidence cap. ``bound_fn(z)`` (None: no such cap) returns the goodput model
        with the gradient statistics at the noise scale's lower confidence bound
        (`GradientNoiseScale.grad_params_bound`, ``z = confidence_z`` standard
@@ -291,9 +297,13 @@ class GoodputDecision:
     max_growth: float = attrs.field(default=2.0, validator=_check_growth)
     bound_fn: Callable[[float], GoodputFunction | None] | None = None
     confidence_z: float = attrs.field(default=2.0, validator=_check_nonnegative)
+    resolved: Callable[[], bool] | None = None
 
     def maturity(self, query: BatchSizeQuery) -> float:
-        """The noise estimate's maturity for ``query`` (1 without ``estimate_samples``)."""
+        """The noise estimate's maturity for ``query``: 0 while it resolves no gradient
+        (``resolved``), else its warm-up's (1 without ``estimate_samples``)."""
+        if self.resolved is not None and not self.resolved():
+            return 0.0
         if self.estimate_samples is None:
             return 1.0
         return estimate_maturity(self.estimate_samples(), query.batch_size, self.warmup_steps)

@@ -344,10 +344,15 @@ class GradientNoiseScale:
 
         |G|^2 at its estimate plus ``z`` standard errors, tr(Sigma) at its estimate
         minus ``z`` (at least 0): the least noise, so the least benefit from a larger
-        batch, that the data support at ``z``. Without a spread (fewer than three steps),
-        or with the estimate of |G|^2 at or below 0 (outside its domain), tr(Sigma) is
-        0: no larger batch is supported. The noise scale of the bound never grows
-        with ``z``. ``z = 0`` gives `grad_params`.
+        batch, that the data support at ``z``. Without a spread (fewer than three steps)
+        tr(Sigma) is 0: no larger batch is supported. An estimate of |G|^2 below 0 is
+        off by at least its distance from 0 (|G|^2 >= 0), whatever the spread says, so
+        the bound adds that distance to the ``z`` errors: |G|^2 at ``|estimate| + z *
+        error``. A confidently negative estimate (measured under Adam, whose
+        preconditioner changes between the steps averaged) then supports little
+        growth; one within its noise of 0 (a plateau) as much as its spread allows.
+        The noise scale of the bound never grows with ``z`` and is continuous in the
+        estimate. ``z = 0`` gives `grad_params`.
         """
         z = check_float("z", z, min=0.0)
         if not self.has_estimate:
@@ -357,18 +362,20 @@ class GradientNoiseScale:
         sqr_err, var_err = self.sqr_error, self.var_error
         if not (math.isfinite(sqr_err) and math.isfinite(var_err)):
             return GradParams(sqr=max(self.sqr, 1e-300), var=0.0)
-        raw_sqr = math.fsum(self._normalised(self.sqr_biased))
-        if raw_sqr <= 0.0:
-            # |G|^2 is >= 0, so an estimate at or below 0 is not evidence of pure noise
-            # but of an estimate that is off (measured under Adam, where the
-            # preconditioner changes between the steps averaged): it supports no growth,
-            # at every z. (Testing raw + z * error instead would let a larger z, more
-            # confidence asked for, lift the bound off 0 and allow a near-unbounded
-            # noise scale var / (raw + z * error): growth from asking for more caution.)
-            return GradParams(sqr=1.0, var=0.0)
-        sqr = raw_sqr + z * sqr_err
+        sqr = max(abs(math.fsum(self._normalised(self.sqr_biased))) + z * sqr_err, 1e-300)
         var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
         return GradParams(sqr=sqr, var=var / self.init_batch_size)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the estimate resolves the gradient: |G|^2 estimated above 0.
+
+        At or below 0 the estimate reads the gradient as lost in the noise: a plateau
+        (an untrained network's first steps), or an estimate that is off (under Adam,
+        whose preconditioner changes between the steps averaged). The gain is then the
+        scale whatever the batch, so nothing but a cap limits a decision's growth.
+        """
+        return self.has_estimate and math.fsum(self._normalised(self.sqr_biased)) > 0.0
 
     def grad_params(self) -> GradParams | None:
         """The statistics in the form the goodput model takes, or None before any update.

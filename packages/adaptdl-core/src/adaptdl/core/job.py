@@ -80,7 +80,10 @@ class Job:
         self.store = store
         self.clock = clock
         self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
-            self.goodput_fn, estimate_samples=self.estimate_samples, bound_fn=self.bound_goodput_fn
+            self.goodput_fn,
+            estimate_samples=self.estimate_samples,
+            bound_fn=self.bound_goodput_fn,
+            resolved=self.gradient_resolved,
         )
         self._states: dict[str, State] = {}
         # name -> the epoch a state belongs to (see `register`).
@@ -644,6 +647,11 @@ class Job:
         """Samples in the gradient-noise estimate since it last restarted (0: none yet)."""
         gns = self.metrics.gns
         return gns.samples if gns is not None else 0.0
+
+    def gradient_resolved(self) -> bool:
+        """Whether the gradient-noise estimate resolves a gradient (True without one)."""
+        gns = self.metrics.gns
+        return gns is None or not gns.has_estimate or gns.resolved
 
     def goodput_fn(self) -> GoodputFunction | None:
         """The goodput model fitted so far, or None before enough has been profiled."""
