@@ -405,8 +405,9 @@ def decision_paths(runs: Sequence[dict[str, Any]]) -> str:
     """Each adaptive run's decisions, one line per run: ``cpu s: total (noise scale)``.
 
     The noise scale is the estimate's tr(Sigma) / |G|^2 in samples, then that of its
-    confidence bound (``inf``: |G|^2 estimated at or below 0, the gradient lost in the
-    noise; ``-``: no estimate yet). Read off the `DecisionLog` records.
+    confidence bound (``inf``: |G|^2 at or below 0, for the estimate the gradient lost
+    in the noise; the bound of this rule never reads 0, that of older logs may;
+    ``-``: no estimate yet). Read off the `DecisionLog` records.
     """
 
     def scale(pair: Sequence[float] | None) -> str:

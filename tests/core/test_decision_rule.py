@@ -360,6 +360,8 @@ def _bound_fn(gns: GradientNoiseScale) -> GoodputFunction:
     sd=st.floats(0.01, 50.0),
     current=st.sampled_from([16, 32, 64, 128, 256]),
 )
+# Exactly 0 with no spread: the bound reads a vanishing |G|^2 and caps nothing.
+@example(raw=0.0, sd=0.0, current=64)
 def test_an_unresolved_estimate_grows_at_most_by_max_growth_per_decision(
     raw: float, sd: float, current: int
 ) -> None:
@@ -395,3 +397,12 @@ def test_job_decision_reads_its_bound() -> None:
     assert isinstance(decision, GoodputDecision)
     assert decision.bound_fn is not None
     assert decision.bound_fn(2.0) is None  # no loader, no estimate
+
+
+def test_the_job_decides_with_its_estimate_resolved() -> None:
+    # The default decision of a job is wired to its estimator's `resolved` (True while
+    # there is no estimate, so a fresh job is capped by the warm-up alone).
+    job = Job()
+    decision = job.batch_size_decision
+    assert isinstance(decision, GoodputDecision) and decision.resolved is not None
+    assert decision.resolved() is True

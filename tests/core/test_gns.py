@@ -658,3 +658,28 @@ def test_an_overflowing_step_is_refused_and_changes_nothing() -> None:
         gns.update_differenced((1e308,), (1e308,), (0.0,), 4)
     assert gns.to_json() == before
     assert GradientNoiseScale.from_json(gns.to_json()) == gns
+
+
+def test_resolved_reads_the_summed_raw_estimate_of_sqr() -> None:
+    # Resolved: the whole model's |G|^2 estimated above 0 (the groups' raw sum, before
+    # the clamp); no estimate resolves nothing.
+    assert not GradientNoiseScale(init_batch_size=4, num_groups=2).resolved
+    for groups, resolved in (((2.0, -1.0), True), ((1.0, -2.0), False), ((0.0, 0.0), False)):
+        gns = GradientNoiseScale(
+            4, num_groups=2, sqr_biased=groups, var_biased=(1.0, 1.0), weight=1.0
+        )
+        assert gns.resolved is resolved
+    # At exactly 0 with no spread, the bound reads |G|^2 as vanishing, not as 0: the
+    # decision's growth cap (`GoodputDecision.resolved`) is then what limits growth.
+    flat = GradientNoiseScale(
+        16,
+        sqr_biased=(0.0,),
+        var_biased=(1000.0,),
+        weight=1.0,
+        sqr_diff_biased=0.0,
+        var_diff_biased=0.0,
+        moment_weight=1.0,
+        moment_weight_sq=1e-3,
+    )
+    bound = flat.grad_params_bound(2.0)
+    assert bound is not None and bound.sqr == 1e-300 and bound.var == pytest.approx(1000.0 / 16)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from tests.fakes import ManualClock
 
@@ -98,10 +100,14 @@ def test_periodic_checkpoint_by_time():
 
 @given(
     every=st.none() | st.integers(1, 7),
-    seconds=st.none() | st.sampled_from([4.0, 7.0, 25.0]),
+    seconds=st.none() | st.sampled_from([4.0, 7.0, 25.0, 0.3, 0.7]),
+    tick=st.sampled_from([3.0, 0.1, 0.3]),
     steps=st.integers(1, 40),
 )
-def test_a_policy_assigned_later_counts_as_its_due_says(every, seconds, steps):
+# Found in review: `now >= last + s` rounds otherwise than `now - last >= s` (0.3-second
+# ticks reach 0.8999999999999999 where 0.6 + 0.3 is 0.9).
+@example(every=None, seconds=0.3, tick=0.3, steps=6)
+def test_a_policy_assigned_later_counts_as_its_due_says(every, seconds, tick, steps):
     # The job reads a policy's thresholds when it is assigned (not at every step): one
     # set after construction must checkpoint exactly where the policy's `due` says,
     # counting steps and seconds from the last checkpoint.
@@ -111,13 +117,20 @@ def test_a_policy_assigned_later_counts_as_its_due_says(every, seconds, steps):
     job.checkpoint_policy = policy
     expected, since, last, found = 0, 0, clock.now, False
     for _ in range(steps):
-        clock.now += 3.0
+        clock.now += tick
         since += 1
         if found:  # found due at the previous boundary: written at this one
             expected, since, last = expected + 1, 0, clock.now
         found = policy.due(since + 1, clock.now - last)
         job.step_boundary()
         assert job.checkpoints_written == expected
+
+
+def test_a_policy_without_thresholds_is_never_due():
+    policy = CheckpointPolicy(every_seconds=None, every_steps=None)
+    assert policy.thresholds() == (math.inf, math.inf)
+    assert not policy.due(10**9, 1e300)
+    assert CheckpointPolicy(every_seconds=2.5, every_steps=4).thresholds() == (4, 2.5)
 
 
 def test_periodic_checkpoints_can_be_off():

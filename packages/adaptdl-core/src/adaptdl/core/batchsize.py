@@ -280,9 +280,12 @@ class GoodputDecision:
        errors). The total may grow above the larger of the current total and the
        initial batch size only up to the total that this conservative model
        rates best (`confidence_cap`): a jump needs the estimate's own spread to
-       support it, whatever its age. It catches what the warm-up cannot: an
-       estimate whose |G|^2 has fallen to 0 within its noise (the gain then equals
-       the scale) asks for the largest batch while its upper bound on |G|^2 does not.
+       support it, whatever its age. It catches what the warm-up cannot: a mature
+       estimate whose |G|^2 is small within its noise (the gain then nears the
+       scale) asks for a large batch while its upper bound on |G|^2 does not; one
+       at or below 0 is also held to ``max_growth`` per decision (``resolved``).
+       Near 0 the two caps meet without a jump in the bound (it reads |G|^2 at
+       ``|estimate| + z * error``); only the ``max_growth`` cap starts there.
     4. Hysteresis. The optimum under the caps replaces an admissible current choice
        only when its modelled goodput exceeds the current one's by more than
        ``speedup_threshold`` (a factor > 1); on a fixed model every change then

@@ -267,7 +267,6 @@ class Job:
         self.checkpoints_written += 1
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = self.clock()
-        self._due_time = self._last_checkpoint_time + self._due_seconds
         if saved is None:
             return
         if self._uncommitted is not None:  # committed in the background: said when known
@@ -390,7 +389,6 @@ class Job:
     def checkpoint_policy(self, policy: CheckpointPolicy) -> None:
         self._checkpoint_policy = policy
         self._due_steps, self._due_seconds = policy.thresholds()
-        self._due_time = self._last_checkpoint_time + self._due_seconds
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
         """Called after every optimiser step, on every replica, at the same points.
@@ -431,7 +429,8 @@ class Job:
             # +1: what is found due now is written at the next boundary.
             # The policy's `due`, from its thresholds (no call at every step).
             due_now = self.store is not None and (
-                self._steps_since_checkpoint + 1 >= self._due_steps or now >= self._due_time
+                self._steps_since_checkpoint + 1 >= self._due_steps
+                or now - self._last_checkpoint_time >= self._due_seconds
             )
             if training and now >= self._next_redecide:
                 redecide_now = True
