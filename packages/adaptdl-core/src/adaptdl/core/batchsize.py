@@ -272,8 +272,8 @@ class GoodputDecision:
        gradient (|G|^2 above 0, `GradientNoiseScale.resolved`); one that does not
        reads as pure noise, the gain is the scale at every size, and it is capped as
        an immature one whatever its age: growth by ``max_growth`` per decision while
-       the gradient stays lost in the noise (an untrained network's plateau), which
-       the next decision undoes once the estimate resolves a gradient.
+       the gradient stays lost in the noise (an untrained network's plateau); once
+       the estimate resolves a gradient, the next decision may shrink it again.
     3. Confidence cap. ``bound_fn(z)`` (None: no such cap) returns the goodput model
        with the gradient statistics at the noise scale's lower confidence bound
        (`GradientNoiseScale.grad_params_bound`, ``z = confidence_z`` standard
