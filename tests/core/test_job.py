@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -104,12 +102,11 @@ def test_periodic_checkpoint_by_time():
     tick=st.sampled_from([3.0, 0.1, 0.3]),
     steps=st.integers(1, 40),
 )
-# Found in review: `now >= last + s` rounds otherwise than `now - last >= s` (0.3-second
-# ticks reach 0.8999999999999999 where 0.6 + 0.3 is 0.9).
+# `now >= last + s` rounds otherwise than `due`'s `now - last >= s` (0.3-second ticks
+# reach 0.8999999999999999 where 0.6 + 0.3 is 0.9): a job must not reformulate it.
 @example(every=None, seconds=0.3, tick=0.3, steps=6)
 def test_a_policy_assigned_later_counts_as_its_due_says(every, seconds, tick, steps):
-    # The job reads a policy's thresholds when it is assigned (not at every step): one
-    # set after construction must checkpoint exactly where the policy's `due` says,
+    # A policy set after construction checkpoints exactly where its `due` says,
     # counting steps and seconds from the last checkpoint.
     clock = ManualClock()
     job = Job(store=MemoryCheckpointStore(keep=100), clock=clock)
@@ -127,10 +124,9 @@ def test_a_policy_assigned_later_counts_as_its_due_says(every, seconds, tick, st
 
 
 def test_a_policy_without_thresholds_is_never_due():
-    policy = CheckpointPolicy(every_seconds=None, every_steps=None)
-    assert policy.thresholds() == (math.inf, math.inf)
-    assert not policy.due(10**9, 1e300)
-    assert CheckpointPolicy(every_seconds=2.5, every_steps=4).thresholds() == (4, 2.5)
+    assert not CheckpointPolicy(every_seconds=None, every_steps=None).due(10**9, 1e300)
+    assert CheckpointPolicy(every_seconds=2.5, every_steps=4).due(4, 0.0)
+    assert CheckpointPolicy(every_seconds=2.5, every_steps=4).due(0, 2.5)
 
 
 def test_periodic_checkpoints_can_be_off():

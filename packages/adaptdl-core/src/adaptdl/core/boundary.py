@@ -7,7 +7,6 @@ whose exit status tells a scheduler why (143 after SIGTERM, 130 after SIGINT).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -71,18 +70,9 @@ class CheckpointPolicy:
 
     def due(self, steps: int, seconds: float) -> bool:
         """Whether ``steps`` optimiser steps or ``seconds`` since the last checkpoint are due."""
-        due_steps, due_seconds = self.thresholds()
-        return steps >= due_steps or seconds >= due_seconds
-
-    def thresholds(self) -> tuple[float, float]:
-        """(steps, seconds) since the last checkpoint from which one is due (inf: never).
-
-        What `due` compares with, for a caller that checks at every step without a call.
-        """
-        return (
-            math.inf if self.every_steps is None else self.every_steps,
-            math.inf if self.every_seconds is None else self.every_seconds,
-        )
+        if self.every_steps is not None and steps >= self.every_steps:
+            return True
+        return self.every_seconds is not None and seconds >= self.every_seconds
 
 
 @attrs.frozen

@@ -285,12 +285,22 @@ class GradientNoiseScale:
     @property
     def sqr(self) -> float:
         """The estimate of |G|^2 for the whole model: sum over groups, clamped at 0."""
-        return max(math.fsum(self._normalised(self.sqr_biased)), 0.0)
+        return max(self._raw_sqr, 0.0)
 
     @property
     def var(self) -> float:
         """The estimate of tr(Sigma), the noise of a *single-sample* gradient, clamped at 0."""
-        return max(math.fsum(self._normalised(self.var_biased)), 0.0)
+        return max(self._raw_var, 0.0)
+
+    @property
+    def _raw_sqr(self) -> float:
+        """The whole model's |G|^2 estimate before the clamp (may be below 0)."""
+        return math.fsum(self._normalised(self.sqr_biased))
+
+    @property
+    def _raw_var(self) -> float:
+        """The whole model's tr(Sigma) estimate before the clamp."""
+        return math.fsum(self._normalised(self.var_biased))
 
     @property
     def noise_scale(self) -> float | None:
@@ -362,8 +372,8 @@ class GradientNoiseScale:
         sqr_err, var_err = self.sqr_error, self.var_error
         if not (math.isfinite(sqr_err) and math.isfinite(var_err)):
             return GradParams(sqr=max(self.sqr, 1e-300), var=0.0)
-        sqr = max(abs(math.fsum(self._normalised(self.sqr_biased))) + z * sqr_err, 1e-300)
-        var = max(math.fsum(self._normalised(self.var_biased)) - z * var_err, 0.0)
+        sqr = max(abs(self._raw_sqr) + z * sqr_err, 1e-300)
+        var = max(self._raw_var - z * var_err, 0.0)
         return GradParams(sqr=sqr, var=var / self.init_batch_size)
 
     @property
@@ -375,7 +385,7 @@ class GradientNoiseScale:
         whose preconditioner changes between the steps averaged). The gain is then the
         scale whatever the batch, so nothing but a cap limits a decision's growth.
         """
-        return self.has_estimate and math.fsum(self._normalised(self.sqr_biased)) > 0.0
+        return self.has_estimate and self._raw_sqr > 0.0
 
     def grad_params(self) -> GradParams | None:
         """The statistics in the form the goodput model takes, or None before any update.
@@ -544,9 +554,9 @@ class GradientNoiseScale:
         n = self.effective_updates
         if n <= 1.0 + 1e-9 or self.moment_weight == 0.0:
             return math.inf
-        sqr = math.fsum(self._normalised(self.sqr_biased))
-        var = math.fsum(self._normalised(self.var_biased))
-        return self._level(sqr, var) * math.sqrt(diff_biased / self.moment_weight / n)
+        return self._level(self._raw_sqr, self._raw_var) * math.sqrt(
+            diff_biased / self.moment_weight / n
+        )
 
     def _level(self, sqr: float, var: float) -> float:
         """The scale of the estimates' noise: ``max(sqr, 0) + var / init_batch_size``."""

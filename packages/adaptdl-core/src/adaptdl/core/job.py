@@ -112,9 +112,9 @@ class Job:
         self._redecide_interval: float | None = None
         self._next_redecide = clock() + self.redecide_schedule.next_interval(None)
         self._redecide_pending = False
+        self.checkpoint_policy = checkpoint_policy or CheckpointPolicy()
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = clock()
-        self.checkpoint_policy = checkpoint_policy or CheckpointPolicy()
         self.checkpoints_written = 0
         self.state = JobState()
         self.register(self.state)
@@ -380,16 +380,6 @@ class Job:
         self._committed(together=False)  # the replicas are not at one point here
         raise Preempted(self._stop_code)
 
-    @property
-    def checkpoint_policy(self) -> CheckpointPolicy:
-        """When periodic checkpoints are due (assignable)."""
-        return self._checkpoint_policy
-
-    @checkpoint_policy.setter
-    def checkpoint_policy(self, policy: CheckpointPolicy) -> None:
-        self._checkpoint_policy = policy
-        self._due_steps, self._due_seconds = policy.thresholds()
-
     def step_boundary(self, *, training: bool = True) -> Boundary:
         """Called after every optimiser step, on every replica, at the same points.
 
@@ -427,10 +417,8 @@ class Job:
         due_now = redecide_now = False
         if self._rank0:
             # +1: what is found due now is written at the next boundary.
-            # The policy's `due`, from its thresholds (no call at every step).
-            due_now = self.store is not None and (
-                self._steps_since_checkpoint + 1 >= self._due_steps
-                or now - self._last_checkpoint_time >= self._due_seconds
+            due_now = self.store is not None and self.checkpoint_policy.due(
+                self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
             if training and now >= self._next_redecide:
                 redecide_now = True
