@@ -170,9 +170,9 @@ def test_replay_after_crash_is_counted(tmp_path):
 def test_journal_round_trip_and_garbage(tmp_path):
     journal = Journal(tmp_path / "j")
     assert journal.read() is None
-    journal.write(Mark(samples=123456789))
     journal.write(Mark(samples=5))
-    assert Journal(tmp_path / "j").read() == Mark(samples=5)
+    journal.write(Mark(samples=123456789))
+    assert Journal(tmp_path / "j").read() == Mark(samples=123456789)
     (tmp_path / "bad").write_bytes(b"\x00garbage")
     # Damage is an error naming the file (issue 12); only an empty record is no mark.
     with pytest.raises(CheckpointError, match=r"journal .*bad"):

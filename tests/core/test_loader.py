@@ -746,3 +746,32 @@ def test_the_training_loop_profiles_each_micro_batch_but_a_pass_s_first_with_its
         assert part.count == len(steps) and part.step_sum == pytest.approx(sum(steps))
         assert part.sync_sum == pytest.approx(sum(syncs))
     assert timing.accum.count + timing.optim.count == 24 // 4 - 1
+
+
+def test_a_loop_journals_each_batch_as_taken_with_one_whole_record(tmp_path, monkeypatch):
+    """Before the loop sees a batch the journal holds the job's count with it; a loop
+    writes one whole record (replays, checkpoint) and a checkpoint another, the
+    batches only the running count."""
+    from adaptdl.core.journal import Journal, Mark
+
+    whole: list[int] = []
+    write_counts = Journal.write_counts
+
+    def counted(self, samples, replayed, checkpoint):
+        whole.append(samples)
+        write_counts(self, samples, replayed, checkpoint)
+
+    monkeypatch.setattr(Journal, "write_counts", counted)
+    store = MemoryCheckpointStore()
+    job = one_replica_job(store=store, journal=Journal(tmp_path / "j"))
+    loader = LoaderHelper(job, batch_size=4)
+    read = []
+    for _ in job.epoch.remaining_epochs_until(1):
+        for i, _batch in enumerate(loader.iterate(10, shard_batches(10, 0, 1))):
+            read.append(Journal(tmp_path / "j").read())
+            if i == 1:
+                job.checkpoint()
+    assert [m.samples for m in read] == [4, 8, 10]
+    assert [m.checkpoint for m in read] == [0, 0, 1]  # the checkpoint's rebase
+    assert whole == [0, 8]  # the loop's start; the checkpoint's, at the 8 taken
+    assert Journal(tmp_path / "j").read() == Mark(samples=10, checkpoint=1)

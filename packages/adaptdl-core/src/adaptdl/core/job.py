@@ -122,6 +122,7 @@ class Job:
         self._on_resume: list[Callable[[], None]] = []
         self.boundaries = 0  # step boundaries passed in this process
         self.journal = journal if self.topology.rank == 0 else None
+        self._record: Callable[[int], None] | None = None  # `samples_recorder`'s
         self._count_replay()
         self.epoch = EpochState()
         self.register(self.epoch)
@@ -209,20 +210,32 @@ class Job:
         """Add samples consumed by all replicas (the loader calls this every batch)."""
         self.state.samples_consumed += samples
 
-    def taking_samples(self, samples: int) -> None:
-        """The training loop is about to take a batch of ``samples`` (all replicas).
+    def samples_recorder(self) -> Callable[[int], None] | None:
+        """What the loader calls before the loop sees each batch; None without a journal.
 
-        Journals them as consumed before the loop sees them, so that a replica
-        killed while training on them, or just after, has them counted as replayed
-        when the job resumes from an earlier checkpoint.
+        ``record(samples)`` journals the job's running count of samples with that
+        batch included (`Journal.recorder`: one store), so that a replica killed
+        while training on it, or just after, has it counted as replayed when the job
+        resumes from an earlier checkpoint. The first call writes the run's whole
+        record (its replays and checkpoint); checkpoints rewrite it.
         """
-        # Called for every batch: the journal's write, without another call in between.
         journal = self.journal
-        if journal is not None:
+        if journal is None:
+            return None
+        if self._record is None:
             state = self.state
-            journal.write_counts(
-                state.samples_consumed + samples, state.replayed_samples, self._base
-            )
+            journal.write_counts(state.samples_consumed, state.replayed_samples, self._base)
+            self._record = journal.recorder()
+        return self._record
+
+    def taking_samples(self, samples: int) -> None:
+        """The loop is about to take a batch of ``samples`` (all replicas): its record.
+
+        `samples_recorder` in one call, for callers outside the per-batch path.
+        """
+        record = self.samples_recorder()
+        if record is not None:
+            record(self.state.samples_consumed + samples)
 
     def unique_name(self, prefix: str) -> str:
         """``prefix-0``, ``prefix-1``, ...: the same names in the same creation order."""
@@ -287,7 +300,7 @@ class Job:
         if uncommitted is None:
             return
         saved, started = uncommitted
-        self._base = saved.sequence
+        self._set_base(saved.sequence)
         lifecycle.checkpoint_written(
             self._where(saved.label),
             seconds=self.clock() - started,
@@ -309,8 +322,14 @@ class Job:
             # A plain save first waited for any checkpoint still being committed.
             self._uncommitted = (saved, self.clock()) if self.store.pending else None
             if self._uncommitted is None:
-                self._base = saved.sequence
+                self._set_base(saved.sequence)
         return saved
+
+    def _set_base(self, sequence: int) -> None:
+        """Checkpoint ``sequence`` is committed: replays count from it, the journal says so."""
+        self._base = sequence
+        if self.journal is not None:
+            self.journal.rebase(self.state.replayed_samples, sequence)
 
     # -- stopping at a batch boundary ----------------------------------------------------
     def request_stop(self, code: int = EXIT_CODE_PREEMPTED) -> None:

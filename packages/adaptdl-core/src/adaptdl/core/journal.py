@@ -3,22 +3,35 @@
 A checkpoint records how many samples the job had consumed when it was written;
 after a SIGKILL the job resumes there and consumes again the samples taken
 since. To report how many, rank 0 records, whenever the training loop takes a
-batch, the job's running count of samples (the batch taken included) and the
-replays counted so far. The replays travel in the record too because a run that
-resumed, counted a replay and died again before its next checkpoint would
-otherwise lose that count.
+batch, the job's running count of samples (the batch taken included); beside it
+the replays counted so far and the newest checkpoint's number. The replays
+travel in the record too because a run that resumed, counted a replay and died
+again before its next checkpoint would otherwise lose that count.
 
-The record is written for every batch, so it costs no system call: the file is
-mapped into memory (:class:`~adaptdl.core.storage.MappableStorage`) and each
-record is a store into the page cache, which outlives the death of the process
-(not of the machine, where the count is then a lower bound). A store is not
-atomic, so the file holds two slots, written in turn, each with a sequence
-number and a CRC-32: a process killed in the middle of a store leaves that slot
-torn and the other one whole, holding the previous record, which is then the
-right one (the batch being recorded had not reached the loop). A reader takes
-the whole slot with the higher sequence number. A run's first record rewrites
-the whole file with one write, so no slot of an earlier run outlives it.
-Journals of the previous format (one JSON record) are still read.
+The record costs no system call: the file is mapped into memory
+(:class:`~adaptdl.core.storage.MappableStorage`) and a record is a store into
+the page cache, which outlives the death of the process (not of the machine,
+where the count is then a lower bound). The file holds two kinds of record:
+
+* The whole record (:meth:`Journal.write_counts`: samples, replays, checkpoint),
+  written when the replays or the checkpoint change, i.e. a few times a run.
+  Such a store is not atomic, so the file holds two slots, written in turn,
+  each with a sequence number and a CRC-32: a process killed in the middle of a
+  store leaves that slot torn and the other one whole, holding the previous
+  record. A reader takes the whole slot with the higher sequence number.
+* The running count alone (:meth:`Journal.recorder`), written for every batch:
+  one aligned 8-byte store of a native unsigned integer, which the death of the
+  process cannot split (a CPU completes an instruction or does not start it).
+  This keeps the per-batch cost to one C call, without the CRC and the packing
+  of a whole slot. A reader takes the larger of it and the slot's count, so
+  within a run the count must never fall (`Journal.write_counts` refuses that).
+
+A run's first record rewrites the whole file with one write, so nothing of an
+earlier run outlives it. The layout (``ADLJRNL2``, slots at bytes 8 and 48, the
+running count at byte 88) is the one earlier versions write, with 0 where the
+running count goes, and read, ignoring it: a journal read by an earlier version
+holds the count of its last whole record, a lower bound. Journals of the format
+before that (one JSON record) are still read.
 
 The record is a file of a :class:`~adaptdl.core.storage.Storage` (the
 checkpoints' own, beside them), named for the job (:func:`journal_name`) so that
@@ -32,11 +45,14 @@ anything but counts in ``[0, 2**63)``, or no whole slot, is a
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import mmap
 import os
 import struct
+import sys
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -52,6 +68,13 @@ _SLOT_AND_CRC = struct.Struct(f"<4Q{_CRC.format.lstrip('<')}")  # both, in one s
 # A slot: its fields and their CRC, padded to 8 bytes (the format of existing files).
 _SLOT_SIZE = -(-_SLOT_AND_CRC.size // 8) * 8
 _OFFSETS = (len(_MAGIC), len(_MAGIC) + _SLOT_SIZE)  # slot ``seq % 2`` takes sequence ``seq``
+# The running count: after the slots, 8-aligned (the map starts on a page), so that a
+# store of it is one instruction. Read little-endian; stored natively where that is
+# little-endian (elsewhere each count is a whole record).
+_RUNNING_AT = _OFFSETS[1] + _SLOT_SIZE
+_RUNNING = struct.Struct("<Q")
+_RUNNING_NATIVE = struct.Struct("Q")  # native ("@"): packed by one memcpy, not byte by byte
+_ONE_STORE = sys.byteorder == "little"
 
 
 @attrs.frozen
@@ -109,6 +132,9 @@ def _newest_slot(raw: bytes) -> dict[str, int]:
     if newest is None:
         raise ValueError("neither slot holds a whole record")
     _, samples, replayed, checkpoint = newest
+    running = raw[_RUNNING_AT : _RUNNING_AT + _RUNNING.size]
+    if len(running) == _RUNNING.size:  # 0 where an earlier version wrote the file
+        samples = max(samples, _RUNNING.unpack(running)[0])
     return {"samples": samples, "replayed": replayed, "checkpoint": checkpoint}
 
 
@@ -172,21 +198,79 @@ class Journal:
     def write_counts(self, samples: int, replayed: int, checkpoint: int) -> None:
         """`write` of ``Mark(samples, replayed, checkpoint)``, without building one.
 
-        The job calls this for every batch it hands out: a store into the slot not
-        holding the newest record, its fields first and their CRC last.
+        A whole record: a store into the slot not holding the newest record, its
+        fields first and their CRC last, then the running count. ``samples`` must
+        not fall below this run's last record (the journal is a high-water mark):
+        ValueError otherwise.
         """
         buffer = self._buffer
         if buffer is None:
             self._start(samples, replayed, checkpoint)
             return
+        last = self._last_samples(buffer)
+        if samples < last:
+            raise ValueError(
+                f"samples={samples} is below this run's last record of the journal "
+                f"{self.storage.describe(self.name)} ({last}): it counts samples taken, "
+                "which never fall within a run"
+            )
         seq = self._seq + 1
         self._seq = seq
         # The fields and their CRC in one store (the CRC is computed first, from the
         # same values): a kill mid-store tears this slot and leaves the other whole.
+        # Then the running count: a kill before it leaves it at most this slot's count.
         crc = zlib.crc32(_SLOT.pack(seq, samples, replayed, checkpoint))
         _SLOT_AND_CRC.pack_into(buffer, _OFFSETS[seq & 1], seq, samples, replayed, checkpoint, crc)
+        self._store_running(buffer, samples)
         if not self._mapped:
             self.storage.overwrite(self.name, bytes(buffer))
+
+    def rebase(self, replayed: int, checkpoint: int) -> None:
+        """A whole record of this run's running count with new replays and checkpoint.
+
+        Nothing before this run's first record: that one carries them.
+        """
+        buffer = self._buffer
+        if buffer is not None:
+            self.write_counts(self._last_samples(buffer), replayed, checkpoint)
+
+    def recorder(self) -> Callable[[int], None]:
+        """The cheapest way to record a new running count, the rest of the record kept.
+
+        ``record(samples)``: on a map of the file and a little-endian machine, one
+        8-byte store and no Python frame (what the loader calls for every batch);
+        otherwise a whole record. The count must not fall below this run's last
+        (not checked: a check would cost every batch); a `write` must come first
+        (RuntimeError otherwise): it holds the replays and the checkpoint.
+        """
+        buffer = self._buffer
+        if buffer is None:
+            raise RuntimeError(
+                f"journal {self.storage.describe(self.name)}: write a whole record before "
+                "recording running counts"
+            )
+        if self._mapped and _ONE_STORE:
+            return functools.partial(_RUNNING_NATIVE.pack_into, buffer, _RUNNING_AT)
+        return self._record_whole
+
+    def _record_whole(self, samples: int) -> None:
+        buffer = self._buffer
+        assert buffer is not None  # `recorder` checked
+        _, _, replayed, checkpoint = _SLOT.unpack_from(buffer, _OFFSETS[self._seq & 1])
+        self.write_counts(samples, replayed, checkpoint)
+
+    def _last_samples(self, buffer: mmap.mmap | bytearray) -> int:
+        """This run's last count: the running count or the newest slot's, the larger."""
+        slot: int = _SLOT.unpack_from(buffer, _OFFSETS[self._seq & 1])[1]
+        running: int = _RUNNING.unpack_from(buffer, _RUNNING_AT)[0]
+        return max(slot, running)
+
+    @staticmethod
+    def _store_running(buffer: mmap.mmap | bytearray, samples: int) -> None:
+        # Only as one store: on a big-endian machine a byte-wise store could be torn
+        # into a count above the truth, so there the slots alone hold the count.
+        if _ONE_STORE:
+            _RUNNING_NATIVE.pack_into(buffer, _RUNNING_AT, samples)
 
     def _start(self, samples: int, replayed: int, checkpoint: int) -> None:
         """This run's first record: the whole file in one write, then a map of it."""
@@ -194,6 +278,7 @@ class Journal:
         record = bytearray(_MAGIC.ljust(_RECORD_SIZE, b"\0"))
         first = _slot(1, samples, replayed, checkpoint)
         record[_OFFSETS[1] : _OFFSETS[1] + len(first)] = first
+        _RUNNING.pack_into(record, _RUNNING_AT, samples)
         self.storage.overwrite(self.name, bytes(record))
         self._buffer, self._mapped = record, False
         if isinstance(self.storage, MappableStorage):

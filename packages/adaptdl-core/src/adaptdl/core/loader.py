@@ -442,7 +442,7 @@ class LoaderHelper:
             adaptive = self._max_batch_size is not None
             clock, take_sync, counting = job.clock, job.take_sync_time, job.count_samples
             # Without a journal, taking a batch records nothing: no call for it.
-            taking = job.taking_samples if job.journal is not None else None
+            journal_taken, counts = job.samples_recorder(), job.state
             # Checked first too: a restart may land exactly where the loop had ended.
             decided = False  # whether (local_bsz, accum) was just decided mid-pass
             local_bsz, progress, steps = 0, 0.0, 0
@@ -474,8 +474,8 @@ class LoaderHelper:
                         index = state.current_index
                         # The pass's last batch may be short: count only real positions.
                         step = full if index + full <= pass_end else pass_end - index
-                        if taking is not None:
-                            taking(step)
+                        if journal_taken is not None:
+                            journal_taken(counts.samples_consumed + step)
                         self._in_flight = step
                         trainer = job.training_loader
                         if trainer is not self:

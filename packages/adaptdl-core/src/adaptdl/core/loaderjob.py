@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from adaptdl.core.checkpoint import State
     from adaptdl.core.collective import Collective
     from adaptdl.core.epoch import EpochState
+    from adaptdl.core.jobstate import JobState
     from adaptdl.core.journal import Journal
     from adaptdl.core.loader import LoaderHelper
     from adaptdl.core.metrics import MetricsState
@@ -24,9 +25,9 @@ class LoaderJob(Protocol):
     """What a loader needs of its job: `adaptdl.core.job.Job` has it all.
 
     Read-only: the topology, collective, clock, batch-size decision, epoch
-    counter, metrics (progress and profiler), checkpoint store, journal (None:
-    `taking_samples` records nothing) and the loops that run; the loader changes
-    the job only through the methods below.
+    counter, counters (`JobState`: samples consumed), metrics (progress and
+    profiler), checkpoint store, journal (None: no `samples_recorder`) and the
+    loops that run; the loader changes the job only through the methods below.
     """
 
     @property
@@ -46,6 +47,9 @@ class LoaderJob(Protocol):
 
     @property
     def metrics(self) -> MetricsState: ...
+
+    @property
+    def state(self) -> JobState: ...
 
     @property
     def store(self) -> Store | None: ...
@@ -74,7 +78,7 @@ class LoaderJob(Protocol):
 
     def take_sync_time(self) -> float: ...
 
-    def taking_samples(self, samples: int) -> None: ...
+    def samples_recorder(self) -> Callable[[int], None] | None: ...
 
     def count_samples(self, samples: int) -> None: ...
 
