@@ -434,6 +434,58 @@ def decision_paths(runs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
+    """Samples to each validation accuracy in ``levels``, per run label (medians over seeds).
+
+    For each fixed total M and level: the efficiency against the initial size (its
+    median samples over the fixed-16 runs'), and the noise scale B that makes
+    Pollux's efficiency model (B + 16) / (B + M) equal it, B = (16 - E M) / (E - 1):
+    the constant noise scale the sweep behaves as if it had up to that level. A label
+    with a seed that never reached a level shows ``-`` there. Read off the
+    evaluations (every ``eval_every_samples``), so a count is rounded up to one.
+    """
+    by_label: dict[str, list[list[float | None]]] = {}
+    for r in runs:
+        evals = r.get("evals") or []
+        by_label.setdefault(r["label"], []).append(
+            [next((float(e[1]) for e in evals if e[4] >= level), None) for level in levels]
+        )
+
+    def medians(rows: list[list[float | None]]) -> list[float | None]:
+        out: list[float | None] = []
+        for i in range(len(levels)):
+            values = [row[i] for row in rows]
+            out.append(float(np.median(values)) if None not in values else None)  # type: ignore[arg-type]
+        return out
+
+    base = medians(by_label.get("fixed 16", []))
+    head = "| run | " + " | ".join(f"{level:.0%}" for level in levels) + " |"
+    lines = [
+        "samples (thousands) to each val. accuracy; fixed sizes: efficiency vs 16 / implied noise scale",
+        head,
+        "|---" * (len(levels) + 1) + "|",
+    ]
+
+    def key(label: str) -> tuple[int, int]:
+        return (0, 0) if label == "adaptive" else (1, int(label.split()[-1]))
+
+    for label in sorted(by_label, key=key):
+        cells = []
+        for i, value in enumerate(medians(by_label[label])):
+            if value is None:
+                cells.append("-")
+                continue
+            cell = f"{value / 1e3:.0f}"
+            total = None if label == "adaptive" else int(label.split()[-1])
+            if total not in (None, 16) and base and base[i]:
+                eff = base[i] / value  # type: ignore[operator]
+                implied = (16 - eff * total) / (eff - 1) if eff < 1 else math.inf
+                cell += f" ({eff:.2f} / {implied:.0f})"
+            cells.append(cell)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: Sequence[dict[str, Any]], summaries: dict[str, Any], path: Path) -> None:
     """Per problem: CPU time to target per run (seeds as points); the adaptive batch size."""
     import matplotlib
@@ -477,6 +529,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--problems", default=",".join(PROBLEMS))
     parser.add_argument("--quick", action="store_true", help="CI-sized runs")
+    parser.add_argument(
+        "--lr", type=float, help="the base learning rate instead of the problem's (a sweep)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs launched at a time")
     parser.add_argument(
         "--kinds", default="adaptive,fixed", help="which runs: adaptive, fixed or both"
@@ -506,6 +561,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--auto-targets",
         action="store_true",
         help="with --from-log: the targets of `choose_targets`, from the fixed-16 runs",
+    )
+    parser.add_argument(
+        "--phases",
+        help=(
+            "with --from-log: comma-separated validation accuracies; the samples to each, "
+            "per run, and the fixed sizes' efficiency against 16 up to each (`phase_table`)"
+        ),
     )
     parser.add_argument(
         "--decisions",
@@ -556,6 +618,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 log=log,
                 kinds=args.kinds,
                 to_cap=args.to_cap,
+                overrides={"lr": args.lr} if args.lr is not None else None,
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs
@@ -570,6 +633,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             summaries[problem]["model_vs_measured"] = model_vs_measured(runs)
             print(model_table(problem, summaries[problem]["model_vs_measured"]))
             print()
+            if args.phases and "target_accuracy" in PROBLEMS[problem]:
+                levels = [float(x) for x in args.phases.split(",")]
+                print(f"{problem}: " + phase_table(runs, levels))
+                print()
     (args.out / "time_to_target.json").write_text(json.dumps(results))
     if targets:
         (args.out / "targets.json").write_text(json.dumps(targets))

@@ -192,3 +192,23 @@ def test_decision_paths_read_totals_and_noise_scales_off_the_log() -> None:
         "seed 1: reached in 24.4 CPU s",
         "    0.5: 16 (-/-), 1.0: 24 (inf/22), 2.0: 128 (30/20)",
     ]
+
+
+def test_phase_table_reads_samples_to_each_level_and_the_implied_noise_scale() -> None:
+    def run(label: str, seed: int, accs: list[float]) -> dict[str, object]:
+        # evals: [progress, samples, seconds, val_loss, val_acc, cpu]
+        evals = [[0.0, 1000 * (i + 1), 0.0, 1.0, a, 0.0] for i, a in enumerate(accs)]
+        return {"label": label, "seed": seed, "evals": evals}
+
+    runs = [
+        run("fixed 16", 0, [0.2, 0.6, 0.8]),  # 60% at 2k, 80% at 3k
+        run("fixed 16", 1, [0.6, 0.6, 0.8]),  # at 1k, 3k: medians 1.5k and 3k
+        run("fixed 64", 0, [0.1, 0.2, 0.6, 0.6, 0.6, 0.8]),  # 3k and 6k: efficiency 0.5
+        run("adaptive", 0, [0.6, 0.7]),  # never 80%
+    ]
+    text = time_to_target.phase_table(runs, [0.6, 0.8]).splitlines()
+    assert text[1] == "| run | 60% | 80% |"
+    assert text[3] == "| adaptive | 1 | - |"
+    assert text[4] == "| fixed 16 | 2 | 3 |"
+    # 60%: 1.5k / 3k = 0.5, B = (16 - 32) / (0.5 - 1) = 32; 80%: 3k / 6k, the same.
+    assert text[5] == "| fixed 64 | 3 (0.50 / 32) | 6 (0.50 / 32) |"
