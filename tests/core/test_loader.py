@@ -750,18 +750,19 @@ def test_the_training_loop_profiles_each_micro_batch_but_a_pass_s_first_with_its
 
 def test_a_loop_journals_each_batch_as_taken_with_one_whole_record(tmp_path, monkeypatch):
     """Before the loop sees a batch the journal holds the job's count with it; a loop
-    writes one whole record (replays, checkpoint) and a checkpoint another, the
-    batches only the running count."""
+    writes one whole record (replays, checkpoint) and a checkpoint rebases it, the
+    batches only store the running count."""
     from adaptdl.core.journal import Journal, Mark
 
-    whole: list[int] = []
-    write_counts = Journal.write_counts
+    whole: list[str] = []
+    for name in ("write_counts", "rebase"):
+        method = getattr(Journal, name)
 
-    def counted(self, samples, replayed, checkpoint):
-        whole.append(samples)
-        write_counts(self, samples, replayed, checkpoint)
+        def counted(self, *args, _method=method, _name=name):
+            whole.append(_name)
+            _method(self, *args)
 
-    monkeypatch.setattr(Journal, "write_counts", counted)
+        monkeypatch.setattr(Journal, name, counted)
     store = MemoryCheckpointStore()
     job = one_replica_job(store=store, journal=Journal(tmp_path / "j"))
     loader = LoaderHelper(job, batch_size=4)
@@ -773,5 +774,31 @@ def test_a_loop_journals_each_batch_as_taken_with_one_whole_record(tmp_path, mon
                 job.checkpoint()
     assert [m.samples for m in read] == [4, 8, 10]
     assert [m.checkpoint for m in read] == [0, 0, 1]  # the checkpoint's rebase
-    assert whole == [0, 8]  # the loop's start; the checkpoint's, at the 8 taken
+    assert whole == ["write_counts", "rebase"]  # the loop's start; the checkpoint
     assert Journal(tmp_path / "j").read() == Mark(samples=10, checkpoint=1)
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_batch_taken_and_left_unconsumed_is_not_counted_as_taken(mapped):
+    """A loop left right after taking a batch (a ``break``) leaves it unconsumed: the
+    next loop takes it again, and the journal then holds what that loop took, not the
+    abandoned batch on top (nor refuses the lower count)."""
+    from adaptdl.core.journal import Journal, Mark
+    from adaptdl.core.storage import MemoryStorage
+
+    class Unmappable(MemoryStorage):
+        def mapped(self, name, size):
+            raise OSError("no maps")
+
+    storage = MemoryStorage() if mapped else Unmappable()
+    job = one_replica_job(store=MemoryCheckpointStore(), journal=Journal(storage))
+    first, second = LoaderHelper(job, batch_size=8), LoaderHelper(job, batch_size=4)
+    for _ in job.epoch.remaining_epochs_until(1):
+        for _batch in first.iterate(16, shard_batches(16, 0, 1)):
+            assert Journal(storage).read().samples == 8
+            break
+        assert job.samples_consumed == 0
+        job.checkpoint()  # a whole record between the loops (checkpoint 1)
+        for _batch in second.iterate(16, shard_batches(16, 0, 1)):
+            assert Journal(storage).read() == Mark(samples=4, checkpoint=1)
+            break

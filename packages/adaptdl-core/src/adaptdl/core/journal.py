@@ -1,4 +1,4 @@
-"""A high-water mark of the job's progress, to count what a crash makes it replay.
+"""The job's running count of samples taken, to count what a crash makes it replay.
 
 A checkpoint records how many samples the job had consumed when it was written;
 after a SIGKILL the job resumes there and consumes again the samples taken
@@ -13,24 +13,33 @@ The record costs no system call: the file is mapped into memory
 the page cache, which outlives the death of the process (not of the machine,
 where the count is then a lower bound). The file holds two kinds of record:
 
-* The whole record (:meth:`Journal.write_counts`: samples, replays, checkpoint),
-  written when the replays or the checkpoint change, i.e. a few times a run.
-  Such a store is not atomic, so the file holds two slots, written in turn,
-  each with a sequence number and a CRC-32: a process killed in the middle of a
-  store leaves that slot torn and the other one whole, holding the previous
-  record. A reader takes the whole slot with the higher sequence number.
-* The running count alone (:meth:`Journal.recorder`), written for every batch:
-  one aligned 8-byte store of a native unsigned integer, which the death of the
-  process cannot split (a CPU completes an instruction or does not start it).
-  This keeps the per-batch cost to one C call, without the CRC and the packing
-  of a whole slot. A reader takes the larger of it and the slot's count, so
-  within a run the count must never fall (`Journal.write_counts` refuses that).
+* The running count (:meth:`Journal.recorder`), written for every batch: one
+  aligned 8-byte store of a native unsigned integer, through a memoryview (which
+  converts the value first and then copies it whole; ``struct.pack_into`` zeroes
+  its target before converting, and a kill in between read as 0). The death of
+  the process cannot split it: a CPU completes an instruction or does not start
+  it. It is the latest count, not a maximum: a batch taken and then left
+  unconsumed (a loop left by ``break``) is taken again by the next loop, which
+  records the lower count.
+* The replays and the checkpoint (:meth:`Journal.rebase`), written when they
+  change, a few times a run: a whole record in one of two slots, written in
+  turn, each with a sequence number, the running count as it stands, and a
+  CRC-32. Such a store is not atomic: a process killed in the middle of one
+  leaves that slot torn and the other one whole, holding the previous replays
+  and checkpoint. A reader takes the whole slot with the higher sequence number.
+
+A reader takes the samples from the running count and the rest from the newest
+whole slot, where the run's first record marked the file as holding a running
+count (8 bytes right after it); a file of an earlier version has zeros there, and
+then the slot's count is the samples. (A big-endian machine cannot store the
+little-endian count in one store: there every record is a whole slot, and the
+file is not marked.)
 
 A run's first record rewrites the whole file with one write, so nothing of an
 earlier run outlives it. The layout (``ADLJRNL2``, slots at bytes 8 and 48, the
-running count at byte 88) is the one earlier versions write, with 0 where the
-running count goes, and read, ignoring it: a journal read by an earlier version
-holds the count of its last whole record, a lower bound. Journals of the format
+running count at byte 88, its mark at 96) is the one earlier versions write, with
+zeros after the slots, and read, ignoring what follows the slots: a journal read by
+an earlier version holds the count of its last whole record. Journals of the format
 before that (one JSON record) are still read.
 
 The record is a file of a :class:`~adaptdl.core.storage.Storage` (the
@@ -69,11 +78,12 @@ _SLOT_AND_CRC = struct.Struct(f"<4Q{_CRC.format.lstrip('<')}")  # both, in one s
 _SLOT_SIZE = -(-_SLOT_AND_CRC.size // 8) * 8
 _OFFSETS = (len(_MAGIC), len(_MAGIC) + _SLOT_SIZE)  # slot ``seq % 2`` takes sequence ``seq``
 # The running count: after the slots, 8-aligned (the map starts on a page), so that a
-# store of it is one instruction. Read little-endian; stored natively where that is
-# little-endian (elsewhere each count is a whole record).
+# store of it is one instruction. Read little-endian; stored natively, one store,
+# where that is little-endian (elsewhere it stays 0 and every record is a whole slot).
 _RUNNING_AT = _OFFSETS[1] + _SLOT_SIZE
 _RUNNING = struct.Struct("<Q")
-_RUNNING_NATIVE = struct.Struct("Q")  # native ("@"): packed by one memcpy, not byte by byte
+_RUNNING_MARK = b"RUNNING1"  # right after the count: the file holds one (zeros: it does not)
+_MARK_AT = _RUNNING_AT + _RUNNING.size
 _ONE_STORE = sys.byteorder == "little"
 
 
@@ -132,9 +142,8 @@ def _newest_slot(raw: bytes) -> dict[str, int]:
     if newest is None:
         raise ValueError("neither slot holds a whole record")
     _, samples, replayed, checkpoint = newest
-    running = raw[_RUNNING_AT : _RUNNING_AT + _RUNNING.size]
-    if len(running) == _RUNNING.size:  # 0 where an earlier version wrote the file
-        samples = max(samples, _RUNNING.unpack(running)[0])
+    if raw[_MARK_AT : _MARK_AT + len(_RUNNING_MARK)] == _RUNNING_MARK:
+        samples = _RUNNING.unpack_from(raw, _RUNNING_AT)[0]
     return {"samples": samples, "replayed": replayed, "checkpoint": checkpoint}
 
 
@@ -154,6 +163,8 @@ class Journal:
         # The file's bytes as this run writes them: the storage's map of the file, or
         # (a storage without maps) a copy overwritten whole after each record.
         self._buffer: mmap.mmap | bytearray | None = None
+        # The running count's 8 bytes as one native item (little-endian machines).
+        self._running: memoryview | None = None
         self._mapped = False
         self._seq = 0  # of the newest record this run wrote; 0 before its first
 
@@ -198,79 +209,75 @@ class Journal:
     def write_counts(self, samples: int, replayed: int, checkpoint: int) -> None:
         """`write` of ``Mark(samples, replayed, checkpoint)``, without building one.
 
-        A whole record: a store into the slot not holding the newest record, its
-        fields first and their CRC last, then the running count. ``samples`` must
-        not fall below this run's last record (the journal is a high-water mark):
-        ValueError otherwise.
+        The running count, then a whole slot (`rebase`): a kill between the two
+        leaves the new count with the previous replays and checkpoint, as a
+        `recorder` store followed by a `rebase` would.
         """
-        buffer = self._buffer
-        if buffer is None:
+        if self._buffer is None:
             self._start(samples, replayed, checkpoint)
             return
-        last = self._last_samples(buffer)
-        if samples < last:
-            raise ValueError(
-                f"samples={samples} is below this run's last record of the journal "
-                f"{self.storage.describe(self.name)} ({last}): it counts samples taken, "
-                "which never fall within a run"
-            )
-        seq = self._seq + 1
-        self._seq = seq
-        # The fields and their CRC in one store (the CRC is computed first, from the
-        # same values): a kill mid-store tears this slot and leaves the other whole.
-        # Then the running count: a kill before it leaves it at most this slot's count.
-        crc = zlib.crc32(_SLOT.pack(seq, samples, replayed, checkpoint))
-        _SLOT_AND_CRC.pack_into(buffer, _OFFSETS[seq & 1], seq, samples, replayed, checkpoint, crc)
-        self._store_running(buffer, samples)
-        if not self._mapped:
-            self.storage.overwrite(self.name, bytes(buffer))
+        self._record(samples)
+        self.rebase(replayed, checkpoint)
 
     def rebase(self, replayed: int, checkpoint: int) -> None:
-        """A whole record of this run's running count with new replays and checkpoint.
+        """New replays and checkpoint (a whole slot), the running count kept.
 
         Nothing before this run's first record: that one carries them.
         """
         buffer = self._buffer
         if buffer is not None:
-            self.write_counts(self._last_samples(buffer), replayed, checkpoint)
+            self._write_slot(buffer, self._samples(buffer), replayed, checkpoint)
 
     def recorder(self) -> Callable[[int], None]:
         """The cheapest way to record a new running count, the rest of the record kept.
 
         ``record(samples)``: on a map of the file and a little-endian machine, one
         8-byte store and no Python frame (what the loader calls for every batch);
-        otherwise a whole record. The count must not fall below this run's last
-        (not checked: a check would cost every batch); a `write` must come first
-        (RuntimeError otherwise): it holds the replays and the checkpoint.
+        otherwise a whole record. A `write` must come first (RuntimeError
+        otherwise): it holds the replays and the checkpoint. After `close` the
+        recorder raises ValueError.
         """
-        buffer = self._buffer
-        if buffer is None:
+        if self._buffer is None:
             raise RuntimeError(
                 f"journal {self.storage.describe(self.name)}: write a whole record before "
                 "recording running counts"
             )
-        if self._mapped and _ONE_STORE:
-            return functools.partial(_RUNNING_NATIVE.pack_into, buffer, _RUNNING_AT)
-        return self._record_whole
+        if self._mapped and self._running is not None:
+            return functools.partial(self._running.__setitem__, 0)
+        return self._record
 
-    def _record_whole(self, samples: int) -> None:
+    def _record(self, samples: int) -> None:
+        """The running count ``samples``: one store, else (big-endian) a whole slot."""
         buffer = self._buffer
-        assert buffer is not None  # `recorder` checked
+        if buffer is None:
+            raise ValueError(f"journal {self.storage.describe(self.name)} is closed")
+        if self._running is not None:
+            self._running[0] = samples
+            if not self._mapped:
+                self.storage.overwrite(self.name, bytes(buffer))
+            return
         _, _, replayed, checkpoint = _SLOT.unpack_from(buffer, _OFFSETS[self._seq & 1])
-        self.write_counts(samples, replayed, checkpoint)
+        self._write_slot(buffer, samples, replayed, checkpoint)
 
-    def _last_samples(self, buffer: mmap.mmap | bytearray) -> int:
-        """This run's last count: the running count or the newest slot's, the larger."""
-        slot: int = _SLOT.unpack_from(buffer, _OFFSETS[self._seq & 1])[1]
-        running: int = _RUNNING.unpack_from(buffer, _RUNNING_AT)[0]
-        return max(slot, running)
+    def _write_slot(
+        self, buffer: mmap.mmap | bytearray, samples: int, replayed: int, checkpoint: int
+    ) -> None:
+        """A whole record into the slot not holding the newest one."""
+        seq = self._seq + 1
+        self._seq = seq
+        # The fields and their CRC in one store (the CRC is computed first, from the
+        # same values): a kill mid-store tears this slot and leaves the other whole.
+        crc = zlib.crc32(_SLOT.pack(seq, samples, replayed, checkpoint))
+        _SLOT_AND_CRC.pack_into(buffer, _OFFSETS[seq & 1], seq, samples, replayed, checkpoint, crc)
+        if not self._mapped:
+            self.storage.overwrite(self.name, bytes(buffer))
 
-    @staticmethod
-    def _store_running(buffer: mmap.mmap | bytearray, samples: int) -> None:
-        # Only as one store: on a big-endian machine a byte-wise store could be torn
-        # into a count above the truth, so there the slots alone hold the count.
-        if _ONE_STORE:
-            _RUNNING_NATIVE.pack_into(buffer, _RUNNING_AT, samples)
+    def _samples(self, buffer: mmap.mmap | bytearray) -> int:
+        """This run's running count (the newest slot's where it is not stored apart)."""
+        if self._running is not None:
+            return int(self._running[0])
+        samples: int = _SLOT.unpack_from(buffer, _OFFSETS[self._seq & 1])[1]
+        return samples
 
     def _start(self, samples: int, replayed: int, checkpoint: int) -> None:
         """This run's first record: the whole file in one write, then a map of it."""
@@ -278,15 +285,27 @@ class Journal:
         record = bytearray(_MAGIC.ljust(_RECORD_SIZE, b"\0"))
         first = _slot(1, samples, replayed, checkpoint)
         record[_OFFSETS[1] : _OFFSETS[1] + len(first)] = first
-        _RUNNING.pack_into(record, _RUNNING_AT, samples)
+        if _ONE_STORE:
+            _RUNNING.pack_into(record, _RUNNING_AT, samples)
+            record[_MARK_AT : _MARK_AT + len(_RUNNING_MARK)] = _RUNNING_MARK
         self.storage.overwrite(self.name, bytes(record))
-        self._buffer, self._mapped = record, False
+        buffer: mmap.mmap | bytearray = record
+        self._mapped = False
         if isinstance(self.storage, MappableStorage):
             # A file that cannot be mapped is overwritten whole after each record instead.
             with contextlib.suppress(OSError):
-                self._buffer, self._mapped = self.storage.mapped(self.name, _RECORD_SIZE), True
+                buffer, self._mapped = self.storage.mapped(self.name, _RECORD_SIZE), True
+        self._buffer = buffer
+        if _ONE_STORE:
+            # A native 8-byte item: assigning one converts the value, then copies it
+            # with one memcpy (one store); released by `close`, before the map is.
+            view = memoryview(buffer)
+            self._running = view[_RUNNING_AT : _RUNNING_AT + _RUNNING.size].cast("Q")
+            view.release()
 
     def close(self) -> None:
         """Release the file; a later record starts the file anew."""
-        self._buffer, self._mapped, self._seq = None, False, 0
+        if self._running is not None:
+            self._running.release()
+        self._buffer, self._running, self._mapped, self._seq = None, None, False, 0
         self.storage.close()
