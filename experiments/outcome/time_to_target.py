@@ -461,7 +461,8 @@ def phase_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
     base = medians(by_label.get("fixed 16", []))
     head = "| run | " + " | ".join(f"{level:.0%}" for level in levels) + " |"
     lines = [
-        "samples (thousands) to each val. accuracy; fixed sizes: efficiency vs 16 / implied noise scale",
+        "samples (thousands) to each val. accuracy; "
+        "fixed sizes: efficiency vs 16 / implied noise scale",
         head,
         "|---" * (len(levels) + 1) + "|",
     ]
@@ -531,6 +532,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="CI-sized runs")
     parser.add_argument(
         "--lr", type=float, help="the base learning rate instead of the problem's (a sweep)"
+    )
+    parser.add_argument(
+        "--preconditioned",
+        action="store_true",
+        help="AdamScale(preconditioned=True): the noise of Adam's preconditioned gradient",
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs launched at a time")
     parser.add_argument(
@@ -618,7 +624,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 log=log,
                 kinds=args.kinds,
                 to_cap=args.to_cap,
-                overrides={"lr": args.lr} if args.lr is not None else None,
+                overrides=({"lr": args.lr} if args.lr is not None else {})
+                | ({"preconditioned": True} if args.preconditioned else {}),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs

@@ -107,7 +107,10 @@ def train(
             model.parameters(), lr=cfg["lr"], momentum=cfg.get("momentum", 0.0)
         )
     rules = {"linear": LinearScale, "adamscale": AdamScale, "adascale": AdaScale}
-    adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rules[cfg["rule"]]())
+    rule = rules[cfg["rule"]]()
+    if cfg.get("preconditioned"):  # `time_to_target --preconditioned`: the original's noise
+        rule = AdamScale(preconditioned=True)
+    adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
 
     target = cfg["progress_epochs"] * n / b0  # initial-batch steps
     steps: list[list[float]] = []

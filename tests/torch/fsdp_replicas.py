@@ -102,7 +102,7 @@ def train_gns() -> None:
         optimizer: torch.optim.Optimizer = torch.optim.Adam(two_groups(net), lr=0.01)
     else:
         optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
-    rule = AdamScale() if adam else AdaScale()
+    rule = AdamScale(preconditioned=True) if adam else AdaScale()
     if MODE == "fsdp":
         wrapped = AdaptiveFSDP(net, optimizer, scaling_rule=rule)
     else:

@@ -263,14 +263,15 @@ def test_gradients_of_a_loop_left_mid_accumulation_belong_to_no_step() -> None:
                 break
 
 
-def test_adamscale_measures_adam_preconditioned_gradients() -> None:
+def test_adamscale_preconditioned_measures_adam_preconditioned_gradients() -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=8)
     loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
     _context.current_job().batch_size_decision = lambda query: (8, 1)  # 2 micro-batches
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-6)
-    adp = AdaptiveDataParallel(model, optimizer, scaling_rule=scaling_rules.AdamScale())
+    rule = scaling_rules.AdamScale(preconditioned=True)
+    adp = AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
     assert adp._preconditioner(0, model.weight) is None  # no optimiser state yet
     factors = []
     for _ in adl.remaining_epochs_until(1):
@@ -284,6 +285,48 @@ def test_adamscale_measures_adam_preconditioned_gradients() -> None:
     assert gns is not None and gns.num_updates == len(factors) // 2 >= 2
     assert gns.gain(2.0) > 1.0
     assert adp.last_lr_factor == pytest.approx(math.sqrt(gns.gain(2.0)))
+
+
+def _step_statistics(rule: Any, optimizer_type: Any, steps: int) -> tuple[float, float]:
+    """|G|^2 and tr(Sigma) after ``steps`` optimiser steps of 2 micro-batches each."""
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    loader.autoscale_batch_size(32, (1, 16), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (8, 1)  # 2 micro-batches
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = optimizer_type(model.parameters(), lr=0.01)
+    adp = AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
+    for _ in adl.remaining_epochs_until(1):
+        for i, (_, x, y) in enumerate(loader):
+            train_step(adp, optimizer, x, y)
+            if i == 2 * steps - 1:
+                break
+    gns = adp.gns
+    assert gns is not None and gns.num_updates == steps
+    return gns.sqr, gns.var
+
+
+def test_adamscale_measures_the_raw_gradient_by_default() -> None:
+    """The statistics of the raw gradient: those AdaScale measures of the same step
+    (the first: the rules' factors part the runs after it). Under Adam they differ
+    from the preconditioned ones from the second step (the first has no state)."""
+    assert repr(scaling_rules.AdamScale()) == "AdamScale()"
+    raw = _step_statistics(scaling_rules.AdamScale(), torch.optim.SGD, 1)
+    _context._reset()
+    adl.init_process_group("gloo")
+    plain = _step_statistics(scaling_rules.AdaScale(), torch.optim.SGD, 1)
+    assert raw == pytest.approx(plain, rel=1e-12)
+    _context._reset()
+    adl.init_process_group("gloo")
+    adam = _step_statistics(scaling_rules.AdamScale(), torch.optim.Adam, 2)
+    _context._reset()
+    adl.init_process_group("gloo")
+    preconditioned = _step_statistics(
+        scaling_rules.AdamScale(preconditioned=True), torch.optim.Adam, 2
+    )
+    assert adam != pytest.approx(preconditioned, rel=1e-3)
+    with pytest.raises(ValueError, match="preconditioned"):
+        scaling_rules.AdamScale(preconditioned="yes")  # type: ignore[arg-type]
 
 
 def test_two_backward_passes_on_one_batch_add_up() -> None:

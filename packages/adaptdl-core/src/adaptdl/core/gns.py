@@ -31,12 +31,22 @@ worth of data: long enough for the per-step estimates, which are very noisy at
 small batches, to settle, short enough to follow the drift of |G|^2 over training.
 
 Preconditioning. For an optimiser that applies a diagonal preconditioner (Adam:
-``P = sqrt(v_hat) + eps``), the statistics that govern its progress are those of
-the *preconditioned* gradient ``g / P``. The caller then passes squared norms of
-``g / P`` (see :func:`squared_norm`), computed with one and the same ``P`` for
-every quantity of one update (all micro-batches and the mean; in the differenced
-case the previous and the current gradient). The estimates are then |G / P|^2 and
-tr(D Sigma D) with ``D = diag(1 / P)``.
+``P = sqrt(v_hat) + eps``) the caller may pass squared norms of the
+*preconditioned* gradient ``g / P`` (see :func:`squared_norm`), computed with one
+and the same ``P`` for every quantity of one update (all micro-batches and the
+mean; in the differenced case the previous and the current gradient). The
+estimates are then |G / P|^2 and tr(D Sigma D) with ``D = diag(1 / P)``. The torch
+adapter does so only under ``AdamScale(preconditioned=True)`` (the original
+AdaptDL's choice); by default it passes the raw gradient's. ``P`` is measured at
+the batch size in use: while ``v_hat`` is mostly noise, ``1 / P_i^2`` is about
+``b / Sigma_ii``, so the preconditioned noise scale is about
+``d / sum_i (G_i^2 / Sigma_ii)`` (one over the mean signal-to-noise ratio of the
+coordinates), and it rises towards ``mean_i (Sigma_ii / G_i^2)`` as the batch grows
+and ``v_hat`` fills with signal: by Jensen's inequality the small batch reads less,
+by as much as the coordinates' ratios differ. A decision made at the initial batch
+then underrates every larger one (a Dyck transformer read 4-5 samples at 16 where
+the same training reads 27-81 at 64). The raw gradient's estimates, |G|^2 and
+tr(Sigma), do not depend on the batch they are measured at.
 
 The estimates are kept per parameter group; the model's values are the sums over
 groups.

@@ -103,8 +103,9 @@ class AdamScale(_FactorOf, name="adamscale", of="gain", root=True):
     Adam normalises the update by the gradient's second moment, which shrinks by
     the same noise reduction the gain measures; the square root of the gain is the
     rule AdaptDL uses (its ``AdamScale`` raises the AdaScale gain to the power 0.5).
-    The gain should be computed from preconditioned gradients (see
-    ``adaptdl.core.gns``).
+    The gain comes from the raw gradient's noise by default, or from the
+    preconditioned gradient's (the original's choice; see ``adaptdl.core.gns``,
+    "Preconditioning", for why that one depends on the batch size in use).
     """
 
 

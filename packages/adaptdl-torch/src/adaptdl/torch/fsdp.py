@@ -10,7 +10,8 @@ the sharded model what `AdaptiveDataParallel` does for a replicated one (it shar
   and backward passes; a hook on each sees the replica's own gradient before the
   reduce-scatter), and the reduced gradient's squared norm is the sum over
   replicas of each shard's squared norm (one ``all_reduce`` of one number per
-  parameter group), under `AdamScale` of the preconditioned gradient;
+  parameter group), under `AdamScale(preconditioned=True)` of the preconditioned
+  gradient;
 * accumulation micro-batches run with ``set_requires_gradient_sync(False)``: the
   gradients sum locally and only the step's last micro-batch reduce-scatters;
 * the learning-rate scaling rules, bf16 (``MixedPrecisionPolicy``) and a GradScaler,
@@ -53,10 +54,11 @@ class AdaptiveFSDP(AdaptiveSteps):
     ``lr_scheduler`` and ``mp_scaler`` are checkpointed beside the sharded model and
     optimiser under ``name``, and everything is restored now, resharded, if the
     job resumed from a checkpoint. ``scaling_rule`` defaults to `AdaScale`;
-    under `AdamScale` each replica's local gradient is divided by Adam's whole
-    preconditioner, gathered from the sharded optimiser state one parameter at a
-    time in the backward pass (one all-gather of ``exp_avg_sq`` per micro-batch),
-    and the reduced gradient's shards by the replica's own shard of it.
+    under `AdamScale(preconditioned=True)` each replica's local gradient is divided
+    by Adam's whole preconditioner, gathered from the sharded optimiser state one
+    parameter at a time in the backward pass (one all-gather of ``exp_avg_sq`` per
+    micro-batch), and the reduced gradient's shards by the replica's own shard of
+    it; a plain `AdamScale` measures the raw gradient and gathers nothing.
 
     That all-gather costs, per parameter and per micro-batch, as much traffic as
     gathering the parameter itself (``exp_avg_sq`` has its shape), on top of
@@ -64,7 +66,7 @@ class AdaptiveFSDP(AdaptiveSteps):
     it needs every parameter to receive a gradient on every replica in every
     micro-batch: a trainable parameter one replica leaves unused (a branch not
     taken, an expert not routed to) leaves the others waiting in its all-gather
-    until the collective timeout. Use `AdaScale` for such models.
+    until the collective timeout. Use a plain `AdamScale` or `AdaScale` for such models.
 
     With ``async_checkpoint``, a checkpoint stalls training only while each
     replica copies its shards aside in host memory (a second copy of them, held

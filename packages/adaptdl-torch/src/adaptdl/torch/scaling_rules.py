@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from adaptdl.core import scaling
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core._validate import check_bool, check_float, check_int
 from adaptdl.core.gns import GradientNoiseScale
 
 __all__ = ["AdaScale", "AdamScale", "LEGWScale", "LinearScale", "ScalingRuleBase", "SqrtScale"]
@@ -49,9 +49,27 @@ class AdaScale(ScalingRuleBase):
 
 
 class AdamScale(ScalingRuleBase):
-    """AdaScale for Adam-like optimisers: multiply the learning rate by ``sqrt(gain)``."""
+    """AdaScale for Adam-like optimisers: multiply the learning rate by ``sqrt(gain)``.
+
+    ``preconditioned``: estimate the gradient noise (the gain, and the efficiency
+    the batch-size decision weighs) of Adam's preconditioned gradient
+    ``g / (sqrt(v_hat) + eps)``, as the original AdaptDL does, instead of the raw
+    gradient's (the default). The preconditioner is itself measured at the
+    current batch size: while ``v_hat`` holds mostly noise, the preconditioned
+    noise scale weights each coordinate by its signal-to-noise ratio and reads far
+    below what the same training reads at a larger batch (4-5 samples at 16 against
+    27-81 at 64 on a Dyck transformer), so the decision never leaves a small initial
+    batch. The raw gradient's noise scale does not depend on the batch it is
+    measured at (`docs/ARCHITECTURE.md`, "The batch-size rule").
+    """
 
     _core_rule = scaling.AdamScale
+
+    def __init__(self, *, preconditioned: bool = False) -> None:
+        self.preconditioned = check_bool("preconditioned", preconditioned)
+
+    def __repr__(self) -> str:
+        return "AdamScale(preconditioned=True)" if self.preconditioned else "AdamScale()"
 
 
 class LinearScale(ScalingRuleBase):

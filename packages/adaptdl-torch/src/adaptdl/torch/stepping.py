@@ -212,14 +212,18 @@ class AdaptiveSteps:
         precond = self._preconditioner(group, param)
         self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
 
-    def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
-        """Adam's ``sqrt(v_hat) + eps`` for ``param`` under AdamScale, else None.
+    def _preconditions(self) -> bool:
+        """Whether the noise is estimated of Adam's preconditioned gradient (`AdamScale`)."""
+        rule = self.scaling_rule
+        return isinstance(rule, AdamScale) and rule.preconditioned
 
-        The statistics that govern an adaptive optimiser's progress are those of
-        the preconditioned gradient; the optimiser state changes only at the step,
-        so every norm of one step uses the same preconditioner.
+    def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
+        """Adam's ``sqrt(v_hat) + eps`` for ``param`` under AdamScale(preconditioned=True).
+
+        None otherwise. The optimiser state changes only at the step, so every norm
+        of one step uses the same preconditioner.
         """
-        if not isinstance(self.scaling_rule, AdamScale):
+        if not self._preconditions():
             return None
         state = self.adaptdl_optimizer.state.get(param)
         if not state or "exp_avg_sq" not in state or "step" not in state:
@@ -342,13 +346,13 @@ class AdaptiveSteps:
         prev = self._preconditioned(prev)
         pairs = zip(prev, self._preconditioned(current), strict=True)
         summed = [_norms(_sums(pg, cg)) for pg, cg in pairs]
-        if not isinstance(self.scaling_rule, AdamScale):
+        if not self._preconditions():
             return summed, []  # no preconditioner: |prev|^2 is the last step's total
         return summed, [_norms(pg) for pg in prev]
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``groups`` (gradients of the params with grads) divided by their preconditioners."""
-        if not isinstance(self.scaling_rule, AdamScale):
+        if not self._preconditions():
             return groups
         out = []
         for index, (grads, params) in enumerate(zip(groups, self._grad_params(), strict=True)):
