@@ -581,6 +581,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="also print each adaptive run's decisions (CPU s: total, noise scale / bound)",
     )
     args = parser.parse_args(argv)
+    if args.preconditioned:
+        other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
+        if other:
+            parser.error(f"--preconditioned applies to AdamScale problems (dyck), not {other}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     summaries: dict[str, Any] = {}

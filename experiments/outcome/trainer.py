@@ -109,6 +109,8 @@ def train(
     rules = {"linear": LinearScale, "adamscale": AdamScale, "adascale": AdaScale}
     rule = rules[cfg["rule"]]()
     if cfg.get("preconditioned"):  # `time_to_target --preconditioned`: the original's noise
+        if cfg["rule"] != "adamscale":
+            raise ValueError(f"preconditioned applies to rule 'adamscale', not {cfg['rule']!r}")
         rule = AdamScale(preconditioned=True)
     adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
 

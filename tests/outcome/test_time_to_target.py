@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from experiments.outcome import problems, time_to_target
@@ -212,3 +214,11 @@ def test_phase_table_reads_samples_to_each_level_and_the_implied_noise_scale() -
     assert text[4] == "| fixed 16 | 2 | 3 |"
     # 60%: 1.5k / 3k = 0.5, B = (16 - 32) / (0.5 - 1) = 32; 80%: 3k / 6k, the same.
     assert text[5] == "| fixed 64 | 3 (0.50 / 32) | 6 (0.50 / 32) |"
+
+
+def test_preconditioned_is_refused_for_a_problem_without_adamscale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        time_to_target.main(["--problems", "shapes", "--preconditioned", "--out", str(tmp_path)])
+    assert "not ['shapes']" in capsys.readouterr().err
