@@ -156,11 +156,13 @@ def test_replay_after_crash_is_counted(tmp_path):
     journal = Journal(tmp_path / "journal")
     job = Job(store=store, journal=journal)
     # What the loader does for each batch: journal it as taken, train, count it.
-    job.taking_samples(40)
+    record = job.samples_recorder()
+    assert record is not None
+    record(job.samples_consumed + 40)
     job.count_samples(40)
     job.step_boundary()
     job.checkpoint()
-    job.taking_samples(24)  # the mark now says 64; the process is killed in this step
+    record(job.samples_consumed + 24)  # the mark now says 64; killed in this step
     journal.close()
     again = Job(store=store, journal=Journal(tmp_path / "journal"))
     assert again.state.samples_consumed == 40

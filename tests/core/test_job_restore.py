@@ -113,7 +113,9 @@ def test_a_fresh_start_ignores_a_stale_journal(tmp_path: Path) -> None:
     )
     assert job.restored_from is None
     assert job.replayed_samples == 0
-    job.taking_samples(4)
+    record = job.samples_recorder()
+    assert record is not None
+    record(job.samples_consumed + 4)
     assert Journal(tmp_path / "progress.journal").read() == Mark(samples=4, replayed=0)
 
 

@@ -119,6 +119,7 @@ class Unmappable:
 
     def __init__(self) -> None:
         self.inner = MemoryStorage()
+        self.overwrites = 0
 
     def __getattr__(self, name: str) -> object:
         if name == "mapped":
@@ -132,6 +133,7 @@ class Unmappable:
         return self.inner.read(name, limit)
 
     def overwrite(self, name: str, data: bytes) -> None:
+        self.overwrites += 1
         self.inner.overwrite(name, data)
 
     def close(self) -> None:
@@ -144,10 +146,12 @@ def test_a_storage_without_maps_still_holds_every_record() -> None:
     for samples in range(1, 5):
         journal.write(Mark(samples=samples, replayed=1, checkpoint=2))
         assert Journal(storage).read() == Mark(samples, 1, 2)  # type: ignore[arg-type]
+    assert storage.overwrites == 4  # one write of the file per record
     record = journal.recorder()
     for samples in range(5, 9):
-        record(samples)  # a whole record each: the replays and checkpoint kept
+        record(samples)  # the file rewritten each time: the replays and checkpoint kept
         assert Journal(storage).read() == Mark(samples, 1, 2)  # type: ignore[arg-type]
+    assert storage.overwrites == 8
 
 
 KILLED = """

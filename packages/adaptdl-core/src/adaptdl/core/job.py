@@ -228,15 +228,6 @@ class Job:
             self._record = journal.recorder()
         return self._record
 
-    def taking_samples(self, samples: int) -> None:
-        """The loop is about to take a batch of ``samples`` (all replicas): its record.
-
-        `samples_recorder` in one call, for callers outside the per-batch path.
-        """
-        record = self.samples_recorder()
-        if record is not None:
-            record(self.state.samples_consumed + samples)
-
     def unique_name(self, prefix: str) -> str:
         """``prefix-0``, ``prefix-1``, ...: the same names in the same creation order."""
         count = self._names.get(prefix, 0)

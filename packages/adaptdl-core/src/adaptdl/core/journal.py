@@ -209,15 +209,17 @@ class Journal:
     def write_counts(self, samples: int, replayed: int, checkpoint: int) -> None:
         """`write` of ``Mark(samples, replayed, checkpoint)``, without building one.
 
-        The running count, then a whole slot (`rebase`): a kill between the two
-        leaves the new count with the previous replays and checkpoint, as a
-        `recorder` store followed by a `rebase` would.
+        The running count, then a whole slot: a kill between the two leaves the
+        new count with the previous replays and checkpoint, as a `recorder` store
+        followed by a `rebase` would. One write of the file where it is not mapped.
         """
-        if self._buffer is None:
+        buffer = self._buffer
+        if buffer is None:
             self._start(samples, replayed, checkpoint)
             return
-        self._record(samples)
-        self.rebase(replayed, checkpoint)
+        if self._running is not None:
+            self._running[0] = samples  # the slot's write below reaches the file
+        self._write_slot(buffer, samples, replayed, checkpoint)
 
     def rebase(self, replayed: int, checkpoint: int) -> None:
         """New replays and checkpoint (a whole slot), the running count kept.
