@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
@@ -159,3 +160,48 @@ def test_the_torch_adapter_s_pass_is_resizable() -> None:
 
     assert isinstance(Pass(), ResizableBatches)
     assert not isinstance(iter(()), ResizableBatches)
+
+
+def test_the_first_batch_at_a_new_size_and_spikes_go_unprofiled() -> None:
+    """The first batch of a pass and the first at each new size (its new shapes cost
+    once) are not profiled, nor is a spike; every other batch is, at its own size."""
+    n = 400
+    clock = ManualClock()
+    job = Job(Topology(), clock=clock, batch_size_decision=Alternating([(4, 0), (2, 0)]))
+    loader = LoaderHelper(job, batch_size=1)
+    loader.autoscale_batch_size(64)
+    sizes = IssuedSizes()
+    passes: list[tuple[int, int]] = []  # (index, batch number) of each pass's start
+
+    def batches(epoch: int, index: int, local_bsz: int) -> Prefetching:
+        passes.append((index, len(sizes_seen)))
+        sizes.start(local_bsz)
+        return Prefetching(Shard(n, index, 1, 0, epoch=epoch), 1, sizes)
+
+    sizes_seen: list[int] = []
+    spike_at = 150
+    for _epoch in job.epoch.remaining_epochs_until(1):
+        for _batch in loader.iterate(n, batches):
+            size = loader.current_local_bsz
+            new_size = not sizes_seen or size != sizes_seen[-1]
+            sizes_seen.append(size)
+            # Steady steps take 1 s per sample of the size; the first at a size 50 s more.
+            clock.now += size + (50.0 if new_size else 0.0)
+            if len(sizes_seen) == spike_at:
+                clock.now += 100.0
+            job.metrics.add_progress(1.0)
+    changes = sum(a != b for a, b in pairwise(sizes_seen))
+    assert changes >= 2 and all(index % n == 0 for index, _ in passes)  # in place
+    timings = job.metrics.profiler.timings
+    assert {key[2] for key in timings} == set(sizes_seen)
+    for (_, _, size), timing in timings.items():
+        assert timing.accum.count == 0
+        assert timing.optim.mean_step == pytest.approx(size)
+    profiled = sum(t.optim.count for t in timings.values())
+    assert job.metrics.profiler.spikes == 1
+    # Each pass's first batch, the first at each new size and the spike are left out.
+    left_out = {number for _, number in passes} | {
+        i for i in range(1, len(sizes_seen)) if sizes_seen[i] != sizes_seen[i - 1]
+    }
+    assert spike_at - 1 not in left_out
+    assert profiled == len(sizes_seen) - len(left_out) - 1

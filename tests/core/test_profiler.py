@@ -12,16 +12,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.profiler import (
+from adaptdl.core.hints import (
     HINTS_KEYS,
     HINTS_SCHEMA,
-    PROFILER_SCHEMA,
-    ConfigTiming,
-    Profiler,
-    Timing,
     goodput_fn_from_hints,
     hints,
     validate_hints,
+)
+from adaptdl.core.profiler import (
+    PROFILER_SCHEMA,
+    SPIKE_AFTER,
+    SPIKE_RATIO,
+    ConfigTiming,
+    Profiler,
+    Timing,
 )
 
 TRUE = PerfParams(0.02, 0.004, 0.25, 0.03, 0.08, 0.01, 1.8)
@@ -74,6 +78,50 @@ def test_timings_aggregate_exactly_and_keep_kinds_apart() -> None:
     assert timing.optim.mean_sync == pytest.approx(0.06)
     assert prof.timing(1, 1, 32) == ConfigTiming(optim=Timing(1, 0.2, 0.2 * 0.2, 0.0, 0.0))
     assert prof.timing(1, 2, 32) is None
+
+
+def test_a_spike_is_left_out_once_a_mean_is_known_and_jitter_is_kept() -> None:
+    """A step over SPIKE_RATIO times its configuration's mean of its kind so far (an
+    evaluation inside the loop, a checkpoint, a pause) is not recorded, once the
+    configuration holds SPIKE_AFTER of that kind; steps up to the ratio are."""
+    prof = Profiler()
+    record = prof.recorder(1, 1, 8)
+    record(False, 30.0, 0.0)  # too early to judge: kept
+    for _ in range(SPIKE_AFTER - 1):
+        record(False, 1.0, 0.0)
+    mean = (30.0 + SPIKE_AFTER - 1) / SPIKE_AFTER
+    record(False, SPIKE_RATIO * mean * 0.99, 0.5)  # jitter: kept
+    kept = prof.timing(1, 1, 8)
+    assert kept is not None and kept.optim.count == SPIKE_AFTER + 1
+    record(False, SPIKE_RATIO * kept.optim.mean_step * 1.01, 0.5)  # a spike
+    assert prof.timing(1, 1, 8) == kept and prof.spikes == 1
+    assert prof.steps_since_fit == SPIKE_AFTER + 1  # a spike is no step of the fit's
+    # Accumulation steps are judged by their own mean, configurations by theirs.
+    for _ in range(SPIKE_AFTER):
+        record(True, 0.1, 0.0)
+    record(True, 0.5, 0.0)
+    prof.record(1, 1, 16, accum_step=False, step_time=50.0)
+    timing = prof.timing(1, 1, 8)
+    assert timing is not None and timing.accum.count == SPIKE_AFTER and prof.spikes == 2
+    assert prof.timing(1, 1, 16) is not None
+    # Not state: a restored profiler counts afresh, and rejects what this one would.
+    restored = Profiler.from_json(json.loads(json.dumps(prof.to_json())))
+    assert restored == prof and restored.spikes == 0
+    for p in (prof, restored):
+        p.record(1, 1, 8, accum_step=False, step_time=SPIKE_RATIO * kept.optim.mean_step * 1.01)
+    assert restored == prof and restored.spikes == 1
+
+
+def test_spikes_leave_the_fit_as_it_is_without_them() -> None:
+    """One long pause among many steps would otherwise skew its configuration's mean,
+    and through it the throughput model's choice of batch size."""
+    clean, spiky = profile_grid(0), profile_grid(0)
+    for key in [(1, 1, 16), (1, 2, 128)]:
+        for accum in (True, False):
+            spiky.record(*key, accum_step=accum, step_time=30.0, sync_time=0.0)
+    assert spiky.spikes == 4
+    assert spiky.timings == clean.timings
+    assert spiky.perf_params() == clean.perf_params()
 
 
 def test_empty_timing_has_nan_means() -> None:
@@ -310,7 +358,7 @@ records = st.lists(
         st.tuples(
             st.sampled_from([(1, 1, 16), (1, 2, 16), (2, 4, 32), (1, 1, 64)]),
             st.booleans(),
-            st.sampled_from([0.9, 1.0, 1.1]),
+            st.sampled_from([0.9, 1.0, 1.1, 10.0]),  # 10: a spike, once a mean is known
         ),
         st.just("fit"),
     ),

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from adaptdl.core.goodput import GradParams
-from adaptdl.core.profiler import Profiler, hints
+from adaptdl.core.hints import hints
+from adaptdl.core.profiler import Profiler
 from adaptdl.torch.hints import read_hints, write_hints
 
 

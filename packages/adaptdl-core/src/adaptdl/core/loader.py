@@ -466,11 +466,16 @@ class LoaderHelper:
                 # is the only check per batch.
                 size, full, change_at = local_bsz, replicas * local_bsz, _NEVER
                 record: Callable[[bool, float, float], None] | None = None
+                # Batches up to this one go unprofiled: the pass's first waits for the
+                # data, the first at a new size pays for its new shapes (allocations,
+                # kernel selection: ~2x a steady step on CPU, far more with cuDNN's
+                # autotuning), which no later step at that size pays again.
+                warm = 0
                 try:
                     for i, batch in enumerate(made):
                         if i >= change_at:
                             size, change_at = self._apply_changes(i)
-                            full, record = replicas * size, None
+                            full, record, warm = replicas * size, None, i
                         index = state.current_index
                         # The pass's last batch may be short: count only real positions.
                         step = full if index + full <= pass_end else pass_end - index
@@ -481,8 +486,7 @@ class LoaderHelper:
                         if trainer is not self:
                             yield batch
                             accumulating = self.is_accum_step()
-                        elif i:
-                            # Profiled (the first micro-batch of a pass waits for the data).
+                        elif i > warm:
                             if record is None:
                                 record = self._recorder(size)
                             began = clock()

@@ -1,4 +1,4 @@
-"""Step timings by configuration, the fitted throughput model, and scheduling hints.
+"""Step timings by configuration and the throughput model fitted to them.
 
 The profiler is handed every measured micro-batch: the configuration it ran in
 (nodes, replicas, atomic batch size), whether it only accumulated gradients or
@@ -11,9 +11,7 @@ From the means it fits :class:`~adaptdl.core.goodput.PerfParams` (one observatio
 per configuration), refitting lazily on a cadence, and builds the job's
 :class:`~adaptdl.core.goodput.GoodputFunction`.
 
-Scheduling hints are the versioned JSON document a scheduler reads to decide the
-job's resources (see :func:`hints`), as plain data: core reads and writes no files
-(``adaptdl.torch.hints`` stores them).
+The scheduling hints built from a profiler are in :mod:`adaptdl.core.hints`.
 """
 
 from __future__ import annotations
@@ -37,13 +35,22 @@ from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_pe
 
 #: Schema tag of :meth:`Profiler.to_json`.
 PROFILER_SCHEMA = "adaptdl.profiler/1"
-#: Schema tag of the scheduling hints (:func:`hints`).
-HINTS_SCHEMA = "adaptdl.hints/1"
 
 # An accumulation-step time estimated from an optimiser step (step minus sync) is
 # kept at least this share of the step, so that a sync time measured as long as the
 # whole step cannot make it zero or negative.
 _MIN_COMPUTE_SHARE = 0.01
+# A step more than this many times its configuration's mean step time so far is a
+# spike, left out of the timings: an evaluation, a checkpoint or a log flush inside the
+# training loop, a garbage collection, a page-in. The model is of the steady step;
+# one 30 s evaluation among 500 steps of 0.1 s would otherwise add 60 ms to every step
+# of whichever configuration it fell in. Jitter (contended CPUs: up to ~3x the mean)
+# stays in.
+SPIKE_RATIO = 4.0
+# Records of a kind (accumulation, optimiser) a configuration holds before the spike
+# test applies: fewer make too noisy a mean to judge by; more let a spike among a new
+# configuration's first steps in more often.
+SPIKE_AFTER = 4
 
 Key = tuple[int, int, int]
 
@@ -164,6 +171,7 @@ class _Sums:
         "o_step_sq",
         "o_sync",
         "o_sync_sq",
+        "spikes",
     )
 
     def __init__(self, profiler: Profiler, timing: ConfigTiming) -> None:
@@ -173,6 +181,7 @@ class _Sums:
         self.a_sync, self.a_sync_sq = a.sync_sum, a.sync_sqsum
         self.o_count, self.o_step, self.o_step_sq = o.count, o.step_sum, o.step_sqsum
         self.o_sync, self.o_sync_sq = o.sync_sum, o.sync_sqsum
+        self.spikes = 0  # records left out as spikes (this process only: not state)
 
     def timing(self) -> ConfigTiming:
         return ConfigTiming(
@@ -192,17 +201,28 @@ class _Sums:
             or not 0.0 <= sync_time < math.inf
         ):
             accum_step, step_time, sync_time = _check_times(accum_step, step_time, sync_time)
+        # A spike (see SPIKE_RATIO): compared as step * count > ratio * sum, which
+        # the sums alone decide, so a restored profiler rejects exactly what this
+        # one would.
         if accum_step:
-            self.a_count += 1
+            count = self.a_count
+            if count >= SPIKE_AFTER and step_time * count > SPIKE_RATIO * self.a_step:
+                self.spikes += 1
+                return
+            self.a_count = count + 1
             self.a_step += step_time
             self.a_step_sq += step_time * step_time
             self.a_sync += sync_time
             self.a_sync_sq += sync_time * sync_time
             return
+        count = self.o_count
+        if count >= SPIKE_AFTER and step_time * count > SPIKE_RATIO * self.o_step:
+            self.spikes += 1
+            return
         profiler = self._profiler
-        if not self.o_count:
+        if not count:
             profiler.new_config_since_fit = True
-        self.o_count += 1
+        self.o_count = count + 1
         self.o_step += step_time
         self.o_step_sq += step_time * step_time
         self.o_sync += sync_time
@@ -395,6 +415,13 @@ class Profiler:
         )
 
     @property
+    def spikes(self) -> int:
+        """Micro-batches this process left out of the timings as spikes: more than
+        `SPIKE_RATIO` times their configuration's mean step of their kind, once it
+        holds `SPIKE_AFTER` records. Not state: a restored profiler counts from 0."""
+        return sum(row.spikes for row in self._sums.values())
+
+    @property
     def max_profiled_replicas(self) -> int:
         """The most replicas of any configuration with an optimiser step (0 if none)."""
         return max((k[1] for k, row in self._sums.items() if row.o_count), default=0)
@@ -505,128 +532,3 @@ class Profiler:
             new_config_since_fit=data["new_config_since_fit"],
             num_fits=data["num_fits"],
         )
-
-
-# ---------------------------------------------------------------------------
-# Scheduling hints
-
-#: The keys of a hints document, in order.
-HINTS_KEYS = (
-    "schema",
-    "perf_params",
-    "grad_params",
-    "init_batch_size",
-    "max_batch_size",
-    "local_bsz_bounds",
-    "gradient_accumulation",
-    "max_profiled_replicas",
-    "max_profiled_nodes",
-)
-
-
-def hints(
-    profiler: Profiler,
-    grad_params: GradParams | None,
-    init_batch_size: int,
-    max_batch_size: int | None = None,
-    local_bsz_bounds: tuple[int | None, int | None] | None = None,
-    gradient_accumulation: bool = False,
-) -> dict[str, Any]:
-    """Return the job's scheduling hints, schema ``adaptdl.hints/1``.
-
-    A JSON-ready dict with exactly these keys:
-
-    * ``schema``: ``"adaptdl.hints/1"``;
-    * ``perf_params``: ``PerfParams.to_dict()`` of the current fit, or null before
-      any optimiser step was profiled;
-    * ``grad_params``: ``GradParams.to_dict()`` (variance at the initial batch
-      size), or null before any estimate;
-    * ``init_batch_size``: int >= 1;
-    * ``max_batch_size``: int >= ``init_batch_size``, or null (batch size fixed);
-    * ``local_bsz_bounds``: ``[min, max]`` per-replica batch bounds, each an int >= 1
-      or null (unbounded), min <= max; or null for no bounds;
-    * ``gradient_accumulation``: bool, whether the job may accumulate gradients;
-    * ``max_profiled_replicas``, ``max_profiled_nodes``: the largest configuration
-      the profile covers, ints >= 0.
-    """
-    if not isinstance(profiler, Profiler):
-        raise ArgumentTypeError(f"profiler must be a Profiler, got {type(profiler).__name__}")
-    if grad_params is not None and not isinstance(grad_params, GradParams):
-        raise ArgumentTypeError(f"grad_params must be a GradParams or None, got {grad_params!r}")
-    perf = profiler.perf_params()
-    bounds = None if local_bsz_bounds is None else list(local_bsz_bounds)
-    return validate_hints(
-        {
-            "schema": HINTS_SCHEMA,
-            "perf_params": perf.to_dict() if perf is not None else None,
-            "grad_params": grad_params.to_dict() if grad_params is not None else None,
-            "init_batch_size": init_batch_size,
-            "max_batch_size": max_batch_size,
-            "local_bsz_bounds": bounds,
-            "gradient_accumulation": gradient_accumulation,
-            "max_profiled_replicas": profiler.max_profiled_replicas,
-            "max_profiled_nodes": profiler.max_profiled_nodes,
-        }
-    )
-
-
-def _optional_int(name: str, value: Any, min: int) -> int | None:
-    return None if value is None else check_int(name, value, min=min)
-
-
-def validate_hints(data: Any) -> dict[str, Any]:
-    """Check a hints document against schema ``adaptdl.hints/1``; return a normalised copy.
-
-    Raises ValueError (or ArgumentTypeError) naming the offending key.
-    """
-    if not isinstance(data, Mapping):
-        raise ArgumentTypeError(f"hints must be a mapping, got {type(data).__name__}")
-    if data.get("schema") != HINTS_SCHEMA:
-        raise ValueError(f"hints schema must be {HINTS_SCHEMA!r}, got {data.get('schema')!r}")
-    data = check_keys("hints", data, HINTS_KEYS)
-    perf = data["perf_params"]
-    grad = data["grad_params"]
-    init = check_int("init_batch_size", data["init_batch_size"], min=1)
-    max_bsz = _optional_int("max_batch_size", data["max_batch_size"], init)
-    bounds = data["local_bsz_bounds"]
-    if bounds is not None:
-        if isinstance(bounds, (str, bytes)) or not isinstance(bounds, (list, tuple)):
-            raise ArgumentTypeError(f"local_bsz_bounds must be [min, max] or null, got {bounds!r}")
-        if len(bounds) != 2:
-            raise ValueError(f"local_bsz_bounds must be [min, max], got {bounds!r}")
-        lo = _optional_int("local_bsz_bounds[0]", bounds[0], 1)
-        hi = _optional_int("local_bsz_bounds[1]", bounds[1], 1)
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"local_bsz_bounds must have min <= max, got {bounds!r}")
-        bounds = [lo, hi]
-    return {
-        "schema": HINTS_SCHEMA,
-        "perf_params": PerfParams.from_dict(perf).to_dict() if perf is not None else None,
-        "grad_params": GradParams.from_dict(grad).to_dict() if grad is not None else None,
-        "init_batch_size": init,
-        "max_batch_size": max_bsz,
-        "local_bsz_bounds": bounds,
-        "gradient_accumulation": _check_bool(
-            "gradient_accumulation", data["gradient_accumulation"]
-        ),
-        "max_profiled_replicas": check_int(
-            "max_profiled_replicas", data["max_profiled_replicas"], min=0
-        ),
-        "max_profiled_nodes": check_int("max_profiled_nodes", data["max_profiled_nodes"], min=0),
-    }
-
-
-def goodput_fn_from_hints(data: Mapping[str, Any]) -> GoodputFunction | None:
-    """The goodput model a hints document describes; None while it has no ``perf_params``.
-
-    Null ``grad_params`` mean no noise, as in :meth:`Profiler.goodput_fn`.
-    """
-    checked = validate_hints(data)
-    if checked["perf_params"] is None:
-        return None
-    grad = checked["grad_params"]
-    return GoodputFunction(
-        PerfParams.from_dict(checked["perf_params"]),
-        GradParams.from_dict(grad) if grad is not None else GradParams(0.0, 0.0),
-        checked["init_batch_size"],
-    )

@@ -24,7 +24,8 @@ from adaptdl.core.batchsize import (
     pass_capped,
 )
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.profiler import Profiler, hints
+from adaptdl.core.hints import hints
+from adaptdl.core.profiler import Profiler
 from adaptdl.sim.apps import ApplicationModel, Placement, normalize_placement
 from adaptdl.sim.workload import JobSpec
 

@@ -1,7 +1,7 @@
 """Scheduling hints on disk: core builds and checks the document, this stores it.
 
 The document itself (schema ``adaptdl.hints/1``) is plain data from
-:func:`adaptdl.core.profiler.hints`; :func:`write_hints` stores it atomically for a
+:func:`adaptdl.core.hints.hints`; :func:`write_hints` stores it atomically for a
 scheduler, :func:`read_hints` loads and checks it.
 """
 
@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from adaptdl.core.profiler import validate_hints
+from adaptdl.core.hints import validate_hints
 
 __all__ = ["read_hints", "write_hints"]
 

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.profiler import goodput_fn_from_hints
+from adaptdl.core.hints import goodput_fn_from_hints
 from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.policies.base import Allocation, ClusterState, greedy_allocate, pack
 
