@@ -6,7 +6,7 @@ torchrun, each seed a new data draw and a new initialisation:
 
 * adaptive: ``autoscale_batch_size(1024, local_bsz_bounds=(8, 128),
   gradient_accumulation=True)``, with AdaScale (SGD) or AdamScale (Adam);
-* fixed: the same training at total batch sizes 16 (the initial), 64, 256 and 1024
+* fixed: the same training at every power of two from 16 (the initial) to 1024
   (2 x 128 x 4 micro-batches, within the same local bounds), with the same rule.
 
 Every run stops at its target (validation accuracy for the CNN, validation loss
@@ -30,9 +30,9 @@ import numpy as np
 from experiments.outcome._common import launch
 from experiments.outcome.trainer import DYCK, SHAPES
 
-#: Fixed total batch sizes (16, 64, 256, 1024) as (local batch, accumulation steps) on 2
+#: Fixed total batch sizes (16, 32, ..., 1024) as (local batch, accumulation steps) on 2
 #: replicas, within the adaptive run's local bounds.
-SWEEP = ((8, 0), (32, 0), (128, 0), (128, 3))
+SWEEP = ((8, 0), (16, 0), (32, 0), (64, 0), (128, 0), (128, 1), (128, 3))
 
 ADAPTIVE = {
     "autoscale": True,

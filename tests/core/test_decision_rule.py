@@ -24,6 +24,7 @@ from adaptdl.core.batchsize import (
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.job import Job
+from adaptdl.core.profiler import Profiler
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
 
@@ -406,3 +407,99 @@ def test_the_job_decides_with_its_estimate_resolved() -> None:
     decision = job.batch_size_decision
     assert isinstance(decision, GoodputDecision) and decision.resolved is not None
     assert decision.resolved() is True
+
+
+# -- exploration: a fit that rests on one atomic batch size -------------------------
+
+#: A transformer step as measured on CPU (experiments/outcome, dyck): 85% of the
+#: compute time at the initial local size 8 is fixed cost.
+FIXED_COST = PerfParams(0.006, 0.000125, 0.002, 1e-8, 0.001, 1e-8, 1.0)
+#: A step whose compute is all per-sample cost: a larger batch gains nothing.
+PER_SAMPLE = PerfParams(1e-8, 0.0008, 0.002, 1e-8, 0.001, 1e-8, 1.0)
+
+
+def profile_steps(prof: Profiler, true: PerfParams, local: int, steps: int = 20) -> None:
+    """Record ``steps`` optimiser steps of 2 replicas at ``local``, timed by ``true``."""
+    compute = true.alpha_c + true.beta_c * local
+    step = 2 * local / GoodputFunction(true, GradParams(0.0, 0.0), 16).throughput(1, 2, local, 0)
+    for _ in range(steps):
+        prof.record(1, 2, local, accum_step=False, step_time=step, sync_time=step - compute)
+
+
+def explore_query(current: tuple[int, int] | None) -> BatchSizeQuery:
+    return BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=2,
+        batch_size=16,
+        max_batch_size=1024,
+        local_bsz_bounds=(8, 128),
+        gradient_accumulation=True,
+        current=current,
+    )
+
+
+def test_optimistic_params_take_the_compute_time_as_fixed_until_a_second_size() -> None:
+    prof = Profiler()
+    assert prof.optimistic_params() is None
+    profile_steps(prof, FIXED_COST, 8)
+    fit, optimistic = prof.perf_params(), prof.optimistic_params()
+    assert fit is not None and optimistic is not None
+    # The same compute time where it was measured, none of it per sample.
+    assert optimistic.alpha_c + optimistic.beta_c * 8 == pytest.approx(
+        fit.alpha_c + fit.beta_c * 8
+    )
+    assert optimistic.beta_c == pytest.approx(1e-8)
+    assert attrs.evolve(optimistic, alpha_c=fit.alpha_c, beta_c=fit.beta_c) == fit
+    profile_steps(prof, FIXED_COST, 16)
+    assert prof.optimistic_params() is None
+
+
+def test_exploration_tries_a_larger_size_the_one_size_fit_would_never_try() -> None:
+    """From one size the fit takes half the compute as fixed cost; where 85% is, it
+    holds the initial size (noise scale 15) though 2.5x it is best. Exploring, the
+    decision tries 2x, and once that size's steps identify the fit, follows it."""
+    grad = GradParams(1.0, 15 / 16)  # noise scale 15 at the initial 16
+    prof = Profiler()
+    profile_steps(prof, FIXED_COST, 8)
+
+    def goodput_fn() -> GoodputFunction | None:
+        return prof.goodput_fn(grad, 16)
+
+    plain = GoodputDecision(goodput_fn)
+    exploring = GoodputDecision(goodput_fn, explore_fn=prof.optimistic_params)
+    assert plain(explore_query((8, 0))) == (8, 0)
+    # The optimistic model would go further; the try is at most max_growth x the total.
+    assert (
+        GoodputFunction(prof.optimistic_params(), grad, 16).optimize(
+            1, 2, max_batch_size=1024, atomic_bsz_range=(8, 128), accumulation=True
+        )[1]
+        > 16
+    )
+    assert exploring(explore_query((8, 0))) == (16, 0)
+    profile_steps(prof, FIXED_COST, 16)
+    _, best, _ = GoodputFunction(FIXED_COST, grad, 16).optimize(
+        1, 2, max_batch_size=1024, atomic_bsz_range=(8, 128), accumulation=True
+    )
+    fit = prof.perf_params()
+    assert fit is not None and prof.optimistic_params() is None
+    assert (fit.alpha_c, fit.beta_c) == pytest.approx((FIXED_COST.alpha_c, FIXED_COST.beta_c))
+    local, accum = exploring(explore_query(None))  # the identified fit's optimum
+    assert accum == 0 and abs(local - best) <= 1 and local > 16
+
+
+def test_a_try_the_measured_steps_refute_is_undone() -> None:
+    grad = GradParams(1.0, 15 / 16)
+    prof = Profiler()
+    profile_steps(prof, PER_SAMPLE, 8)
+    exploring = GoodputDecision(
+        lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_params
+    )
+    assert exploring(explore_query((8, 0))) == (16, 0)
+    profile_steps(prof, PER_SAMPLE, 16)  # twice the samples take twice the time
+    assert exploring(explore_query((16, 0))) == (8, 0)
+
+
+def test_the_job_explores_by_its_profiler() -> None:
+    decision = Job().batch_size_decision
+    assert isinstance(decision, GoodputDecision) and decision.explore_fn is not None
+    assert decision.explore_fn() is None  # nothing profiled

@@ -19,7 +19,7 @@ from typing import Any, Protocol, overload
 import attrs
 
 from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.goodput import GoodputFunction
+from adaptdl.core.goodput import GoodputFunction, PerfParams
 
 
 @attrs.frozen
@@ -286,10 +286,24 @@ class GoodputDecision:
        at or below 0 is also held to ``max_growth`` per decision (``resolved``).
        Near 0 the two caps meet without a jump in the bound (it reads |G|^2 at
        ``|estimate| + z * error``); only the ``max_growth`` cap starts there.
-    4. Hysteresis. The optimum under the caps replaces an admissible current choice
+    4. Exploration. ``explore_fn`` (None: no exploration) returns, while the
+       throughput fit has seen a single atomic batch size, the optimistic model of
+       it: the compute time measured there, constant in the batch size
+       (`Profiler.optimistic_params`). From one size the fit cannot tell a step's
+       fixed cost from its per-sample cost and takes half of each (a prior that
+       rated growth at 1.34x where 1.75x was measured, on a transformer whose fixed
+       cost is 85% of a step at the initial size), so a decision on the fit alone
+       may never try the larger size that would have shown it wrong. Where the
+       optimistic model, under the same caps, chooses a larger total than the fit
+       does, the decision tries it, but at most ``max_growth`` times the current
+       total (`current_total`): as Pollux's scheduler explores replica counts. The
+       new size's steps identify the fit; exploration then ends, and the next
+       decision follows the fit, back to the smaller size if the try was wrong.
+    5. Hysteresis. The optimum under the caps replaces an admissible current choice
        only when its modelled goodput exceeds the current one's by more than
        ``speedup_threshold`` (a factor > 1); on a fixed model every change then
-       raises goodput by that factor, so decisions never go back and forth.
+       raises goodput by that factor, so decisions never go back and forth. An
+       exploring choice is judged on the optimistic model.
     """
 
     goodput_fn: Callable[[], GoodputFunction | None]
@@ -301,6 +315,7 @@ class GoodputDecision:
     bound_fn: Callable[[float], GoodputFunction | None] | None = None
     confidence_z: float = attrs.field(default=2.0, validator=_check_nonnegative)
     resolved: Callable[[], bool] | None = None
+    explore_fn: Callable[[], PerfParams | None] | None = None
 
     def maturity(self, query: BatchSizeQuery) -> float:
         """The noise estimate's maturity for ``query``: 0 while it resolves no gradient
@@ -317,11 +332,16 @@ class GoodputDecision:
             return self.fallback(query)
         cap = growth_cap(query, self.maturity(query), self.max_growth)
         max_batch_size = query.max_batch_size if cap is None else min(cap, query.max_batch_size)
-        if self.bound_fn is not None:
-            bound = self.bound_fn(self.confidence_z)
-            if bound is not None:
-                max_batch_size = min(max_batch_size, confidence_cap(query, bound, max_batch_size))
-        goodput, local, accum = _optimum(query, fn, max_batch_size)
+        bound = self.bound_fn(self.confidence_z) if self.bound_fn is not None else None
+        goodput, local, accum = _capped_optimum(query, fn, bound, max_batch_size)
+        optimistic = self.explore_fn() if self.explore_fn is not None else None
+        if optimistic is not None and int(local) >= 1:
+            explore = attrs.evolve(fn, perf_params=optimistic)
+            limit = min(max_batch_size, math.floor(current_total(query) * self.max_growth))
+            bound = attrs.evolve(bound, perf_params=optimistic) if bound is not None else None
+            tried = _capped_optimum(query, explore, bound, limit)
+            if int(tried[1]) * (int(tried[2]) + 1) > int(local) * (int(accum) + 1):
+                fn, (goodput, local, accum) = explore, tried
         if int(local) < 1:
             # No configuration fits max_batch_size on this many replicas.
             return self.fallback(query)
@@ -330,6 +350,19 @@ class GoodputDecision:
             if goodput <= self.speedup_threshold * max(float(now), 1e-12):
                 return query.current
         return int(local), int(accum)
+
+
+def _capped_optimum(
+    query: BatchSizeQuery,
+    fn: GoodputFunction,
+    bound: GoodputFunction | None,
+    max_batch_size: int,
+) -> Any:
+    """``fn``'s best (goodput, local, accum) up to ``max_batch_size`` and, given the
+    conservative model ``bound``, up to `confidence_cap`."""
+    if bound is not None:
+        max_batch_size = min(max_batch_size, confidence_cap(query, bound, max_batch_size))
+    return _optimum(query, fn, max_batch_size)
 
 
 def _admissible(query: BatchSizeQuery, local: int, accum: int) -> bool:

@@ -32,6 +32,7 @@ from adaptdl.core._validate import (
     check_state,
 )
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
+from adaptdl.core.goodput.params import PARAM_FLOOR
 
 #: Schema tag of :meth:`Profiler.to_json`.
 PROFILER_SCHEMA = "adaptdl.profiler/1"
@@ -450,6 +451,25 @@ class Profiler:
             self.new_config_since_fit = False
             self.num_fits += 1
         return self.last_fit
+
+    def optimistic_params(self) -> PerfParams | None:
+        """The fit with its compute time constant in the batch size, while it rests on
+        one atomic batch size; None once it has seen two (or before any step).
+
+        From one size the fit cannot tell a step's fixed cost from its per-sample
+        cost; it takes half of each (`fit_perf_params`). This model takes all of it as
+        fixed (``beta_c`` at the floor, ``alpha_c`` the compute time measured), the
+        most a larger batch could gain: what `GoodputDecision` explores by.
+        """
+        fit = self.perf_params()
+        sizes = {key[2] for key, row in self._sums.items() if row.o_count}
+        if fit is None or len(sizes) != 1:
+            return None
+        (size,) = sizes
+        compute = fit.alpha_c + fit.beta_c * size
+        return attrs.evolve(
+            fit, alpha_c=max(compute - PARAM_FLOOR * size, PARAM_FLOOR), beta_c=PARAM_FLOOR
+        )
 
     def goodput_fn(
         self, grad_params: GradParams | None, init_batch_size: int
