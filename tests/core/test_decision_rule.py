@@ -438,12 +438,14 @@ def explore_query(current: tuple[int, int] | None) -> BatchSizeQuery:
     )
 
 
-def test_optimistic_params_take_the_compute_time_as_fixed_until_a_second_size() -> None:
+def test_the_optimistic_fit_takes_the_compute_time_as_fixed_until_a_second_size() -> None:
     prof = Profiler()
-    assert prof.optimistic_params() is None
+    assert prof.optimistic_fit() is None
     profile_steps(prof, FIXED_COST, 8)
-    fit, optimistic = prof.perf_params(), prof.optimistic_params()
-    assert fit is not None and optimistic is not None
+    fit, found = prof.perf_params(), prof.optimistic_fit()
+    assert fit is not None and found is not None
+    optimistic, size = found
+    assert size == 8
     # The same compute time where it was measured, none of it per sample.
     assert optimistic.alpha_c + optimistic.beta_c * 8 == pytest.approx(
         fit.alpha_c + fit.beta_c * 8
@@ -451,7 +453,7 @@ def test_optimistic_params_take_the_compute_time_as_fixed_until_a_second_size() 
     assert optimistic.beta_c == pytest.approx(1e-8)
     assert attrs.evolve(optimistic, alpha_c=fit.alpha_c, beta_c=fit.beta_c) == fit
     profile_steps(prof, FIXED_COST, 16)
-    assert prof.optimistic_params() is None
+    assert prof.optimistic_fit() is None
 
 
 def test_exploration_tries_a_larger_size_the_one_size_fit_would_never_try() -> None:
@@ -466,11 +468,13 @@ def test_exploration_tries_a_larger_size_the_one_size_fit_would_never_try() -> N
         return prof.goodput_fn(grad, 16)
 
     plain = GoodputDecision(goodput_fn)
-    exploring = GoodputDecision(goodput_fn, explore_fn=prof.optimistic_params)
+    exploring = GoodputDecision(goodput_fn, explore_fn=prof.optimistic_fit)
     assert plain(explore_query((8, 0))) == (8, 0)
-    # The optimistic model would go further; the try is at most max_growth x the total.
+    # The optimistic model would go further; the try is at most max_growth x the size.
+    found = prof.optimistic_fit()
+    assert found is not None
     assert (
-        GoodputFunction(prof.optimistic_params(), grad, 16).optimize(
+        GoodputFunction(found[0], grad, 16).optimize(
             1, 2, max_batch_size=1024, atomic_bsz_range=(8, 128), accumulation=True
         )[1]
         > 16
@@ -481,7 +485,7 @@ def test_exploration_tries_a_larger_size_the_one_size_fit_would_never_try() -> N
         1, 2, max_batch_size=1024, atomic_bsz_range=(8, 128), accumulation=True
     )
     fit = prof.perf_params()
-    assert fit is not None and prof.optimistic_params() is None
+    assert fit is not None and prof.optimistic_fit() is None
     assert (fit.alpha_c, fit.beta_c) == pytest.approx((FIXED_COST.alpha_c, FIXED_COST.beta_c))
     local, accum = exploring(explore_query(None))  # the identified fit's optimum
     assert accum == 0 and abs(local - best) <= 1 and local > 16
@@ -491,9 +495,7 @@ def test_a_try_the_measured_steps_refute_is_undone() -> None:
     grad = GradParams(1.0, 15 / 16)
     prof = Profiler()
     profile_steps(prof, PER_SAMPLE, 8)
-    exploring = GoodputDecision(
-        lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_params
-    )
+    exploring = GoodputDecision(lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_fit)
     assert exploring(explore_query((8, 0))) == (16, 0)
     profile_steps(prof, PER_SAMPLE, 16)  # twice the samples take twice the time
     assert exploring(explore_query((16, 0))) == (8, 0)
@@ -503,3 +505,109 @@ def test_the_job_explores_by_its_profiler() -> None:
     decision = Job().batch_size_decision
     assert isinstance(decision, GoodputDecision) and decision.explore_fn is not None
     assert decision.explore_fn() is None  # nothing profiled
+
+
+def test_exploration_tries_once_per_size_profiled_however_often_it_is_asked() -> None:
+    """Decisions before the tried size has a profiled step (prefetched batches, a
+    decision at the next pass's start) neither explore further (the limit is twice
+    the size profiled, not the size decided) nor undo the try before its steps
+    speak, even where it is wrong (all compute per sample)."""
+    grad = GradParams(1.0, 15 / 16)
+    prof = Profiler()
+    profile_steps(prof, PER_SAMPLE, 8)
+    exploring = GoodputDecision(lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_fit)
+    current = (8, 0)
+    for _ in range(4):
+        current = exploring(explore_query(current))
+        assert current == (16, 0)
+
+
+def test_exploration_never_holds_a_shrink_the_fit_wants() -> None:
+    """A job restarted on 8 replicas keeps its current local size 16 from a profile
+    of 1 replica; the fit wants a smaller total (noise scale 2). Where the try fails
+    the hysteresis on the optimistic model, the fit's choice stands."""
+    grad = GradParams(1.0, 2 / 16)
+    prof = Profiler()
+    for _ in range(20):
+        prof.record(1, 1, 16, accum_step=False, step_time=PER_SAMPLE.beta_c * 16)
+    query = BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=8,
+        batch_size=16,
+        max_batch_size=1024,
+        local_bsz_bounds=(1, 128),
+        gradient_accumulation=True,
+        current=(16, 0),
+    )
+    plain = GoodputDecision(lambda: prof.goodput_fn(grad, 16))(query)
+    assert plain[0] < 16
+    exploring = GoodputDecision(lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_fit)
+    assert exploring(query) == plain
+
+
+def test_exploration_keeps_the_caps_its_confidence_bound_on_the_optimistic_model() -> None:
+    """Under a confidence bound equal to the point estimate, the try is what it is
+    without one: the bound is rebuilt on the optimistic throughput (on the fit's, it
+    would rate the initial size best and cap the try away). An immature estimate
+    keeps its growth cap, which the try never exceeds."""
+    grad = GradParams(1.0, 15 / 16)
+    prof = Profiler()
+    profile_steps(prof, FIXED_COST, 8)
+
+    def goodput_fn() -> GoodputFunction | None:
+        return prof.goodput_fn(grad, 16)
+
+    bounded = GoodputDecision(
+        goodput_fn, bound_fn=lambda z: goodput_fn(), explore_fn=prof.optimistic_fit
+    )
+    assert bounded(explore_query((8, 0))) == (16, 0)
+    young = GoodputDecision(
+        goodput_fn, estimate_samples=lambda: 16.0, explore_fn=prof.optimistic_fit
+    )
+    assert young(explore_query((8, 0))) == (16, 0)
+    # No noise known: a larger batch gains nothing on either model.
+    none = GoodputDecision(lambda: prof.goodput_fn(None, 16), explore_fn=prof.optimistic_fit)
+    assert none(explore_query((8, 0))) == (8, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    true=st.sampled_from([FIXED_COST, PER_SAMPLE]),
+    profiled=st.sampled_from([4, 8, 16]),
+    replicas=st.sampled_from([1, 2, 4, 8]),
+    current=st.sampled_from([None, (4, 0), (8, 0), (16, 0), (32, 0), (8, 1)]),
+    noise=st.floats(0.5, 400.0),
+    lo=st.sampled_from([1, 8]),
+)
+def test_exploration_only_ever_adds_a_bounded_larger_try(
+    true: PerfParams,
+    profiled: int,
+    replicas: int,
+    current: tuple[int, int] | None,
+    noise: float,
+    lo: int,
+) -> None:
+    """Whatever the job: with exploration the decision is the fit's own, or a larger
+    total whose atomic size is at most twice the one profiled."""
+    grad = GradParams(1.0, noise / 16)
+    prof = Profiler()
+    for _ in range(20):
+        prof.record(
+            1, 1, profiled, accum_step=False, step_time=true.alpha_c + true.beta_c * profiled
+        )
+    query = BatchSizeQuery(
+        num_nodes=1,
+        num_replicas=replicas,
+        batch_size=16,
+        max_batch_size=1024,
+        local_bsz_bounds=(lo, 128),
+        gradient_accumulation=True,
+        current=current,
+    )
+    plain = GoodputDecision(lambda: prof.goodput_fn(grad, 16))(query)
+    local, accum = GoodputDecision(
+        lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_fit
+    )(query)
+    if (local, accum) != plain:
+        assert local * (accum + 1) > plain[0] * (plain[1] + 1)
+        assert local <= 2 * profiled

@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -94,7 +95,9 @@ def test_a_spike_is_left_out_once_a_mean_is_known_and_jitter_is_kept() -> None:
     kept = prof.timing(1, 1, 8)
     assert kept is not None and kept.optim.count == SPIKE_AFTER + 1
     record(False, SPIKE_RATIO * kept.optim.mean_step * 1.01, 0.5)  # a spike
-    assert prof.timing(1, 1, 8) == kept and prof.spikes == 1
+    after = prof.timing(1, 1, 8)
+    assert after == attrs.evolve(kept, optim=attrs.evolve(kept.optim, spike_run=1))
+    assert prof.spikes == 1
     assert prof.steps_since_fit == SPIKE_AFTER + 1  # a spike is no step of the fit's
     # Accumulation steps are judged by their own mean, configurations by theirs.
     for _ in range(SPIKE_AFTER):
@@ -112,13 +115,74 @@ def test_a_spike_is_left_out_once_a_mean_is_known_and_jitter_is_kept() -> None:
     assert restored == prof and restored.spikes == 1
 
 
+def test_a_run_of_spikes_is_a_moved_level_and_starts_the_sums_afresh() -> None:
+    """Steps that stay above the ratio (longer sequences from some point on, a slower
+    network after a restart under the same configuration) are not locked out: the
+    SPIKE_AFTER-th in a row starts that kind's sums afresh from itself."""
+    prof = Profiler()
+    record = prof.recorder(1, 2, 8)
+    for _ in range(SPIKE_AFTER):
+        record(False, 0.05, 0.01)
+        record(True, 0.04, 0.0)
+    fits = prof.num_fits
+    prof.perf_params()
+    for _ in range(SPIKE_AFTER - 1):
+        record(False, 0.25, 0.1)
+    timing = prof.timing(1, 2, 8)
+    assert timing is not None and timing.optim.count == SPIKE_AFTER
+    assert timing.optim.spike_run == SPIKE_AFTER - 1 and prof.spikes == SPIKE_AFTER - 1
+    record(False, 0.25, 0.1)  # the run's last: afresh from it
+    timing = prof.timing(1, 2, 8)
+    assert timing is not None and timing.optim == Timing(1, 0.25, 0.25 * 0.25, 0.1, 0.1 * 0.1, 0)
+    assert timing.accum.count == SPIKE_AFTER  # the other kind keeps its own
+    assert prof.new_config_since_fit  # a new level gets a full fit
+    assert prof.perf_params() is not None and prof.num_fits == fits + 2
+    for _ in range(100):
+        record(False, 0.25, 0.1)
+    timing = prof.timing(1, 2, 8)
+    assert timing is not None and timing.optim.mean_step == pytest.approx(0.25)
+    # A normal step ends a run: spikes apart come and go without a reset.
+    for _ in range(10):
+        record(False, 5.0, 0.0)
+        record(False, 0.25, 0.1)
+    timing = prof.timing(1, 2, 8)
+    assert timing is not None and timing.optim.mean_step == pytest.approx(0.25)
+
+
+def test_a_state_of_the_first_schema_loads_with_no_spike_run() -> None:
+    prof = Profiler()
+    for _ in range(5):
+        prof.record(1, 1, 8, accum_step=False, step_time=0.1)
+    data = prof.to_json()
+    v1 = {
+        **data,
+        "schema": "adaptdl.profiler/1",
+        "timings": [
+            {
+                **entry,
+                "accum": {k: v for k, v in entry["accum"].items() if k != "spike_run"},
+                "optim": {k: v for k, v in entry["optim"].items() if k != "spike_run"},
+            }
+            for entry in data["timings"]
+        ],
+    }
+    assert Profiler.from_json(v1) == prof
+    with pytest.raises(ValueError, match="spike_run"):
+        Profiler.from_json({**data, "schema": "adaptdl.profiler/1"})
+    with pytest.raises(ValueError, match="spike_run"):
+        Profiler.from_json({**v1, "schema": PROFILER_SCHEMA})
+
+
 def test_spikes_leave_the_fit_as_it_is_without_them() -> None:
     """One long pause among many steps would otherwise skew its configuration's mean,
     and through it the throughput model's choice of batch size."""
     clean, spiky = profile_grid(0), profile_grid(0)
     for key in [(1, 1, 16), (1, 2, 128)]:
-        for accum in (True, False):
+        compute, optim = true_times(*key)
+        for accum, step in ((True, compute), (False, optim)):
             spiky.record(*key, accum_step=accum, step_time=30.0, sync_time=0.0)
+            for prof in (clean, spiky):  # a steady step after it ends its run
+                prof.record(*key, accum_step=accum, step_time=step, sync_time=0.0)
     assert spiky.spikes == 4
     assert spiky.timings == clean.timings
     assert spiky.perf_params() == clean.perf_params()
@@ -397,7 +461,7 @@ def test_json_layout() -> None:
     prof = Profiler()
     prof.record(1, 2, 16, accum_step=False, step_time=0.5, sync_time=0.25)
     data = prof.to_json()
-    assert data["schema"] == PROFILER_SCHEMA == "adaptdl.profiler/1"
+    assert data["schema"] == PROFILER_SCHEMA == "adaptdl.profiler/2"
     assert data["timings"] == [
         {
             "num_nodes": 1,
@@ -409,6 +473,7 @@ def test_json_layout() -> None:
                 "step_sqsum": 0.0,
                 "sync_sum": 0.0,
                 "sync_sqsum": 0.0,
+                "spike_run": 0,
             },
             "optim": {
                 "count": 1,
@@ -416,6 +481,7 @@ def test_json_layout() -> None:
                 "step_sqsum": 0.25,
                 "sync_sum": 0.25,
                 "sync_sqsum": 0.0625,
+                "spike_run": 0,
             },
         }
     ]

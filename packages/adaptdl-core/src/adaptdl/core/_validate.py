@@ -46,6 +46,13 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """`check_bool` that also takes a numpy bool (a mask's element), as a ``bool``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def check_seed(value: Any) -> int:
     """A shuffle seed: an int >= 0 (an attrs converter)."""
     return check_int("seed", value, min=0)

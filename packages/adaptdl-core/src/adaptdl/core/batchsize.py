@@ -288,22 +288,23 @@ class GoodputDecision:
        ``|estimate| + z * error``); only the ``max_growth`` cap starts there.
     4. Exploration. ``explore_fn`` (None: no exploration) returns, while the
        throughput fit has seen a single atomic batch size, the optimistic model of
-       it: the compute time measured there, constant in the batch size
-       (`Profiler.optimistic_params`). From one size the fit cannot tell a step's
+       it and that size (`Profiler.optimistic_fit`: the compute time measured there,
+       constant in the batch size). From one size the fit cannot tell a step's
        fixed cost from its per-sample cost and takes half of each (a prior that
        rated growth at 1.34x where 1.75x was measured, on a transformer whose fixed
        cost is 85% of a step at the initial size), so a decision on the fit alone
        may never try the larger size that would have shown it wrong. Where the
-       optimistic model, under the same caps, chooses a larger total than the fit
-       does, the decision tries it, but at most ``max_growth`` times the current
-       total (`current_total`): as Pollux's scheduler explores replica counts. The
-       new size's steps identify the fit; exploration then ends, and the next
-       decision follows the fit, back to the smaller size if the try was wrong.
+       optimistic model, under the same caps and with its atomic size at most
+       ``max_growth`` times the profiled one (as Pollux's scheduler explores replica
+       counts), chooses a larger total than the fit does and rates it above the
+       current choice by the hysteresis threshold, the decision tries it;
+       otherwise the fit's choice stands, a shrink included. The new size's steps
+       identify the fit and end the exploration; the decisions that follow use the
+       fit, which undoes a try it refutes (by the threshold).
     5. Hysteresis. The optimum under the caps replaces an admissible current choice
        only when its modelled goodput exceeds the current one's by more than
        ``speedup_threshold`` (a factor > 1); on a fixed model every change then
-       raises goodput by that factor, so decisions never go back and forth. An
-       exploring choice is judged on the optimistic model.
+       raises goodput by that factor, so decisions never go back and forth.
     """
 
     goodput_fn: Callable[[], GoodputFunction | None]
@@ -315,7 +316,7 @@ class GoodputDecision:
     bound_fn: Callable[[float], GoodputFunction | None] | None = None
     confidence_z: float = attrs.field(default=2.0, validator=_check_nonnegative)
     resolved: Callable[[], bool] | None = None
-    explore_fn: Callable[[], PerfParams | None] | None = None
+    explore_fn: Callable[[], tuple[PerfParams, int] | None] | None = None
 
     def maturity(self, query: BatchSizeQuery) -> float:
         """The noise estimate's maturity for ``query``: 0 while it resolves no gradient
@@ -334,22 +335,65 @@ class GoodputDecision:
         max_batch_size = query.max_batch_size if cap is None else min(cap, query.max_batch_size)
         bound = self.bound_fn(self.confidence_z) if self.bound_fn is not None else None
         goodput, local, accum = _capped_optimum(query, fn, bound, max_batch_size)
-        optimistic = self.explore_fn() if self.explore_fn is not None else None
-        if optimistic is not None and int(local) >= 1:
-            explore = attrs.evolve(fn, perf_params=optimistic)
-            limit = min(max_batch_size, math.floor(current_total(query) * self.max_growth))
-            bound = attrs.evolve(bound, perf_params=optimistic) if bound is not None else None
-            tried = _capped_optimum(query, explore, bound, limit)
-            if int(tried[1]) * (int(tried[2]) + 1) > int(local) * (int(accum) + 1):
-                fn, (goodput, local, accum) = explore, tried
         if int(local) < 1:
             # No configuration fits max_batch_size on this many replicas.
             return self.fallback(query)
-        if query.current is not None and _admissible(query, *query.current):
-            now = fn.evaluate(query.num_nodes, query.num_replicas, *query.current)
-            if goodput <= self.speedup_threshold * max(float(now), 1e-12):
-                return query.current
+        tried = self._explore(query, fn, bound, max_batch_size, int(local) * (int(accum) + 1))
+        if tried is not None:
+            return tried
+        if self._keeps_current(query, fn, goodput):
+            assert query.current is not None
+            return query.current
         return int(local), int(accum)
+
+    def _explore(
+        self,
+        query: BatchSizeQuery,
+        fn: GoodputFunction,
+        bound: GoodputFunction | None,
+        max_batch_size: int,
+        chosen: int,
+    ) -> tuple[int, int] | None:
+        """The larger size to try (item 4), or None: the optimistic model's optimum
+        under the same caps, its atomic size at most ``max_growth`` times the one
+        profiled, when it is larger than the fit's choice (``chosen``: its atomic size
+        times its micro-batches) and passes the hysteresis on the optimistic model."""
+        found = self.explore_fn() if self.explore_fn is not None else None
+        if found is None:
+            return None
+        params, profiled = found
+        # Tied to the size profiled, not the current one: a size decided but not yet
+        # profiled (the next decision may come first) never extends the reach.
+        reach = math.floor(self.max_growth * profiled)  # the atomic size a try may have
+        lo, hi = _bounds(query)
+        limit = min(max_batch_size, reach * query.num_replicas)
+        if reach < lo or limit <= max(chosen * query.num_replicas, query.batch_size - 1):
+            return None  # nothing larger within reach
+        within = attrs.evolve(
+            query, local_bsz_bounds=(lo, reach if hi is None else min(hi, reach))
+        )
+        explore = attrs.evolve(fn, perf_params=params)
+        if bound is not None:
+            bound = attrs.evolve(bound, perf_params=params)
+        goodput, local, accum = _capped_optimum(within, explore, bound, limit)
+        if int(local) < 1 or int(local) * (int(accum) + 1) <= chosen:
+            return None
+        if query.current == (int(local), int(accum)) and int(local) > profiled:
+            # A try in flight (not yet profiled: the decision came first) is held
+            # until its steps can speak.
+            return query.current
+        if self._keeps_current(query, explore, goodput):
+            # Not worth a try: the fit's own choice decides (a shrink it wants stands).
+            return None
+        return int(local), int(accum)
+
+    def _keeps_current(self, query: BatchSizeQuery, fn: GoodputFunction, goodput: Any) -> bool:
+        """Whether an admissible current choice stands against ``goodput`` on ``fn``
+        (the hysteresis)."""
+        if query.current is None or not _admissible(query, *query.current):
+            return False
+        now = fn.evaluate(query.num_nodes, query.num_replicas, *query.current)
+        return bool(goodput <= self.speedup_threshold * max(float(now), 1e-12))
 
 
 def _capped_optimum(

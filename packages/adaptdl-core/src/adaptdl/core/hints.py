@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adaptdl.core._validate import ArgumentTypeError, check_int, check_keys
+from adaptdl.core._validate import ArgumentTypeError, check_flag, check_int, check_keys
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.profiler import Profiler, _check_bool
+from adaptdl.core.profiler import Profiler
 
 #: Schema tag of the scheduling hints (:func:`hints`).
 HINTS_SCHEMA = "adaptdl.hints/1"
@@ -113,7 +113,7 @@ def validate_hints(data: Any) -> dict[str, Any]:
         "init_batch_size": init,
         "max_batch_size": max_bsz,
         "local_bsz_bounds": bounds,
-        "gradient_accumulation": _check_bool(
+        "gradient_accumulation": check_flag(
             "gradient_accumulation", data["gradient_accumulation"]
         ),
         "max_profiled_replicas": check_int(

@@ -84,7 +84,7 @@ class Job:
             estimate_samples=self.estimate_samples,
             bound_fn=self.bound_goodput_fn,
             resolved=self.gradient_resolved,
-            explore_fn=lambda: self.metrics.profiler.optimistic_params(),
+            explore_fn=lambda: self.metrics.profiler.optimistic_fit(),
         )
         self._states: dict[str, State] = {}
         # name -> the epoch a state belongs to (see `register`).

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from adaptdl.core._validate import (
     ArgumentTypeError,
+    check_flag,
     check_float,
     check_int,
     check_keys,
@@ -35,7 +36,9 @@ from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_pe
 from adaptdl.core.goodput.params import PARAM_FLOOR
 
 #: Schema tag of :meth:`Profiler.to_json`.
-PROFILER_SCHEMA = "adaptdl.profiler/1"
+PROFILER_SCHEMA = "adaptdl.profiler/2"
+#: The schema before the spike runs were kept; its states load with none running.
+PROFILER_SCHEMA_V1 = "adaptdl.profiler/1"
 
 # An accumulation-step time estimated from an optimiser step (step minus sync) is
 # kept at least this share of the step, so that a sync time measured as long as the
@@ -50,27 +53,25 @@ _MIN_COMPUTE_SHARE = 0.01
 SPIKE_RATIO = 4.0
 # Records of a kind (accumulation, optimiser) a configuration holds before the spike
 # test applies: fewer make too noisy a mean to judge by; more let a spike among a new
-# configuration's first steps in more often.
+# configuration's first steps in more often. As many spikes in a row are no spikes:
+# the level moved (longer sequences, a slower network after a restart), and the
+# kind's sums start afresh from the last of them.
 SPIKE_AFTER = 4
 
 Key = tuple[int, int, int]
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return bool(value)
-
-
 @attrs.frozen
 class Timing:
-    """Count, sum and sum of squares of step times and of their synchronisation times (s)."""
+    """Count, sum and sum of squares of step times and of their synchronisation times
+    (s), and how many records in a row were just left out as spikes (`SPIKE_RATIO`)."""
 
     count: int = 0
     step_sum: float = 0.0
     step_sqsum: float = 0.0
     sync_sum: float = 0.0
     sync_sqsum: float = 0.0
+    spike_run: int = 0
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "count",
@@ -78,17 +79,22 @@ class Timing:
         "step_sqsum",
         "sync_sum",
         "sync_sqsum",
+        "spike_run",
     )
+    SUMS: ClassVar[tuple[str, ...]] = FIELDS[1:5]
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "count", check_int("count", self.count, min=0))
-        for name in self.FIELDS[1:]:
+        for name in self.SUMS:
             object.__setattr__(self, name, check_float(name, getattr(self, name), min=0.0))
-        if self.count == 0 and any(getattr(self, n) != 0.0 for n in self.FIELDS[1:]):
-            raise ValueError("a Timing with count 0 must have all sums 0")
+        run = check_int("spike_run", self.spike_run, min=0, max=SPIKE_AFTER - 1)
+        object.__setattr__(self, "spike_run", run)
+        if self.count == 0 and (run or any(getattr(self, n) != 0.0 for n in self.SUMS)):
+            raise ValueError("a Timing with count 0 must have all sums 0 and no spike run")
 
     def add(self, step_time: float, sync_time: float) -> Timing:
-        """Return these statistics with one more step."""
+        """Return these statistics with one more step (no spike test: `Profiler.record`
+        makes it)."""
         return Timing(
             self.count + 1,
             self.step_sum + step_time,
@@ -120,10 +126,12 @@ class Timing:
         return {name: getattr(self, name) for name in self.FIELDS}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Timing:
-        """Rebuild from :meth:`to_json`'s output."""
-        data = check_keys("Timing", data, cls.FIELDS)
-        return cls(**{name: data[name] for name in cls.FIELDS})
+    def from_json(cls, data: Mapping[str, Any], *, v1: bool = False) -> Timing:
+        """Rebuild from :meth:`to_json`'s output (``v1``: of schema
+        ``adaptdl.profiler/1``, without ``spike_run``)."""
+        fields = cls.FIELDS[:-1] if v1 else cls.FIELDS
+        data = check_keys("Timing", data, fields)
+        return cls(**{name: data[name] for name in fields})
 
 
 @attrs.frozen
@@ -157,17 +165,20 @@ class _Sums:
 
     The per-batch path (`Profiler.recorder`) adds here, with no object built; the
     immutable `ConfigTiming` is made only when someone reads the timings. The sums
-    are added in record order, so they equal those of `Timing.add` exactly.
+    are added in record order, so those of the records kept equal `Timing.add`'s
+    exactly.
     """
 
     __slots__ = (
         "_profiler",
         "a_count",
+        "a_run",
         "a_step",
         "a_step_sq",
         "a_sync",
         "a_sync_sq",
         "o_count",
+        "o_run",
         "o_step",
         "o_step_sq",
         "o_sync",
@@ -182,12 +193,17 @@ class _Sums:
         self.a_sync, self.a_sync_sq = a.sync_sum, a.sync_sqsum
         self.o_count, self.o_step, self.o_step_sq = o.count, o.step_sum, o.step_sqsum
         self.o_sync, self.o_sync_sq = o.sync_sum, o.sync_sqsum
+        self.a_run, self.o_run = a.spike_run, o.spike_run
         self.spikes = 0  # records left out as spikes (this process only: not state)
 
     def timing(self) -> ConfigTiming:
         return ConfigTiming(
-            Timing(self.a_count, self.a_step, self.a_step_sq, self.a_sync, self.a_sync_sq),
-            Timing(self.o_count, self.o_step, self.o_step_sq, self.o_sync, self.o_sync_sq),
+            Timing(
+                self.a_count, self.a_step, self.a_step_sq, self.a_sync, self.a_sync_sq, self.a_run
+            ),
+            Timing(
+                self.o_count, self.o_step, self.o_step_sq, self.o_sync, self.o_sync_sq, self.o_run
+            ),
         )
 
     def add(self, accum_step: bool, step_time: float, sync_time: float) -> None:
@@ -208,8 +224,13 @@ class _Sums:
         if accum_step:
             count = self.a_count
             if count >= SPIKE_AFTER and step_time * count > SPIKE_RATIO * self.a_step:
-                self.spikes += 1
-                return
+                if self.a_run < SPIKE_AFTER - 1:
+                    self.a_run += 1
+                    self.spikes += 1
+                    return
+                count = self.a_count = 0  # a moved level: afresh, from this step
+                self.a_step = self.a_step_sq = self.a_sync = self.a_sync_sq = 0.0
+            self.a_run = 0
             self.a_count = count + 1
             self.a_step += step_time
             self.a_step_sq += step_time * step_time
@@ -218,8 +239,13 @@ class _Sums:
             return
         count = self.o_count
         if count >= SPIKE_AFTER and step_time * count > SPIKE_RATIO * self.o_step:
-            self.spikes += 1
-            return
+            if self.o_run < SPIKE_AFTER - 1:
+                self.o_run += 1
+                self.spikes += 1
+                return
+            count = self.o_count = 0  # a moved level: afresh, from this step (a full refit)
+            self.o_step = self.o_step_sq = self.o_sync = self.o_sync_sq = 0.0
+        self.o_run = 0
         profiler = self._profiler
         if not count:
             profiler.new_config_since_fit = True
@@ -236,7 +262,7 @@ class _Sums:
 
 def _check_times(accum_step: Any, step_time: Any, sync_time: Any) -> tuple[bool, float, float]:
     return (
-        _check_bool("accum_step", accum_step),
+        check_flag("accum_step", accum_step),
         check_float("step_time", step_time, min=0.0, min_exclusive=True),
         check_float("sync_time", sync_time, min=0.0),
     )
@@ -335,7 +361,7 @@ class Profiler:
     def __attrs_post_init__(self) -> None:
         self._sums = {key: _Sums(self, timing) for key, timing in self._sums.items()}  # type: ignore[arg-type]
         self.steps_since_fit = check_int("steps_since_fit", self.steps_since_fit, min=0)
-        self.new_config_since_fit = _check_bool("new_config_since_fit", self.new_config_since_fit)
+        self.new_config_since_fit = check_flag("new_config_since_fit", self.new_config_since_fit)
         self.num_fits = check_int("num_fits", self.num_fits, min=0)
 
     # -- recording -----------------------------------------------------------
@@ -355,7 +381,10 @@ class Profiler:
         ``accum_step``: True for a micro-batch that only accumulated gradients,
         False for one that ended in an optimiser step. ``step_time``: its wall time
         in seconds (> 0), ``sync_time`` the part of it spent waiting for gradient
-        synchronisation (>= 0).
+        synchronisation (>= 0). A spike (more than `SPIKE_RATIO` times the mean of
+        its kind in its configuration, once that holds `SPIKE_AFTER` records) is
+        left out and counted in `spikes`; the `SPIKE_AFTER`-th in a row starts that
+        kind's sums afresh from itself.
         """
         key = _check_key(num_nodes, num_replicas, atomic_bsz)
         accum, step, sync = _check_times(accum_step, step_time, sync_time)
@@ -452,9 +481,10 @@ class Profiler:
             self.num_fits += 1
         return self.last_fit
 
-    def optimistic_params(self) -> PerfParams | None:
-        """The fit with its compute time constant in the batch size, while it rests on
-        one atomic batch size; None once it has seen two (or before any step).
+    def optimistic_fit(self) -> tuple[PerfParams, int] | None:
+        """While the fit rests on one atomic batch size: the fit with its compute time
+        constant in the batch size, and that size; None once it has seen two (or
+        before any optimiser step).
 
         From one size the fit cannot tell a step's fixed cost from its per-sample
         cost; it takes half of each (`fit_perf_params`). This model takes all of it as
@@ -467,9 +497,10 @@ class Profiler:
             return None
         (size,) = sizes
         compute = fit.alpha_c + fit.beta_c * size
-        return attrs.evolve(
+        optimistic = attrs.evolve(
             fit, alpha_c=max(compute - PARAM_FLOOR * size, PARAM_FLOOR), beta_c=PARAM_FLOOR
         )
+        return optimistic, size
 
     def goodput_fn(
         self, grad_params: GradParams | None, init_batch_size: int
@@ -516,7 +547,8 @@ class Profiler:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Profiler:
-        """Rebuild from :meth:`to_json`'s output; raise ValueError on any other shape."""
+        """Rebuild from :meth:`to_json`'s output, or a state of ``adaptdl.profiler/1``
+        (no spike runs: none running); raise ValueError on any other shape."""
         keys = (
             "schema",
             "refit_every",
@@ -526,7 +558,8 @@ class Profiler:
             "new_config_since_fit",
             "num_fits",
         )
-        data = check_state("Profiler state", data, cls.SCHEMA, keys)
+        v1 = isinstance(data, Mapping) and data.get("schema") == PROFILER_SCHEMA_V1
+        data = check_state("Profiler state", data, PROFILER_SCHEMA_V1 if v1 else cls.SCHEMA, keys)
         entries = data["timings"]
         if not isinstance(entries, list):
             raise ArgumentTypeError(f"timings must be a list, got {type(entries).__name__}")
@@ -541,7 +574,7 @@ class Profiler:
             if key in timings:
                 raise ValueError(f"timings has configuration {key} twice")
             timings[key] = ConfigTiming(
-                Timing.from_json(entry["accum"]), Timing.from_json(entry["optim"])
+                Timing.from_json(entry["accum"], v1=v1), Timing.from_json(entry["optim"], v1=v1)
             )
         last_fit = data["last_fit"]
         return cls(
