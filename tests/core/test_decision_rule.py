@@ -426,13 +426,15 @@ def profile_steps(prof: Profiler, true: PerfParams, local: int, steps: int = 20)
         prof.record(1, 2, local, accum_step=False, step_time=step, sync_time=step - compute)
 
 
-def explore_query(current: tuple[int, int] | None) -> BatchSizeQuery:
+def explore_query(
+    current: tuple[int, int] | None, replicas: int = 2, lo: int = 8
+) -> BatchSizeQuery:
     return BatchSizeQuery(
         num_nodes=1,
-        num_replicas=2,
+        num_replicas=replicas,
         batch_size=16,
         max_batch_size=1024,
-        local_bsz_bounds=(8, 128),
+        local_bsz_bounds=(lo, 128),
         gradient_accumulation=True,
         current=current,
     )
@@ -530,15 +532,7 @@ def test_exploration_never_holds_a_shrink_the_fit_wants() -> None:
     prof = Profiler()
     for _ in range(20):
         prof.record(1, 1, 16, accum_step=False, step_time=PER_SAMPLE.beta_c * 16)
-    query = BatchSizeQuery(
-        num_nodes=1,
-        num_replicas=8,
-        batch_size=16,
-        max_batch_size=1024,
-        local_bsz_bounds=(1, 128),
-        gradient_accumulation=True,
-        current=(16, 0),
-    )
+    query = explore_query((16, 0), replicas=8, lo=1)
     plain = GoodputDecision(lambda: prof.goodput_fn(grad, 16))(query)
     assert plain[0] < 16
     exploring = GoodputDecision(lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_fit)
@@ -595,15 +589,7 @@ def test_exploration_only_ever_adds_a_bounded_larger_try(
         prof.record(
             1, 1, profiled, accum_step=False, step_time=true.alpha_c + true.beta_c * profiled
         )
-    query = BatchSizeQuery(
-        num_nodes=1,
-        num_replicas=replicas,
-        batch_size=16,
-        max_batch_size=1024,
-        local_bsz_bounds=(lo, 128),
-        gradient_accumulation=True,
-        current=current,
-    )
+    query = explore_query(current, replicas=replicas, lo=lo)
     plain = GoodputDecision(lambda: prof.goodput_fn(grad, 16))(query)
     local, accum = GoodputDecision(
         lambda: prof.goodput_fn(grad, 16), explore_fn=prof.optimistic_fit

@@ -65,7 +65,11 @@ class JobGoodput:
         #: which core's decision measures the estimate's warm-up in.
         self.samples = 0.0
         #: The decision the real loader makes by default (core's).
-        self.decision = GoodputDecision(self.goodput_fn, estimate_samples=lambda: self.samples)
+        self.decision = GoodputDecision(
+            self.goodput_fn,
+            estimate_samples=lambda: self.samples,
+            explore_fn=self.profiler.optimistic_fit,
+        )
 
     @property
     def fits(self) -> int:
