@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             # Item 4 at one seed and without fixed 512 and 1024 keeps the whole under
             # 20 minutes on 2 cores: neither is the best size of either problem
-            # (RESULTS.md, item 4), and on dyck they run to the cap, the longest runs.
+            # (RESULTS.md, item 4), and on dyck 1024 ran to the cap, the longest run.
             quick4 = ["--seeds", "1", "--sizes", "16,32,64,128,256"]
             summary[name] = run([*out, *quick4] if name == "time_to_target" else out)
             seconds[name] = time.perf_counter() - start

@@ -149,6 +149,53 @@ def test_a_run_of_spikes_is_a_moved_level_and_starts_the_sums_afresh() -> None:
     assert timing is not None and timing.optim.mean_step == pytest.approx(0.25)
 
 
+def test_accumulation_steps_have_their_own_spike_runs_and_resets() -> None:
+    prof = Profiler()
+    record = prof.recorder(1, 1, 8)
+    for _ in range(SPIKE_AFTER):
+        record(True, 0.05, 0.0)
+    for _ in range(SPIKE_AFTER - 1):
+        record(True, 0.5, 0.0)
+    timing = prof.timing(1, 1, 8)
+    assert timing is not None and timing.accum.count == SPIKE_AFTER
+    assert timing.accum.spike_run == SPIKE_AFTER - 1 and timing.optim == Timing()
+    record(True, 0.5, 0.0)
+    timing = prof.timing(1, 1, 8)
+    assert timing is not None and timing.accum == Timing(1, 0.5, 0.25, 0.0, 0.0, 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.sampled_from([1.0, 1.1, 10.0, 100.0])), max_size=40),
+    st.integers(0, 40),
+)
+def test_a_restored_profiler_leaves_out_the_same_spikes(
+    steps: list[tuple[bool, float]], split: int
+) -> None:
+    """Spike runs and resets included: one configuration, both kinds, any point."""
+    live = Profiler()
+    for accum, step in steps[:split]:
+        live.record(1, 1, 8, accum_step=accum, step_time=step)
+    restored = Profiler.from_json(json.loads(json.dumps(live.to_json())))
+    assert restored == live
+    for accum, step in steps[split:]:
+        for prof in (live, restored):
+            prof.record(1, 1, 8, accum_step=accum, step_time=step)
+        assert restored == live
+
+
+def test_spike_run_is_checked_and_a_longer_one_ends_at_the_next_spike() -> None:
+    with pytest.raises(ValueError, match="spike_run must be >= 0"):
+        Timing(5, 1.0, 1.0, 0.0, 0.0, -1)
+    with pytest.raises(ValueError, match="count 0"):
+        Timing(0, 0.0, 0.0, 0.0, 0.0, 1)
+    # Saved where SPIKE_AFTER was larger: the run ends (afresh) at the next spike.
+    prof = Profiler(timings={(1, 1, 8): ConfigTiming(optim=Timing(8, 8.0, 8.0, 0.0, 0.0, 9))})
+    prof.record(1, 1, 8, accum_step=False, step_time=50.0)
+    timing = prof.timing(1, 1, 8)
+    assert timing is not None and timing.optim == Timing(1, 50.0, 2500.0, 0.0, 0.0, 0)
+
+
 def test_a_state_of_the_first_schema_loads_with_no_spike_run() -> None:
     prof = Profiler()
     for _ in range(5):

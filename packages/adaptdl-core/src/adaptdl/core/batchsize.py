@@ -5,9 +5,11 @@ restart. The default divides the target batch size evenly; `GoodputDecision`
 maximises goodput with the job's own fitted model, lets the total grow by at most a
 factor per decision while the gradient-noise estimate is still warming up
 (`estimate_maturity`, `growth_cap`), grows only as far as the noise estimate's lower
-confidence bound supports (`confidence_cap`), and keeps the current choice unless the new one
-is faster by more than a threshold (a change costs little, but flapping between
-near-equal choices makes the profile harder to read).
+confidence bound supports (`confidence_cap`), tries up to twice the one batch size
+its throughput fit rests on where an optimistic model rates it better (exploration),
+and keeps the current choice unless the new one is faster by more than a threshold
+(a change costs little, but flapping between near-equal choices makes the profile
+harder to read).
 """
 
 from __future__ import annotations
@@ -291,8 +293,8 @@ class GoodputDecision:
        it and that size (`Profiler.optimistic_fit`: the compute time measured there,
        constant in the batch size). From one size the fit cannot tell a step's
        fixed cost from its per-sample cost and takes half of each (a prior that
-       rated growth at 1.34x where 1.75x was measured, on a transformer whose fixed
-       cost is 85% of a step at the initial size), so a decision on the fit alone
+       rated growth at 1.34x where 1.77x was measured, on a transformer whose fixed
+       cost is 86% of a step at the initial size), so a decision on the fit alone
        may never try the larger size that would have shown it wrong. Where the
        optimistic model, under the same caps and with its atomic size at most
        ``max_growth`` times the profiled one (as Pollux's scheduler explores replica
@@ -365,17 +367,15 @@ class GoodputDecision:
         # Tied to the size profiled, not the current one: a size decided but not yet
         # profiled (the next decision may come first) never extends the reach.
         reach = math.floor(self.max_growth * profiled)  # the atomic size a try may have
-        lo, hi = _bounds(query)
+        lo, _ = _bounds(query)
+        # The limit holds the atomic size within reach too: local * (accum + 1) <= reach.
         limit = min(max_batch_size, reach * query.num_replicas)
         if reach < lo or limit <= max(chosen * query.num_replicas, query.batch_size - 1):
             return None  # nothing larger within reach
-        within = attrs.evolve(
-            query, local_bsz_bounds=(lo, reach if hi is None else min(hi, reach))
-        )
         explore = attrs.evolve(fn, perf_params=params)
         if bound is not None:
             bound = attrs.evolve(bound, perf_params=params)
-        goodput, local, accum = _capped_optimum(within, explore, bound, limit)
+        goodput, local, accum = _capped_optimum(query, explore, bound, limit)
         if int(local) < 1 or int(local) * (int(accum) + 1) <= chosen:
             return None
         if query.current == (int(local), int(accum)) and int(local) > profiled:

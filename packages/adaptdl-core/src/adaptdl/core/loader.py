@@ -468,14 +468,16 @@ class LoaderHelper:
                 record: Callable[[bool, float, float], None] | None = None
                 # Batches up to this one go unprofiled: the pass's first waits for the
                 # data, the first at a new size pays for its new shapes (allocations,
-                # kernel selection: ~2x a steady step on CPU, far more with cuDNN's
-                # autotuning), which no later step at that size pays again.
+                # kernel selection: 1.5-1.9x a steady step of a CNN on CPU, far more
+                # with cuDNN's autotuning), which no later step at that size pays again.
                 warm = 0
                 try:
                     for i, batch in enumerate(made):
                         if i >= change_at:
-                            size, change_at = self._apply_changes(i)
-                            full, record, warm = replicas * size, None, i
+                            before, (size, change_at) = size, self._apply_changes(i)
+                            full, record = replicas * size, None
+                            if size != before:
+                                warm = i
                         index = state.current_index
                         # The pass's last batch may be short: count only real positions.
                         step = full if index + full <= pass_end else pass_end - index

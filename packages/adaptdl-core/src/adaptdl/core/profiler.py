@@ -32,8 +32,13 @@ from adaptdl.core._validate import (
     check_keys,
     check_state,
 )
-from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_params
-from adaptdl.core.goodput.params import PARAM_FLOOR
+from adaptdl.core.goodput import (
+    PARAM_FLOOR,
+    GoodputFunction,
+    GradParams,
+    PerfParams,
+    fit_perf_params,
+)
 
 #: Schema tag of :meth:`Profiler.to_json`.
 PROFILER_SCHEMA = "adaptdl.profiler/2"
@@ -73,21 +78,16 @@ class Timing:
     sync_sqsum: float = 0.0
     spike_run: int = 0
 
-    FIELDS: ClassVar[tuple[str, ...]] = (
-        "count",
-        "step_sum",
-        "step_sqsum",
-        "sync_sum",
-        "sync_sqsum",
-        "spike_run",
-    )
-    SUMS: ClassVar[tuple[str, ...]] = FIELDS[1:5]
+    SUMS: ClassVar[tuple[str, ...]] = ("step_sum", "step_sqsum", "sync_sum", "sync_sqsum")
+    #: The fields of schema ``adaptdl.profiler/1``.
+    FIELDS_V1: ClassVar[tuple[str, ...]] = ("count", *SUMS)
+    FIELDS: ClassVar[tuple[str, ...]] = (*FIELDS_V1, "spike_run")
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "count", check_int("count", self.count, min=0))
         for name in self.SUMS:
             object.__setattr__(self, name, check_float(name, getattr(self, name), min=0.0))
-        run = check_int("spike_run", self.spike_run, min=0, max=SPIKE_AFTER - 1)
+        run = check_int("spike_run", self.spike_run, min=0)
         object.__setattr__(self, "spike_run", run)
         if self.count == 0 and (run or any(getattr(self, n) != 0.0 for n in self.SUMS)):
             raise ValueError("a Timing with count 0 must have all sums 0 and no spike run")
@@ -129,7 +129,7 @@ class Timing:
     def from_json(cls, data: Mapping[str, Any], *, v1: bool = False) -> Timing:
         """Rebuild from :meth:`to_json`'s output (``v1``: of schema
         ``adaptdl.profiler/1``, without ``spike_run``)."""
-        fields = cls.FIELDS[:-1] if v1 else cls.FIELDS
+        fields = cls.FIELDS_V1 if v1 else cls.FIELDS
         data = check_keys("Timing", data, fields)
         return cls(**{name: data[name] for name in fields})
 
@@ -193,7 +193,10 @@ class _Sums:
         self.a_sync, self.a_sync_sq = a.sync_sum, a.sync_sqsum
         self.o_count, self.o_step, self.o_step_sq = o.count, o.step_sum, o.step_sqsum
         self.o_sync, self.o_sync_sq = o.sync_sum, o.sync_sqsum
-        self.a_run, self.o_run = a.spike_run, o.spike_run
+        # A run as long as SPIKE_AFTER or longer (a state saved under a larger one)
+        # ends at the next spike, as the longest run does.
+        self.a_run = min(a.spike_run, SPIKE_AFTER - 1)
+        self.o_run = min(o.spike_run, SPIKE_AFTER - 1)
         self.spikes = 0  # records left out as spikes (this process only: not state)
 
     def timing(self) -> ConfigTiming:
@@ -488,8 +491,8 @@ class Profiler:
 
         From one size the fit cannot tell a step's fixed cost from its per-sample
         cost; it takes half of each (`fit_perf_params`). This model takes all of it as
-        fixed (``beta_c`` at the floor, ``alpha_c`` the compute time measured), the
-        most a larger batch could gain: what `GoodputDecision` explores by.
+        fixed (``beta_c`` at the floor, ``alpha_c`` the fit's compute time at that
+        size), the most a larger batch could gain: what `GoodputDecision` explores by.
         """
         fit = self.perf_params()
         sizes = {key[2] for key, row in self._sums.items() if row.o_count}
