@@ -495,10 +495,13 @@ class Profiler:
         size), the most a larger batch could gain: what `GoodputDecision` explores by.
         """
         fit = self.perf_params()
-        sizes = {key[2] for key, row in self._sums.items() if row.o_count}
-        if fit is None or len(sizes) != 1:
+        if fit is None:
             return None
-        (size,) = sizes
+        # The sizes the fit saw, as `fit_perf_params` tells one from several.
+        sizes = np.unique(self.observations().atomic_bsz)
+        if sizes.shape[0] != 1:
+            return None
+        size = int(sizes[0])
         compute = fit.alpha_c + fit.beta_c * size
         optimistic = attrs.evolve(
             fit, alpha_c=max(compute - PARAM_FLOOR * size, PARAM_FLOOR), beta_c=PARAM_FLOOR
