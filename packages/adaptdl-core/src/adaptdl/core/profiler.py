@@ -173,12 +173,14 @@ class _Sums:
         "_profiler",
         "a_count",
         "a_run",
+        "a_run_at",
         "a_step",
         "a_step_sq",
         "a_sync",
         "a_sync_sq",
         "o_count",
         "o_run",
+        "o_run_at",
         "o_step",
         "o_step_sq",
         "o_sync",
@@ -193,20 +195,20 @@ class _Sums:
         self.a_sync, self.a_sync_sq = a.sync_sum, a.sync_sqsum
         self.o_count, self.o_step, self.o_step_sq = o.count, o.step_sum, o.step_sqsum
         self.o_sync, self.o_sync_sq = o.sync_sum, o.sync_sqsum
+        # A run of spikes is live while the count it was seen at stands: a kept
+        # record moves the count on and so ends it, with no work on the kept path.
         # A run as long as SPIKE_AFTER or longer (a state saved under a larger one)
         # ends at the next spike, as the longest run does.
-        self.a_run = min(a.spike_run, SPIKE_AFTER - 1)
-        self.o_run = min(o.spike_run, SPIKE_AFTER - 1)
+        self.a_run, self.a_run_at = min(a.spike_run, SPIKE_AFTER - 1), a.count
+        self.o_run, self.o_run_at = min(o.spike_run, SPIKE_AFTER - 1), o.count
         self.spikes = 0  # records left out as spikes (this process only: not state)
 
     def timing(self) -> ConfigTiming:
+        a_run = self.a_run if self.a_run_at == self.a_count else 0
+        o_run = self.o_run if self.o_run_at == self.o_count else 0
         return ConfigTiming(
-            Timing(
-                self.a_count, self.a_step, self.a_step_sq, self.a_sync, self.a_sync_sq, self.a_run
-            ),
-            Timing(
-                self.o_count, self.o_step, self.o_step_sq, self.o_sync, self.o_sync_sq, self.o_run
-            ),
+            Timing(self.a_count, self.a_step, self.a_step_sq, self.a_sync, self.a_sync_sq, a_run),
+            Timing(self.o_count, self.o_step, self.o_step_sq, self.o_sync, self.o_sync_sq, o_run),
         )
 
     def add(self, accum_step: bool, step_time: float, sync_time: float) -> None:
@@ -227,13 +229,14 @@ class _Sums:
         if accum_step:
             count = self.a_count
             if count >= SPIKE_AFTER and step_time * count > SPIKE_RATIO * self.a_step:
-                if self.a_run < SPIKE_AFTER - 1:
-                    self.a_run += 1
+                run = self.a_run + 1 if self.a_run_at == count else 1
+                if run < SPIKE_AFTER:
+                    self.a_run, self.a_run_at = run, count
                     self.spikes += 1
                     return
                 count = self.a_count = 0  # a moved level: afresh, from this step
                 self.a_step = self.a_step_sq = self.a_sync = self.a_sync_sq = 0.0
-            self.a_run = 0
+                self.a_run = 0
             self.a_count = count + 1
             self.a_step += step_time
             self.a_step_sq += step_time * step_time
@@ -242,13 +245,14 @@ class _Sums:
             return
         count = self.o_count
         if count >= SPIKE_AFTER and step_time * count > SPIKE_RATIO * self.o_step:
-            if self.o_run < SPIKE_AFTER - 1:
-                self.o_run += 1
+            run = self.o_run + 1 if self.o_run_at == count else 1
+            if run < SPIKE_AFTER:
+                self.o_run, self.o_run_at = run, count
                 self.spikes += 1
                 return
             count = self.o_count = 0  # a moved level: afresh, from this step (a full refit)
             self.o_step = self.o_step_sq = self.o_sync = self.o_sync_sq = 0.0
-        self.o_run = 0
+            self.o_run = 0
         profiler = self._profiler
         if not count:
             profiler.new_config_since_fit = True
