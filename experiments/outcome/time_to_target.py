@@ -538,6 +538,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="AdamScale(preconditioned=True): the noise of Adam's preconditioned gradient",
     )
+    parser.add_argument(
+        "--smoothing",
+        type=float,
+        help="the gradient-noise estimator's smoothing instead of its default (a sweep)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs launched at a time")
     parser.add_argument(
         "--kinds", default="adaptive,fixed", help="which runs: adaptive, fixed or both"
@@ -629,7 +634,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 kinds=args.kinds,
                 to_cap=args.to_cap,
                 overrides=({"lr": args.lr} if args.lr is not None else {})
-                | ({"preconditioned": True} if args.preconditioned else {}),
+                | ({"preconditioned": True} if args.preconditioned else {})
+                | ({"smoothing": args.smoothing} if args.smoothing is not None else {}),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs

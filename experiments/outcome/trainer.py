@@ -85,6 +85,10 @@ def train(
 
     job = current_job()
     b0 = cfg["init_batch_size"]
+    if cfg.get("smoothing") is not None:  # `time_to_target --smoothing`: another memory
+        from adaptdl.core.gns import GradientNoiseScale
+
+        job.metrics.gns = GradientNoiseScale(init_batch_size=b0, smoothing=cfg["smoothing"])
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
     if cfg.get("autoscale"):
@@ -204,6 +208,7 @@ def train(
                 "reached": reached,
                 "diverged": diverged,
                 "noise_scale": gns.noise_scale if gns is not None else None,
+                "smoothing": gns.smoothing if gns is not None else None,
                 # Per decision of an adaptive run: what the model predicted (DecisionLog).
                 "decisions": getattr(job.batch_size_decision, "records", []),
                 # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).

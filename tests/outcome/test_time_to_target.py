@@ -150,7 +150,11 @@ def test_one_quick_adaptive_run_trains_and_reports(problem: str) -> None:
 
     cfg = time_to_target.configs(problem, 0, quick=True)[0]
     assert cfg["autoscale"]
-    result = launch("experiments.outcome.trainer", 2, {**cfg, "stop_at_target": False})
+    # `--smoothing` (on one problem; the other keeps the estimator's default).
+    smoothing = {"shapes": 0.99, "dyck": None}[problem]
+    cfg = {**cfg, "stop_at_target": False, "smoothing": smoothing}
+    result = launch("experiments.outcome.trainer", 2, cfg)
+    assert result["smoothing"] == (smoothing or 0.999)
     steps = np.asarray(result["steps"])
     assert result["replicas"] == 2 and not result["diverged"]
     assert result["progress"] >= cfg["progress_epochs"] * cfg["train_size"] / 16 - 1e-6

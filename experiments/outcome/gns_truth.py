@@ -1,0 +1,261 @@
+"""The shapes CNN's noise statistics, estimated and exact, along one training run.
+
+Why. On the shapes CNN the adaptive run settles below the best fixed batch size
+because the goodput model's efficiency, ``(B_n + 16) / (B_n + M)`` with ``B_n``
+the simple noise scale ``tr(Sigma) / |G|^2``, rates large batches below what the
+fixed sweep measures (RESULTS.md, item 4). Three explanations fit that: the
+estimator is off (a bias of the two-replica estimate), it lags a truth that moves
+(an exponential average over about a thousand initial-batch steps), or the simple
+noise scale is the wrong statistic for this network (McCandlish et al.'s
+curvature-weighted ``B_noise = tr(H Sigma) / G^T H G`` is the one their theory
+derives). This experiment tells them apart.
+
+How. One process trains the CNN as `experiments.outcome.trainer` does (SGD,
+momentum 0.9, learning rate 0.01) at the initial batch, 16 samples per step as
+two micro-batches of 8: exactly what two replicas hand the estimator. Each step's
+squared norms feed core's `GradientNoiseScale` at every ``smoothing`` given (the
+estimates do not steer the training: at the initial batch the gain is 1). Every
+``every`` samples it also computes, at the current parameters:
+
+* |G|^2 from the gradient of the whole training set;
+* tr(Sigma) as ``b`` times the mean squared deviation of ``b``-sample
+  micro-batch gradients from that full gradient (``probe`` samples);
+* ``G^T H G`` and tr(H Sigma) from Hessian-vector products (double backward) of
+  the loss over ``hessian`` samples, tr(H Sigma) from ``curvature_draws``
+  micro-batch deviations.
+
+The exact values at a point fluctuate with the iterate (|G|^2 at one parameter
+vector includes the part of the gradient the momentum iterate is bouncing
+along), so `summarise` compares ratios of means over phases of the run (the
+estimator's averages are means too), not single points.
+
+    python -m experiments.outcome.gns_truth --seeds 0,1 --out out/gns_truth
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The run: the shapes problem of `time_to_target`, truth every ``every`` samples.
+DEFAULT: dict[str, Any] = {
+    "train_size": 65536,
+    "noise": 0.5,
+    "lr": 0.01,
+    "momentum": 0.9,
+    "micro_batch": 8,
+    "micro_batches": 2,
+    "samples": 98304,
+    "every": 8192,
+    "probe": 4096,
+    "hessian": 2048,
+    "curvature_draws": 32,
+    "smoothings": [0.999, 0.99],
+}
+
+
+def exact_statistics(
+    loss_fn: Callable[[Any], Any],
+    params: Sequence[Any],
+    num_samples: int,
+    micro_batch: int,
+    probe: Any,
+    hessian: Any,
+    curvature_draws: int,
+) -> dict[str, float]:
+    """|G|^2, tr(Sigma), G^T H G and tr(H Sigma) at the current parameters.
+
+    ``loss_fn(indices)`` is the mean loss over those sample indices (a tensor).
+    ``probe`` (indices, a multiple of ``micro_batch`` long) gives tr(Sigma);
+    ``hessian`` (indices) the Hessian the curvature terms use; the first
+    ``curvature_draws`` micro-batches of ``probe`` give tr(H Sigma).
+    """
+    import torch
+
+    def flat(tensors: Sequence[Any]) -> Any:
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def grad(idx: Any, create_graph: bool = False) -> Any:
+        return flat(torch.autograd.grad(loss_fn(idx), params, create_graph=create_graph))
+
+    full = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    chunk = 8192
+    for lo in range(0, num_samples, chunk):
+        idx = torch.arange(lo, min(lo + chunk, num_samples))
+        full += grad(idx).double() * len(idx)
+    full /= num_samples
+    g_h = grad(hessian, create_graph=True)
+
+    def hvp(v: Any) -> Any:
+        out = torch.autograd.grad(g_h @ v.to(g_h.dtype), params, retain_graph=True)
+        return flat(out).double()
+
+    deviations, curvatures = [], []
+    for k, lo in enumerate(range(0, len(probe), micro_batch)):
+        dev = grad(probe[lo : lo + micro_batch]).double() - full
+        deviations.append(float(dev @ dev))
+        if k < curvature_draws:
+            curvatures.append(float(dev @ hvp(dev)))
+    return {
+        "sqr": float(full @ full),
+        "var": micro_batch * float(np.mean(deviations)),
+        "gHg": float(full @ hvp(full)),
+        "trHS": micro_batch * float(np.mean(curvatures)),
+    }
+
+
+def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train one seed, returning the estimator's readings and the truth at each checkpoint."""
+    import torch.nn.functional as F
+    from experiments.outcome import problems
+    from experiments.outcome.trainer import shapes_cnn
+
+    import torch
+    from adaptdl.core.gns import GradientNoiseScale
+
+    cfg = {**DEFAULT, **(cfg or {})}
+    torch.set_num_threads(1)
+    n = cfg["train_size"]
+    x_np, y_np = problems.shapes(n, noise=cfg["noise"], seed=seed)
+    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    torch.manual_seed(seed)
+    model = shapes_cnn()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"])
+    b, count = cfg["micro_batch"], cfg["micro_batches"]
+    batch = b * count
+    estimators = [
+        GradientNoiseScale(init_batch_size=batch, smoothing=s) for s in cfg["smoothings"]
+    ]
+    order = torch.Generator().manual_seed(seed)
+    draws = torch.Generator().manual_seed(seed + 10_000)  # the truth's own, not training's
+
+    def loss_fn(idx: Any) -> Any:
+        return F.cross_entropy(model(x[idx]), y[idx])
+
+    checkpoints: list[dict[str, Any]] = []
+    perm, pos, samples = torch.randperm(n, generator=order), 0, 0
+    while True:
+        if samples % cfg["every"] == 0:
+            probe = torch.randperm(n, generator=draws)[: cfg["probe"]]
+            hessian = torch.randperm(n, generator=draws)[: cfg["hessian"]]
+            truth = exact_statistics(loss_fn, params, n, b, probe, hessian, cfg["curvature_draws"])
+            checkpoints.append(
+                {
+                    "samples": samples,
+                    **truth,
+                    "estimates": [[e.sqr, e.var] for e in estimators],
+                }
+            )
+        if samples >= cfg["samples"]:
+            break
+        if pos + batch > n:
+            perm, pos = torch.randperm(n, generator=order), 0
+        idx = perm[pos : pos + batch]
+        pos += batch
+        grads = []
+        for i in range(count):
+            g = torch.autograd.grad(loss_fn(idx[i * b : (i + 1) * b]), params)
+            grads.append(torch.cat([t.reshape(-1) for t in g]))
+        mean = torch.stack(grads).mean(0)
+        local = sum(float(g @ g) for g in grads)
+        for e in estimators:
+            e.update(local, float(mean @ mean), count, b)
+        offset = 0
+        for p in params:
+            p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        opt.step()
+        samples += batch
+    return {"seed": seed, "config": cfg, "checkpoints": checkpoints}
+
+
+def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str, Any]]:
+    """Per phase of the run (checkpoints after the first, split in ``phases``), over runs.
+
+    Ratios of means: the exact simple noise scale sum(var) / sum(sqr), the exact
+    curvature-weighted one sum(trHS) / sum(gHg), and each estimator's
+    sum(var_est) / sum(sqr_est), with the estimated and exact |G|^2 and tr(Sigma).
+    """
+    rows = []
+    smoothings = runs[0]["config"]["smoothings"]
+    points = [c for r in runs for c in r["checkpoints"] if c["samples"] > 0]
+    ends = sorted({c["samples"] for c in points})
+    for k, part in enumerate(np.array_split(np.array(ends), phases)):
+        chosen = [c for c in points if c["samples"] in set(part.tolist())]
+        if not chosen:
+            continue
+
+        def total(key: str, rows: list[dict[str, Any]] = chosen) -> float:
+            return math.fsum(c[key] for c in rows)
+
+        row: dict[str, Any] = {
+            "phase": k,
+            "samples": (int(part[0]), int(part[-1])),
+            "points": len(chosen),
+            "sqr": total("sqr") / len(chosen),
+            "var": total("var") / len(chosen),
+            "simple": total("var") / total("sqr"),
+            "curvature": total("trHS") / total("gHg"),
+        }
+        for i, s in enumerate(smoothings):
+            sqr = math.fsum(c["estimates"][i][0] for c in chosen)
+            var = math.fsum(c["estimates"][i][1] for c in chosen)
+            ratio = var / sqr if sqr else math.inf
+            row[f"est {s}"] = (sqr / len(chosen), var / len(chosen), ratio)
+        rows.append(row)
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """The phases as a markdown table."""
+    keys = [k for k in rows[0] if k.startswith("est ")]
+    head = "| samples | points | exact |G|^2 / tr(Sigma) | exact B_simple | "
+    head += "exact B_noise (curvature) | "
+    head += " | ".join(f"{k}: |G|^2 / tr(Sigma) / B_simple" for k in keys) + " |"
+    lines = [head, "|" + "---|" * (5 + len(keys))]
+    for r in rows:
+        cells = [
+            f"{r['samples'][0]}-{r['samples'][1]}",
+            str(r["points"]),
+            f"{r['sqr']:.2f} / {r['var']:.0f}",
+            f"{r['simple']:.0f}",
+            f"{r['curvature']:.0f}",
+        ]
+        cells += [f"{r[k][0]:.2f} / {r[k][1]:.0f} / {r[k][2]:.0f}" for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run the seeds (or read ``--from-log``), print the phase table, write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds")
+    parser.add_argument("--out", type=Path, default=Path("out/gns_truth"))
+    parser.add_argument("--from-log", type=Path, nargs="+", help="summarise these JSON files")
+    parser.add_argument("--samples", type=int, help="train this many samples (default 98304)")
+    parser.add_argument("--every", type=int, help="the truth every this many samples (8192)")
+    args = parser.parse_args(argv)
+    if args.from_log:
+        runs = [json.loads(p.read_text()) for p in args.from_log]
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        runs = []
+        for seed in (int(s) for s in args.seeds.split(",")):
+            overrides = {"samples": args.samples, "every": args.every}
+            result = run(seed, {k: v for k, v in overrides.items() if v is not None})
+            (args.out / f"seed{seed}.json").write_text(json.dumps(result))
+            runs.append(result)
+    rows = summarise(runs)
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

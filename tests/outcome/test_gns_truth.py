@@ -1,0 +1,67 @@
+"""The exact statistics of `experiments.outcome.gns_truth`, against numpy on least squares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from experiments.outcome import gns_truth
+
+import torch
+
+
+def test_exact_statistics_match_least_squares_in_closed_form() -> None:
+    # Loss 1/2 (x . w - y)^2: per-sample gradient x (x . w - y), Hessian mean x x^T.
+    gen = np.random.default_rng(3)
+    n, d, b = 96, 5, 4
+    x = gen.standard_normal((n, d))
+    y = gen.standard_normal(n)
+    w0 = gen.standard_normal(d)
+    w = torch.tensor(w0, requires_grad=True)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        return 0.5 * ((xt[idx] @ w - yt[idx]) ** 2).mean()
+
+    probe = torch.tensor([5, 17, 2, 40, 41, 90, 33, 8, 64, 11, 70, 3])
+    hessian = torch.tensor([1, 4, 9, 16, 25, 36, 49, 64, 81])
+    got = gns_truth.exact_statistics(loss_fn, [w], n, b, probe, hessian, curvature_draws=2)
+
+    per_sample = x * (x @ w0 - y)[:, None]
+    full = per_sample.mean(0)
+    h = x[hessian.numpy()].T @ x[hessian.numpy()] / len(hessian)
+    devs = [per_sample[probe.numpy()[i : i + b]].mean(0) - full for i in range(0, len(probe), b)]
+    assert got["sqr"] == pytest.approx(full @ full, rel=1e-9)
+    assert got["var"] == pytest.approx(b * np.mean([v @ v for v in devs]), rel=1e-9)
+    assert got["gHg"] == pytest.approx(full @ h @ full, rel=1e-9)
+    assert got["trHS"] == pytest.approx(b * np.mean([v @ h @ v for v in devs[:2]]), rel=1e-9)
+
+
+def test_summary_takes_ratios_of_means_per_phase() -> None:
+    def point(samples: int, sqr: float, var: float, est: tuple[float, float]) -> dict:
+        return {
+            "samples": samples,
+            "sqr": sqr,
+            "var": var,
+            "gHg": sqr,
+            "trHS": var / 2,
+            "estimates": [list(est)],
+        }
+
+    runs = [
+        {
+            "config": {"smoothings": [0.999]},
+            "checkpoints": [
+                point(0, 9.0, 9.0, (0.0, 0.0)),  # before training: left out
+                point(10, 1.0, 10.0, (2.0, 10.0)),
+                point(20, 3.0, 50.0, (2.0, 30.0)),
+            ],
+        }
+    ]
+    rows = gns_truth.summarise(runs, phases=1)
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["samples"] == (10, 20) and row["points"] == 2
+    assert row["simple"] == pytest.approx(60.0 / 4.0)  # not the mean of 10 and 16.7
+    assert row["curvature"] == pytest.approx(30.0 / 4.0)
+    assert row["est 0.999"] == pytest.approx((2.0, 20.0, 10.0))
+    assert "| 10-20 | 2 |" in gns_truth.table(rows)
