@@ -81,9 +81,10 @@ class Job:
         self.clock = clock
         self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
             self.goodput_fn,
-            estimate_samples=self.estimate_samples,
+            # (Lambdas: `metrics` is made below and replaced by a restore.)
+            estimate_samples=lambda: self.metrics.estimate_samples(),
             bound_fn=self.bound_goodput_fn,
-            resolved=self.gradient_resolved,
+            resolved=lambda: self.metrics.gradient_resolved(),
             explore_fn=lambda: self.metrics.profiler.optimistic_fit(),
         )
         self._states: dict[str, State] = {}
@@ -641,32 +642,12 @@ class Job:
             )
         )
 
-    def estimate_samples(self) -> float:
-        """Samples in the gradient-noise estimate since it last restarted (0: none yet)."""
-        gns = self.metrics.gns
-        return gns.samples if gns is not None else 0.0
-
-    def gradient_resolved(self) -> bool:
-        """Whether the gradient-noise estimate resolves a gradient (True without one)."""
-        gns = self.metrics.gns
-        return gns is None or not gns.has_estimate or gns.resolved
-
     def goodput_fn(self) -> GoodputFunction | None:
         """The goodput model fitted so far, or None before enough has been profiled."""
         loader = self.training_loader
-        if loader is None:
-            return None
-        return self.metrics.profiler.goodput_fn(self.metrics.grad_params(), loader.batch_size)
+        return None if loader is None else self.metrics.goodput_fn(loader.batch_size)
 
     def bound_goodput_fn(self, z: float) -> GoodputFunction | None:
-        """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors).
-
-        None where `goodput_fn` is None or there is no noise estimate yet.
-        """
-        loader, gns = self.training_loader, self.metrics.gns
-        if loader is None or gns is None:
-            return None
-        bound = gns.grad_params_bound(z)
-        if bound is None:
-            return None
-        return self.metrics.profiler.goodput_fn(bound, loader.batch_size)
+        """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors)."""
+        loader = self.training_loader
+        return None if loader is None else self.metrics.bound_goodput_fn(z, loader.batch_size)

@@ -7,7 +7,7 @@ from typing import Any
 from adaptdl.core._validate import check_float
 from adaptdl.core.checkpoint import JsonState
 from adaptdl.core.gns import GNS_SCHEMA_WITHOUT_SPREAD, GradientNoiseScale
-from adaptdl.core.goodput import GradParams
+from adaptdl.core.goodput import GoodputFunction, GradParams
 from adaptdl.core.profiler import Profiler
 
 # The estimator's schema before progress moved here; its JSON held the progress.
@@ -54,6 +54,28 @@ class MetricsState(JsonState):
 
     def grad_params(self) -> GradParams | None:
         return self.gns.grad_params() if self.gns is not None else None
+
+    # -- the goodput model these metrics make ------------------------------------------
+    def goodput_fn(self, init_batch_size: int) -> GoodputFunction | None:
+        """The goodput model fitted so far, or None before enough has been profiled."""
+        return self.profiler.goodput_fn(self.grad_params(), init_batch_size)
+
+    def bound_goodput_fn(self, z: float, init_batch_size: int) -> GoodputFunction | None:
+        """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors).
+
+        None where `goodput_fn` is None or there is no noise estimate yet.
+        """
+        bound = self.gns.grad_params_bound(z) if self.gns is not None else None
+        return None if bound is None else self.profiler.goodput_fn(bound, init_batch_size)
+
+    def estimate_samples(self) -> float:
+        """Samples in the gradient-noise estimate since it last restarted (0: none yet)."""
+        return self.gns.samples if self.gns is not None else 0.0
+
+    def gradient_resolved(self) -> bool:
+        """Whether the gradient-noise estimate resolves a gradient (True without one)."""
+        gns = self.gns
+        return gns is None or not gns.has_estimate or gns.resolved
 
     def to_json(self) -> dict[str, Any]:
         return {
