@@ -23,6 +23,11 @@ estimates do not steer the training: at the initial batch the gain is 1). Every
 * ``G^T H G`` and tr(H Sigma) from Hessian-vector products (double backward) of
   the loss over ``hessian`` samples, tr(H Sigma) from ``curvature_draws``
   micro-batch deviations.
+* |G|^2 and tr(Sigma) the same way on a fresh draw of the data (as many samples,
+  another seed): the population's, where the training set's depart from them as
+  the network fits the samples it has seen. A step's micro-batches are drawn from
+  the samples not yet seen in the current pass, so the estimator measures neither
+  exactly: fresh samples in the first pass, the least recently fitted ones after.
 
 The exact values at a point fluctuate with the iterate (|G|^2 at one parameter
 vector includes the part of the gradient the momentum iterate is bouncing
@@ -74,7 +79,8 @@ def exact_statistics(
     ``loss_fn(indices)`` is the mean loss over those sample indices (a tensor).
     ``probe`` (indices, a multiple of ``micro_batch`` long) gives tr(Sigma);
     ``hessian`` (indices) the Hessian the curvature terms use; the first
-    ``curvature_draws`` micro-batches of ``probe`` give tr(H Sigma).
+    ``curvature_draws`` micro-batches of ``probe`` give tr(H Sigma). Without
+    ``hessian`` (None) only |G|^2 and tr(Sigma) are returned.
     """
     import torch
 
@@ -90,6 +96,10 @@ def exact_statistics(
         idx = torch.arange(lo, min(lo + chunk, num_samples))
         full += grad(idx).double() * len(idx)
     full /= num_samples
+    if hessian is None:  # no curvature terms
+        deviations = [probe[lo : lo + micro_batch] for lo in range(0, len(probe), micro_batch)]
+        devs = [float(((grad(idx).double() - full) ** 2).sum()) for idx in deviations]
+        return {"sqr": float(full @ full), "var": micro_batch * float(np.mean(devs))}
     g_h = grad(hessian, create_graph=True)
 
     def hvp(v: Any) -> Any:
@@ -124,6 +134,10 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     n = cfg["train_size"]
     x_np, y_np = problems.shapes(n, noise=cfg["noise"], seed=seed)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    # A fresh draw of the same distribution: the population's gradient, which the
+    # training set's departs from as the network fits the samples it has seen.
+    xf_np, yf_np = problems.shapes(n, noise=cfg["noise"], seed=seed + 5_000)
+    xf, yf = torch.from_numpy(xf_np), torch.from_numpy(yf_np)
     torch.manual_seed(seed)
     model = shapes_cnn()
     params = list(model.parameters())
@@ -139,17 +153,26 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     def loss_fn(idx: Any) -> Any:
         return F.cross_entropy(model(x[idx]), y[idx])
 
+    def fresh_loss_fn(idx: Any) -> Any:
+        return F.cross_entropy(model(xf[idx]), yf[idx])
+
     checkpoints: list[dict[str, Any]] = []
+    # Each step's (samples before it, sum of micro-batch squared norms, squared norm of
+    # the mean): any other estimator can be replayed on them (`replay`).
+    steps: list[tuple[int, float, float]] = []
     perm, pos, samples = torch.randperm(n, generator=order), 0, 0
     while True:
         if samples % cfg["every"] == 0:
             probe = torch.randperm(n, generator=draws)[: cfg["probe"]]
             hessian = torch.randperm(n, generator=draws)[: cfg["hessian"]]
             truth = exact_statistics(loss_fn, params, n, b, probe, hessian, cfg["curvature_draws"])
+            fresh = exact_statistics(fresh_loss_fn, params, n, b, probe, None, 0)
             checkpoints.append(
                 {
                     "samples": samples,
                     **truth,
+                    "fresh_sqr": fresh["sqr"],
+                    "fresh_var": fresh["var"],
                     "estimates": [[e.sqr, e.var] for e in estimators],
                 }
             )
@@ -165,23 +188,56 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
             grads.append(torch.cat([t.reshape(-1) for t in g]))
         mean = torch.stack(grads).mean(0)
         local = sum(float(g @ g) for g in grads)
+        total = float(mean @ mean)
+        steps.append((samples, local, total))
         for e in estimators:
-            e.update(local, float(mean @ mean), count, b)
+            e.update(local, total, count, b)
         offset = 0
         for p in params:
             p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         opt.step()
         samples += batch
-    return {"seed": seed, "config": cfg, "checkpoints": checkpoints}
+    return {"seed": seed, "config": cfg, "checkpoints": checkpoints, "steps": steps}
+
+
+def replay(result: dict[str, Any], smoothings: Sequence[float]) -> dict[str, Any]:
+    """``result`` with its estimates recomputed at ``smoothings`` from its recorded steps.
+
+    Each step's squared norms go through core's `GradientNoiseScale` as in `run`,
+    so the estimator's readings at any memory come without training again.
+    """
+    from adaptdl.core.gns import GradientNoiseScale
+
+    cfg = result["config"]
+    b, count = cfg["micro_batch"], cfg["micro_batches"]
+    estimators = [GradientNoiseScale(init_batch_size=b * count, smoothing=s) for s in smoothings]
+    at = {c["samples"]: c for c in result["checkpoints"]}
+    readings: dict[int, list[list[float]]] = {}
+    steps = result["steps"]
+    for k in range(len(steps) + 1):
+        # Checkpoints come before the step that starts at their sample count.
+        samples = steps[k][0] if k < len(steps) else cfg["samples"]
+        if samples in at:
+            readings[samples] = [[e.sqr, e.var] for e in estimators]
+        if k < len(steps):
+            for e in estimators:
+                e.update(steps[k][1], steps[k][2], count, b)
+    checkpoints = [{**c, "estimates": readings[c["samples"]]} for c in result["checkpoints"]]
+    return {
+        **result,
+        "config": {**cfg, "smoothings": list(smoothings)},
+        "checkpoints": checkpoints,
+    }
 
 
 def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str, Any]]:
     """Per phase of the run (checkpoints after the first, split in ``phases``), over runs.
 
     Ratios of means: the exact simple noise scale sum(var) / sum(sqr), the exact
-    curvature-weighted one sum(trHS) / sum(gHg), and each estimator's
-    sum(var_est) / sum(sqr_est), with the estimated and exact |G|^2 and tr(Sigma).
+    curvature-weighted one sum(trHS) / sum(gHg), the same on a fresh draw of the
+    data (``fresh``, where recorded), and each estimator's sum(var_est) /
+    sum(sqr_est), with the estimated and exact |G|^2 and tr(Sigma).
     """
     rows = []
     smoothings = runs[0]["config"]["smoothings"]
@@ -204,6 +260,12 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
             "simple": total("var") / total("sqr"),
             "curvature": total("trHS") / total("gHg"),
         }
+        if all("fresh_sqr" in c for c in chosen):
+            row["fresh"] = (
+                total("fresh_sqr") / len(chosen),
+                total("fresh_var") / len(chosen),
+                total("fresh_var") / total("fresh_sqr"),
+            )
         for i, s in enumerate(smoothings):
             sqr = math.fsum(c["estimates"][i][0] for c in chosen)
             var = math.fsum(c["estimates"][i][1] for c in chosen)
@@ -215,10 +277,11 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The phases as a markdown table."""
-    keys = [k for k in rows[0] if k.startswith("est ")]
+    keys = [k for k in rows[0] if k.startswith("est ") or k == "fresh"]
     head = "| samples | points | exact |G|^2 / tr(Sigma) | exact B_simple | "
     head += "exact B_noise (curvature) | "
     head += " | ".join(f"{k}: |G|^2 / tr(Sigma) / B_simple" for k in keys) + " |"
+    head = head.replace("fresh: ", "exact on a fresh draw: ")
     lines = [head, "|" + "---|" * (5 + len(keys))]
     for r in rows:
         cells = [
@@ -241,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--from-log", type=Path, nargs="+", help="summarise these JSON files")
     parser.add_argument("--samples", type=int, help="train this many samples (default 98304)")
     parser.add_argument("--every", type=int, help="the truth every this many samples (8192)")
+    parser.add_argument(
+        "--replay", help="comma-separated smoothings to recompute the estimates at (`replay`)"
+    )
     args = parser.parse_args(argv)
     if args.from_log:
         runs = [json.loads(p.read_text()) for p in args.from_log]
@@ -252,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             result = run(seed, {k: v for k, v in overrides.items() if v is not None})
             (args.out / f"seed{seed}.json").write_text(json.dumps(result))
             runs.append(result)
+    if args.replay:
+        runs = [replay(r, [float(x) for x in args.replay.split(",")]) for r in runs]
     rows = summarise(runs)
     print(table(rows))
     return rows

@@ -34,6 +34,9 @@ def test_exact_statistics_match_least_squares_in_closed_form() -> None:
     assert got["var"] == pytest.approx(b * np.mean([v @ v for v in devs]), rel=1e-9)
     assert got["gHg"] == pytest.approx(full @ h @ full, rel=1e-9)
     assert got["trHS"] == pytest.approx(b * np.mean([v @ h @ v for v in devs[:2]]), rel=1e-9)
+    # Without a Hessian sample, the first two alone.
+    plain = gns_truth.exact_statistics(loss_fn, [w], n, b, probe, None, curvature_draws=0)
+    assert plain == pytest.approx({"sqr": got["sqr"], "var": got["var"]}, rel=1e-12)
 
 
 def test_summary_takes_ratios_of_means_per_phase() -> None:
@@ -64,4 +67,29 @@ def test_summary_takes_ratios_of_means_per_phase() -> None:
     assert row["simple"] == pytest.approx(60.0 / 4.0)  # not the mean of 10 and 16.7
     assert row["curvature"] == pytest.approx(30.0 / 4.0)
     assert row["est 0.999"] == pytest.approx((2.0, 20.0, 10.0))
+    assert "fresh" not in row  # not recorded
     assert "| 10-20 | 2 |" in gns_truth.table(rows)
+    for c in runs[0]["checkpoints"]:
+        c["fresh_sqr"], c["fresh_var"] = 2.0 * c["sqr"], c["var"]
+    fresh = gns_truth.summarise(runs, phases=1)[0]["fresh"]
+    assert fresh == pytest.approx((4.0, 30.0, 60.0 / 8.0))
+    assert "exact on a fresh draw" in gns_truth.table(gns_truth.summarise(runs, phases=1))
+
+
+@pytest.mark.timeout(300)
+def test_a_short_run_records_what_replay_reproduces() -> None:
+    # A few steps of the real CNN: the recorded estimates are what replaying the
+    # recorded steps through a fresh estimator gives, at either smoothing.
+    cfg = {"train_size": 512, "samples": 96, "every": 32, "probe": 32, "hessian": 16}
+    cfg["curvature_draws"] = 2
+    result = gns_truth.run(0, cfg)
+    assert [c["samples"] for c in result["checkpoints"]] == [0, 32, 64, 96]
+    assert len(result["steps"]) == 96 // 16
+    for c in result["checkpoints"]:
+        assert c["var"] > 0.0 and c["fresh_var"] > 0.0 and c["sqr"] >= 0.0
+    again = gns_truth.replay(result, result["config"]["smoothings"])
+    for mine, theirs in zip(again["checkpoints"], result["checkpoints"], strict=True):
+        assert mine["estimates"] == theirs["estimates"]
+    other = gns_truth.replay(result, [0.9])
+    assert other["config"]["smoothings"] == [0.9]
+    assert other["checkpoints"][-1]["estimates"][0] != result["checkpoints"][-1]["estimates"][0]
