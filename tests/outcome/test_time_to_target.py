@@ -86,6 +86,18 @@ def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
     assert "not reached" in time_to_target.table("dyck", summary)
 
 
+def test_a_range_with_misses_holds_the_median_that_counts_them() -> None:
+    # Three of six reach (29.5, 32.0, 33.2); three miss after 35, 36, 37 s of training.
+    results = [_result("fixed 256", k, t) for k, t in enumerate((29.5, 32.0, 33.2))]
+    results += [_result("fixed 256", 3 + k, None, total=t) for k, t in enumerate((35, 36, 37))]
+    summary = time_to_target.summarise(results)
+    row = summary["rows"][0]
+    assert row["cpu_median"] == pytest.approx(34.1)
+    assert row["cpu_all"] == pytest.approx([29.5, 32.0, 33.2, 35.0, 36.0, 37.0])
+    text = time_to_target.table("dyck", summary)
+    assert "34.1 [29.5, >= 37.0] (3 missed, counted at their whole time)" in text
+
+
 def _trajectory(stop: bool) -> dict[str, object]:
     # evals: progress, samples, wall s, val loss, val accuracy, CPU s
     evals = [[10, 100, 2.0, 1.30, 0.50, 1.0], [20, 200, 4.0, 1.21, 0.70, 2.0]]
