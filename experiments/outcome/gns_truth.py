@@ -65,6 +65,19 @@ DEFAULT: dict[str, Any] = {
 }
 
 
+def full_gradient(loss_fn: Callable[[Any], Any], params: Sequence[Any], num_samples: int) -> Any:
+    """The gradient of the mean loss over samples ``0 .. num_samples - 1`` (float64)."""
+    import torch
+
+    full = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    chunk = 8192
+    for lo in range(0, num_samples, chunk):
+        idx = torch.arange(lo, min(lo + chunk, num_samples))
+        grads = torch.autograd.grad(loss_fn(idx), params)
+        full += torch.cat([t.reshape(-1) for t in grads]).double() * len(idx)
+    return full / num_samples
+
+
 def exact_statistics(
     loss_fn: Callable[[Any], Any],
     params: Sequence[Any],
@@ -84,18 +97,18 @@ def exact_statistics(
     """
     import torch
 
+    if len(probe) % micro_batch:
+        raise ValueError(f"probe has {len(probe)} samples, not a multiple of {micro_batch}")
+    if hessian is not None and curvature_draws < 1:
+        raise ValueError(f"curvature_draws must be >= 1 with a hessian, got {curvature_draws}")
+
     def flat(tensors: Sequence[Any]) -> Any:
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def grad(idx: Any, create_graph: bool = False) -> Any:
         return flat(torch.autograd.grad(loss_fn(idx), params, create_graph=create_graph))
 
-    full = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
-    chunk = 8192
-    for lo in range(0, num_samples, chunk):
-        idx = torch.arange(lo, min(lo + chunk, num_samples))
-        full += grad(idx).double() * len(idx)
-    full /= num_samples
+    full = full_gradient(loss_fn, params, num_samples)
     if hessian is None:  # no curvature terms
         deviations = [probe[lo : lo + micro_batch] for lo in range(0, len(probe), micro_batch)]
         devs = [float(((grad(idx).double() - full) ** 2).sum()) for idx in deviations]
@@ -130,7 +143,6 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     from adaptdl.core.gns import GradientNoiseScale
 
     cfg = {**DEFAULT, **(cfg or {})}
-    torch.set_num_threads(1)
     n = cfg["train_size"]
     x_np, y_np = problems.shapes(n, noise=cfg["noise"], seed=seed)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
@@ -160,11 +172,17 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     # Each step's (samples before it, sum of micro-batch squared norms, squared norm of
     # the mean): any other estimator can be replayed on them (`replay`).
     steps: list[tuple[int, float, float]] = []
+    # The exact |G|^2 at every step of a window (`window_summary`).
+    window: list[tuple[int, float]] = []
+    start, length = cfg.get("window") or (0, 0)
     perm, pos, samples = torch.randperm(n, generator=order), 0, 0
     while True:
+        if start <= samples < start + length * batch:
+            full = full_gradient(loss_fn, params, n)
+            window.append((samples, float(full @ full)))
         if samples % cfg["every"] == 0:
-            probe = torch.randperm(n, generator=draws)[: cfg["probe"]]
-            hessian = torch.randperm(n, generator=draws)[: cfg["hessian"]]
+            drawn = torch.randperm(n, generator=draws)
+            probe, hessian = drawn[: cfg["probe"]], drawn[cfg["probe"] :][: cfg["hessian"]]
             truth = exact_statistics(loss_fn, params, n, b, probe, hessian, cfg["curvature_draws"])
             fresh = exact_statistics(fresh_loss_fn, params, n, b, probe, None, 0)
             checkpoints.append(
@@ -198,7 +216,39 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
             offset += p.numel()
         opt.step()
         samples += batch
-    return {"seed": seed, "config": cfg, "checkpoints": checkpoints, "steps": steps}
+    return {
+        "seed": seed,
+        "config": cfg,
+        "checkpoints": checkpoints,
+        "steps": steps,
+        "window": window,
+    }
+
+
+def window_summary(result: dict[str, Any]) -> dict[str, float] | None:
+    """The window's exact |G|^2 along the trajectory against the per-step estimates.
+
+    The exact values' mean, median, minimum and maximum over the window's steps, and
+    the mean of the estimator's per-step |G|^2 estimates over the same steps with
+    its standard error (None without a window). The per-step estimate is unbiased
+    for the exact value at its step, so the two means agree within the error.
+    """
+    window = result.get("window") or []
+    if not window:
+        return None
+    count = result["config"]["micro_batches"]
+    per_step = {s: (count * t - lo / count) / (count - 1) for s, lo, t in result["steps"]}
+    exact = np.array([v for _, v in window])
+    estimates = np.array([per_step[s] for s, _ in window])
+    return {
+        "steps": len(window),
+        "exact_mean": float(exact.mean()),
+        "exact_median": float(np.median(exact)),
+        "exact_min": float(exact.min()),
+        "exact_max": float(exact.max()),
+        "estimate_mean": float(estimates.mean()),
+        "estimate_error": float(estimates.std(ddof=1) / math.sqrt(len(estimates))),
+    }
 
 
 def replay(result: dict[str, Any], smoothings: Sequence[float]) -> dict[str, Any]:
@@ -217,7 +267,7 @@ def replay(result: dict[str, Any], smoothings: Sequence[float]) -> dict[str, Any
     steps = result["steps"]
     for k in range(len(steps) + 1):
         # Checkpoints come before the step that starts at their sample count.
-        samples = steps[k][0] if k < len(steps) else cfg["samples"]
+        samples = steps[k][0] if k < len(steps) else steps[-1][0] + b * count
         if samples in at:
             readings[samples] = [[e.sqr, e.var] for e in estimators]
         if k < len(steps):
@@ -241,6 +291,9 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
     """
     rows = []
     smoothings = runs[0]["config"]["smoothings"]
+    if any(r["config"]["smoothings"] != smoothings for r in runs):
+        raise ValueError("the runs were estimated at different smoothings: replay them alike")
+    boot = np.random.default_rng(0)
     points = [c for r in runs for c in r["checkpoints"] if c["samples"] > 0]
     ends = sorted({c["samples"] for c in points})
     for k, part in enumerate(np.array_split(np.array(ends), phases)):
@@ -271,8 +324,34 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
             var = math.fsum(c["estimates"][i][1] for c in chosen)
             ratio = var / sqr if sqr else math.inf
             row[f"est {s}"] = (sqr / len(chosen), var / len(chosen), ratio)
+            row[f"vs exact {s}"] = _against_exact(chosen, i, boot)
         rows.append(row)
     return rows
+
+
+def _against_exact(
+    points: Sequence[dict[str, Any]], i: int, gen: np.random.Generator, draws: int = 2000
+) -> dict[str, tuple[float, float, float]]:
+    """Estimator ``i`` over the exact values: noise scale and |G|^2, with 95% intervals.
+
+    Ratios of means over ``points``, and the 2.5 and 97.5 percentiles of the same
+    ratios over ``draws`` resamples of the points (with replacement): the exact value
+    at one point swings by an order of magnitude, so a phase's mean is uncertain.
+    """
+    est = np.array([c["estimates"][i] for c in points], dtype=np.float64)
+    exact = np.array([[c["sqr"], c["var"]] for c in points], dtype=np.float64)
+
+    def ratios(idx: np.ndarray) -> tuple[float, float]:
+        e, x = est[idx].sum(0), exact[idx].sum(0)
+        return float((e[1] / e[0]) / (x[1] / x[0])), float(e[0] / x[0])
+
+    point = ratios(np.arange(len(points)))
+    resampled = np.array([ratios(gen.integers(0, len(points), len(points))) for _ in range(draws)])
+    lo, hi = np.percentile(resampled, [2.5, 97.5], axis=0)
+    return {
+        "noise_scale": (point[0], float(lo[0]), float(hi[0])),
+        "sqr": (point[1], float(lo[1]), float(hi[1])),
+    }
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
@@ -293,6 +372,22 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         ]
         cells += [f"{r[k][0]:.2f} / {r[k][1]:.0f} / {r[k][2]:.0f}" for k in keys]
         lines.append("| " + " | ".join(cells) + " |")
+    against = [k for k in rows[0] if k.startswith("vs exact ")]
+    lines += [
+        "",
+        "| samples | "
+        + " | ".join(
+            f"est {k[len('vs exact ') :]} / exact: B_simple [95%]; |G|^2 [95%]" for k in against
+        )
+        + " |",
+        "|" + "---|" * (1 + len(against)),
+    ]
+    for r in rows:
+        cells = [f"{r['samples'][0]}-{r['samples'][1]}"]
+        for k in against:
+            (b, blo, bhi), (g, glo, ghi) = r[k]["noise_scale"], r[k]["sqr"]
+            cells.append(f"{b:.2f} [{blo:.2f}, {bhi:.2f}]; {g:.2f} [{glo:.2f}, {ghi:.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -307,21 +402,37 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--replay", help="comma-separated smoothings to recompute the estimates at (`replay`)"
     )
+    parser.add_argument(
+        "--window",
+        help="START,STEPS: the exact |G|^2 at every one of STEPS steps from sample START",
+    )
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # one core per seed: seeds run side by side
     if args.from_log:
         runs = [json.loads(p.read_text()) for p in args.from_log]
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         runs = []
         for seed in (int(s) for s in args.seeds.split(",")):
-            overrides = {"samples": args.samples, "every": args.every}
+            window = [int(v) for v in args.window.split(",")] if args.window else None
+            overrides = {"samples": args.samples, "every": args.every, "window": window}
             result = run(seed, {k: v for k, v in overrides.items() if v is not None})
             (args.out / f"seed{seed}.json").write_text(json.dumps(result))
             runs.append(result)
     if args.replay:
         runs = [replay(r, [float(x) for x in args.replay.split(",")]) for r in runs]
+    for r in runs:
+        summary = window_summary(r)
+        if summary is not None:
+            print(
+                f"seed {r['seed']}, window from sample {r['window'][0][0]}: "
+                + ", ".join(f"{k} {v:.3g}" for k, v in summary.items())
+            )
     rows = summarise(runs)
-    print(table(rows))
+    if rows:
+        print(table(rows))
     return rows
 
 

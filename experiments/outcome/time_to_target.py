@@ -231,6 +231,9 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for label in labels:
         runs = [r for r in results if r["label"] == label]
         reached = [r["reached"] for r in runs if r["reached"] is not None]
+        # A run that misses counts as its whole training time (a lower bound).
+        cpu_all = _with_misses(runs, "cpu_seconds", "train_cpu_seconds")
+        wall_all = _with_misses(runs, "seconds", "train_seconds")
         cpu = [x["cpu_seconds"] for x in reached]
         wall = [x["seconds"] for x in reached]
         # The sizes used until the target (a run that went on to its cap used more).
@@ -247,13 +250,10 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "reached": len(reached),
                 "cpu": cpu,
                 "wall": wall,
-                # A run that misses counts as its whole training time (a lower bound).
-                "cpu_all": _with_misses(runs, "cpu_seconds", "train_cpu_seconds"),
-                "wall_all": _with_misses(runs, "seconds", "train_seconds"),
-                "cpu_median": float(
-                    np.median(_with_misses(runs, "cpu_seconds", "train_cpu_seconds"))
-                ),
-                "wall_median": float(np.median(_with_misses(runs, "seconds", "train_seconds"))),
+                "cpu_all": cpu_all,
+                "wall_all": wall_all,
+                "cpu_median": float(np.median(cpu_all)),
+                "wall_median": float(np.median(wall_all)),
                 "samples_median": float(np.median([x["samples"] for x in reached]))
                 if reached
                 else None,
@@ -376,8 +376,8 @@ def table(problem: str, summary: dict[str, Any], target: dict[str, float] | None
     ]
     for row in summary["rows"]:
         missed = row["runs"] - row["reached"]
-        cpu = _spread(row["cpu_median"], row["cpu"], row.get("cpu_all", row["cpu"]), missed)
-        wall = _spread(row["wall_median"], row["wall"], row.get("wall_all", row["wall"]), missed)
+        cpu = _spread(row["cpu_median"], row["cpu"], row["cpu_all"], missed)
+        wall = _spread(row["wall_median"], row["wall"], row["wall_all"], missed)
         samples = "-" if row["samples_median"] is None else f"{row['samples_median']:.0f}"
         lo, hi = row["batch_range"] or (0, 0)
         lines.append(
@@ -399,15 +399,15 @@ def _spread(median: float, reached: Sequence[float], every: Sequence[float], mis
     """``median [min, max]``; with misses, over every run, a miss at its whole time.
 
     The median counts a missed run at its whole time (a lower bound), so the range
-    does too: it then holds the median, and says that its top is a lower bound.
+    does too: it then holds the median.
     """
     if not reached:
         return f">= {median:.1f} (not reached)"
     if not missed:
         return f"{median:.1f} [{min(reached):.1f}, {max(reached):.1f}]"
     return (
-        f"{median:.1f} [{min(every):.1f}, >= {max(every):.1f}] "
-        f"({missed} missed, counted at their whole time)"
+        f"{median:.1f} [{min(every):.1f}, {max(every):.1f}] "
+        f"({missed} missed, each counted at its whole time: a lower bound)"
     )
 
 

@@ -85,7 +85,8 @@ def train(
 
     job = current_job()
     b0 = cfg["init_batch_size"]
-    if cfg.get("smoothing") is not None:  # `time_to_target --smoothing`: another memory
+    if cfg.get("smoothing") is not None and job.restored_from is None:
+        # `time_to_target --smoothing`: another memory (a restored estimator keeps its own)
         from adaptdl.core.gns import GradientNoiseScale
 
         job.metrics.gns = GradientNoiseScale(init_batch_size=b0, smoothing=cfg["smoothing"])

@@ -284,3 +284,30 @@ def test_drain_folds_the_last_steps_sum_on_every_replica():
         return before != metrics.gns.to_json()
 
     assert run_replicas(2, replica) == [True, True]
+
+
+def test_metrics_goodput_accessors_read_the_estimator_and_profiler() -> None:
+    # Nothing measured: no model, no warm-up, a gradient taken as resolved.
+    metrics = MetricsState()
+    assert metrics.goodput_fn(16) is None and metrics.bound_goodput_fn(2.0, 16) is None
+    assert metrics.estimate_samples() == 0.0 and metrics.gradient_resolved()
+    gns = metrics.ensure_gns(16)
+    gns.update(2.0 * 9.0, 4.0, 2, 8)  # |G|^2 = 2 * 4 - 9 = -1: not resolved
+    assert not metrics.gradient_resolved()
+    assert metrics.estimate_samples() == pytest.approx(16.0)
+    for _ in range(4):
+        gns.update(2.0 * 5.0, 4.0, 2, 8)  # |G|^2 = 3, tr(Sigma) = 16
+    assert metrics.gradient_resolved()
+    assert metrics.goodput_fn(16) is None  # nothing profiled yet
+    for local in (8, 16, 32):
+        for _ in range(5):
+            step = 0.001 * local + 0.01
+            metrics.profiler.record(1, 2, local, accum_step=False, step_time=step)
+    point, bound = metrics.goodput_fn(16), metrics.bound_goodput_fn(2.0, 16)
+    assert point is not None and bound is not None
+    assert point.grad_params == gns.grad_params()
+    assert bound.grad_params == gns.grad_params_bound(2.0)
+    assert (
+        bound.grad_params.var / bound.grad_params.sqr
+        < point.grad_params.var / point.grad_params.sqr
+    )

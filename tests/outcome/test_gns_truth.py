@@ -82,7 +82,17 @@ def test_a_short_run_records_what_replay_reproduces() -> None:
     # recorded steps through a fresh estimator gives, at either smoothing.
     cfg = {"train_size": 512, "samples": 96, "every": 32, "probe": 32, "hessian": 16}
     cfg["curvature_draws"] = 2
+    cfg["window"] = (32, 2)  # the exact |G|^2 at the steps from samples 32 and 48
     result = gns_truth.run(0, cfg)
+    window = result["window"]
+    assert [s for s, _ in window] == [32, 48]
+    # At sample 32 the window's value and the checkpoint's are at the same parameters.
+    assert window[0][1] == pytest.approx(result["checkpoints"][1]["sqr"], rel=1e-9)
+    summary = gns_truth.window_summary(result)
+    assert summary is not None and summary["steps"] == 2
+    per_step = [(2 * t - lo / 2) for s, lo, t in result["steps"] if s in (32, 48)]
+    assert summary["estimate_mean"] == pytest.approx(np.mean(per_step))
+    assert summary["exact_max"] == pytest.approx(max(v for _, v in window))
     assert [c["samples"] for c in result["checkpoints"]] == [0, 32, 64, 96]
     assert len(result["steps"]) == 96 // 16
     for c in result["checkpoints"]:
@@ -93,3 +103,37 @@ def test_a_short_run_records_what_replay_reproduces() -> None:
     other = gns_truth.replay(result, [0.9])
     assert other["config"]["smoothings"] == [0.9]
     assert other["checkpoints"][-1]["estimates"][0] != result["checkpoints"][-1]["estimates"][0]
+
+
+def test_bad_probes_and_mixed_smoothings_are_refused() -> None:
+    w = torch.zeros(2, requires_grad=True)
+
+    def loss_fn(idx: torch.Tensor) -> torch.Tensor:
+        return (w * idx.double().mean()).sum()
+
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        gns_truth.exact_statistics(loss_fn, [w], 16, 4, torch.arange(10), None, 0)
+    with pytest.raises(ValueError, match="curvature_draws must be >= 1"):
+        gns_truth.exact_statistics(loss_fn, [w], 16, 4, torch.arange(8), torch.arange(4), 0)
+    run = {"config": {"smoothings": [0.999]}, "checkpoints": []}
+    with pytest.raises(ValueError, match="different smoothings"):
+        gns_truth.summarise([run, {**run, "config": {"smoothings": [0.99]}}])
+
+
+def test_estimates_against_exact_carry_bootstrap_intervals() -> None:
+    # The estimator reads |G|^2 at exactly twice the truth at every point, tr(Sigma)
+    # right: the noise scale is half, whatever the resample.
+    gen = np.random.default_rng(1)
+    points = [
+        {"sqr": s, "var": v, "estimates": [[2.0 * s, v]]}
+        for s, v in zip(gen.uniform(0.1, 5.0, 12), gen.uniform(50, 150, 12), strict=True)
+    ]
+    got = gns_truth._against_exact(points, 0, np.random.default_rng(0), draws=200)
+    assert got["noise_scale"] == pytest.approx((0.5, 0.5, 0.5))
+    assert got["sqr"] == pytest.approx((2.0, 2.0, 2.0))
+    # Noisy readings: the interval holds the point and has width.
+    for p in points:
+        p["estimates"] = [[p["sqr"] * gen.uniform(0.5, 2.0), p["var"]]]
+    got = gns_truth._against_exact(points, 0, np.random.default_rng(0), draws=200)
+    point, lo, hi = got["sqr"]
+    assert lo < point < hi

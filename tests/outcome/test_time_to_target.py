@@ -95,7 +95,7 @@ def test_a_range_with_misses_holds_the_median_that_counts_them() -> None:
     assert row["cpu_median"] == pytest.approx(34.1)
     assert row["cpu_all"] == pytest.approx([29.5, 32.0, 33.2, 35.0, 36.0, 37.0])
     text = time_to_target.table("dyck", summary)
-    assert "34.1 [29.5, >= 37.0] (3 missed, counted at their whole time)" in text
+    assert "34.1 [29.5, 37.0] (3 missed, each counted at its whole time: a lower bound)" in text
 
 
 def _trajectory(stop: bool) -> dict[str, object]:

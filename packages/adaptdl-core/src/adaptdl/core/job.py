@@ -81,7 +81,7 @@ class Job:
         self.clock = clock
         self.batch_size_decision: BatchSizeDecision = batch_size_decision or GoodputDecision(
             self.goodput_fn,
-            # (Lambdas: `metrics` is made below and replaced by a restore.)
+            # (Lambdas: `metrics` is made below.)
             estimate_samples=lambda: self.metrics.estimate_samples(),
             bound_fn=self.bound_goodput_fn,
             resolved=lambda: self.metrics.gradient_resolved(),
