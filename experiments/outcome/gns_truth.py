@@ -175,11 +175,15 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     # The exact |G|^2 at every step of a window (`window_summary`).
     window: list[tuple[int, float]] = []
     start, length = cfg.get("window") or (0, 0)
+    if length and (start % batch or start + length * batch > cfg["samples"]):
+        raise ValueError(
+            f"window {start},{length} must start at a multiple of {batch} samples and end "
+            f"by samples={cfg['samples']}"
+        )
+    if cfg["probe"] + cfg["hessian"] > n:
+        raise ValueError(f"probe + hessian ({cfg['probe']} + {cfg['hessian']}) exceed {n}")
     perm, pos, samples = torch.randperm(n, generator=order), 0, 0
     while True:
-        if start <= samples < start + length * batch:
-            full = full_gradient(loss_fn, params, n)
-            window.append((samples, float(full @ full)))
         if samples % cfg["every"] == 0:
             drawn = torch.randperm(n, generator=draws)
             probe, hessian = drawn[: cfg["probe"]], drawn[cfg["probe"] :][: cfg["hessian"]]
@@ -196,6 +200,9 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
             )
         if samples >= cfg["samples"]:
             break
+        if start <= samples < start + length * batch:
+            full = full_gradient(loss_fn, params, n)
+            window.append((samples, float(full @ full)))
         if pos + batch > n:
             perm, pos = torch.randperm(n, generator=order), 0
         idx = perm[pos : pos + batch]
@@ -229,9 +236,10 @@ def window_summary(result: dict[str, Any]) -> dict[str, float] | None:
     """The window's exact |G|^2 along the trajectory against the per-step estimates.
 
     The exact values' mean, median, minimum and maximum over the window's steps, and
-    the mean of the estimator's per-step |G|^2 estimates over the same steps with
-    its standard error (None without a window). The per-step estimate is unbiased
-    for the exact value at its step, so the two means agree within the error.
+    the mean of the estimator's per-step |G|^2 estimates over the same steps, and
+    the mean paired difference (estimate - exact) with its standard error (None
+    without a window). An unbiased per-step estimate has a difference within its
+    error of 0.
     """
     window = result.get("window") or []
     if not window:
@@ -247,7 +255,9 @@ def window_summary(result: dict[str, Any]) -> dict[str, float] | None:
         "exact_min": float(exact.min()),
         "exact_max": float(exact.max()),
         "estimate_mean": float(estimates.mean()),
-        "estimate_error": float(estimates.std(ddof=1) / math.sqrt(len(estimates))),
+        # Paired: the exact value is known at each step, so only the estimate's noise.
+        "difference_mean": float((estimates - exact).mean()),
+        "difference_error": float((estimates - exact).std(ddof=1) / math.sqrt(len(exact))),
     }
 
 
@@ -260,6 +270,8 @@ def replay(result: dict[str, Any], smoothings: Sequence[float]) -> dict[str, Any
     from adaptdl.core.gns import GradientNoiseScale
 
     cfg = result["config"]
+    if not result.get("steps"):
+        raise ValueError(f"seed {result['seed']} has no per-step record to replay")
     b, count = cfg["micro_batch"], cfg["micro_batches"]
     estimators = [GradientNoiseScale(init_batch_size=b * count, smoothing=s) for s in smoothings]
     at = {c["samples"]: c for c in result["checkpoints"]}
@@ -293,8 +305,12 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
     smoothings = runs[0]["config"]["smoothings"]
     if any(r["config"]["smoothings"] != smoothings for r in runs):
         raise ValueError("the runs were estimated at different smoothings: replay them alike")
-    boot = np.random.default_rng(0)
-    points = [c for r in runs for c in r["checkpoints"] if c["samples"] > 0]
+    points = [
+        {**c, "time_sqr": _time_average(r, c["samples"])}
+        for r in runs
+        for c in r["checkpoints"]
+        if c["samples"] > 0
+    ]
     ends = sorted({c["samples"] for c in points})
     for k, part in enumerate(np.array_split(np.array(ends), phases)):
         chosen = [c for c in points if c["samples"] in set(part.tolist())]
@@ -319,24 +335,65 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
                 total("fresh_var") / len(chosen),
                 total("fresh_var") / total("fresh_sqr"),
             )
+        # One set of resamples per phase, shared by every estimator.
+        resamples = np.random.default_rng(k).integers(0, len(chosen), (2000, len(chosen)))
+        timed = [c for c in chosen if c["time_sqr"] is not None]
+        if timed:
+            time_sqr = math.fsum(c["time_sqr"] for c in timed)
+            row["time_average"] = (
+                time_sqr / len(timed),
+                total("var", timed) / time_sqr,
+                len(timed),
+            )
         for i, s in enumerate(smoothings):
             sqr = math.fsum(c["estimates"][i][0] for c in chosen)
             var = math.fsum(c["estimates"][i][1] for c in chosen)
             ratio = var / sqr if sqr else math.inf
             row[f"est {s}"] = (sqr / len(chosen), var / len(chosen), ratio)
-            row[f"vs exact {s}"] = _against_exact(chosen, i, boot)
+            row[f"vs exact {s}"] = _against_exact(chosen, i, resamples)
+            if timed:
+                est_sqr = math.fsum(c["estimates"][i][0] for c in timed)
+                est_var = math.fsum(c["estimates"][i][1] for c in timed)
+                row[f"vs time {s}"] = (
+                    (est_var / est_sqr) / row["time_average"][1],
+                    est_sqr / time_sqr,
+                )
         rows.append(row)
     return rows
 
 
+#: Half the stretch of per-step estimates `_time_average` averages, in samples.
+TIME_AVERAGE_HALF_WIDTH = 4096
+
+
+def _time_average(result: dict[str, Any], samples: int) -> float | None:
+    """The mean per-step |G|^2 estimate within `TIME_AVERAGE_HALF_WIDTH` samples.
+
+    Each step's estimate is unbiased for the exact |G|^2 at its step, so their mean
+    over a stretch estimates the trajectory's time average there, which a single
+    checkpoint's exact value may miss by a spike. None without a per-step record.
+    """
+    steps = result.get("steps")
+    if not steps:
+        return None
+    count = result["config"]["micro_batches"]
+    near = [
+        (count * t - lo / count) / (count - 1)
+        for s, lo, t in steps
+        if abs(s - samples) < TIME_AVERAGE_HALF_WIDTH
+    ]
+    return float(np.mean(near)) if near else None
+
+
 def _against_exact(
-    points: Sequence[dict[str, Any]], i: int, gen: np.random.Generator, draws: int = 2000
+    points: Sequence[dict[str, Any]], i: int, resamples: np.ndarray
 ) -> dict[str, tuple[float, float, float]]:
     """Estimator ``i`` over the exact values: noise scale and |G|^2, with 95% intervals.
 
     Ratios of means over ``points``, and the 2.5 and 97.5 percentiles of the same
-    ratios over ``draws`` resamples of the points (with replacement): the exact value
-    at one point swings by an order of magnitude, so a phase's mean is uncertain.
+    ratios over ``resamples`` (rows of indices into ``points``, drawn with
+    replacement): the exact value at one point swings by an order of magnitude, so
+    a phase's mean is uncertain.
     """
     est = np.array([c["estimates"][i] for c in points], dtype=np.float64)
     exact = np.array([[c["sqr"], c["var"]] for c in points], dtype=np.float64)
@@ -346,7 +403,7 @@ def _against_exact(
         return float((e[1] / e[0]) / (x[1] / x[0])), float(e[0] / x[0])
 
     point = ratios(np.arange(len(points)))
-    resampled = np.array([ratios(gen.integers(0, len(points), len(points))) for _ in range(draws)])
+    resampled = np.array([ratios(idx) for idx in resamples])
     lo, hi = np.percentile(resampled, [2.5, 97.5], axis=0)
     return {
         "noise_scale": (point[0], float(lo[0]), float(hi[0])),
@@ -388,6 +445,21 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             (b, blo, bhi), (g, glo, ghi) = r[k]["noise_scale"], r[k]["sqr"]
             cells.append(f"{b:.2f} [{blo:.2f}, {bhi:.2f}]; {g:.2f} [{glo:.2f}, {ghi:.2f}]")
         lines.append("| " + " | ".join(cells) + " |")
+    timed = [k for k in rows[0] if k.startswith("vs time ")]
+    if timed and all("time_average" in r for r in rows):
+        lines += [
+            "",
+            "| samples | points with steps | per-step time average: |G|^2 / B_simple | "
+            + " | ".join(f"est {k[len('vs time ') :]} / it: B_simple; |G|^2" for k in timed)
+            + " |",
+            "|" + "---|" * (3 + len(timed)),
+        ]
+        for r in rows:
+            sqr, simple, count = r["time_average"]
+            cells = [f"{r['samples'][0]}-{r['samples'][1]}", str(count)]
+            cells.append(f"{sqr:.2f} / {simple:.0f}")
+            cells += [f"{r[k][0]:.2f}; {r[k][1]:.2f}" for k in timed]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

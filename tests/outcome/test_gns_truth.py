@@ -92,7 +92,8 @@ def test_a_short_run_records_what_replay_reproduces() -> None:
     assert summary is not None and summary["steps"] == 2
     per_step = [(2 * t - lo / 2) for s, lo, t in result["steps"] if s in (32, 48)]
     assert summary["estimate_mean"] == pytest.approx(np.mean(per_step))
-    assert summary["exact_max"] == pytest.approx(max(v for _, v in window))
+    diffs = [e - x for e, (_, x) in zip(per_step, window, strict=True)]
+    assert summary["difference_mean"] == pytest.approx(np.mean(diffs))
     assert [c["samples"] for c in result["checkpoints"]] == [0, 32, 64, 96]
     assert len(result["steps"]) == 96 // 16
     for c in result["checkpoints"]:
@@ -100,6 +101,15 @@ def test_a_short_run_records_what_replay_reproduces() -> None:
     again = gns_truth.replay(result, result["config"]["smoothings"])
     for mine, theirs in zip(again["checkpoints"], result["checkpoints"], strict=True):
         assert mine["estimates"] == theirs["estimates"]
+    # The window's exact gradients leave the training as it was.
+    plain = gns_truth.run(0, {**cfg, "window": None})
+    assert plain["steps"] == result["steps"] and plain["window"] == []
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gns_truth.run(0, {**cfg, "window": (40, 2)})
+    with pytest.raises(ValueError, match="end by samples=96"):
+        gns_truth.run(0, {**cfg, "window": (64, 4)})
+    with pytest.raises(ValueError, match="no per-step record"):
+        gns_truth.replay({**result, "steps": []}, [0.9])
     other = gns_truth.replay(result, [0.9])
     assert other["config"]["smoothings"] == [0.9]
     assert other["checkpoints"][-1]["estimates"][0] != result["checkpoints"][-1]["estimates"][0]
@@ -128,12 +138,32 @@ def test_estimates_against_exact_carry_bootstrap_intervals() -> None:
         {"sqr": s, "var": v, "estimates": [[2.0 * s, v]]}
         for s, v in zip(gen.uniform(0.1, 5.0, 12), gen.uniform(50, 150, 12), strict=True)
     ]
-    got = gns_truth._against_exact(points, 0, np.random.default_rng(0), draws=200)
+    resamples = np.random.default_rng(0).integers(0, 12, (200, 12))
+    got = gns_truth._against_exact(points, 0, resamples)
     assert got["noise_scale"] == pytest.approx((0.5, 0.5, 0.5))
     assert got["sqr"] == pytest.approx((2.0, 2.0, 2.0))
-    # Noisy readings: the interval holds the point and has width.
+    # Noisy readings: the interval is the percentiles of the resampled ratios.
     for p in points:
-        p["estimates"] = [[p["sqr"] * gen.uniform(0.5, 2.0), p["var"]]]
-    got = gns_truth._against_exact(points, 0, np.random.default_rng(0), draws=200)
-    point, lo, hi = got["sqr"]
-    assert lo < point < hi
+        p["estimates"] = [[p["sqr"] * gen.uniform(0.5, 2.0), p["var"] * gen.uniform(0.8, 1.2)]]
+    got = gns_truth._against_exact(points, 0, resamples)
+    est = np.array([p["estimates"][0] for p in points])
+    exact = np.array([[p["sqr"], p["var"]] for p in points])
+    sqr_ratios = [est[i, 0].sum() / exact[i, 0].sum() for i in resamples]
+    scale_ratios = [
+        (est[i, 1].sum() / est[i, 0].sum()) / (exact[i, 1].sum() / exact[i, 0].sum())
+        for i in resamples
+    ]
+    assert got["sqr"][1:] == pytest.approx(tuple(np.percentile(sqr_ratios, [2.5, 97.5])))
+    assert got["noise_scale"][1:] == pytest.approx(tuple(np.percentile(scale_ratios, [2.5, 97.5])))
+    assert got["sqr"][0] == pytest.approx(est[:, 0].sum() / exact[:, 0].sum())
+
+
+def test_time_average_reads_the_per_step_estimates_around_a_checkpoint() -> None:
+    # Steps (samples, sum of micro-batch norms, norm of the mean) whose estimate
+    # 2 * total - local / 2 is the step's index; the average spans +-4096 samples.
+    steps = [(16 * k, 0.0, k / 2.0) for k in range(1024)]
+    result = {"config": {"micro_batches": 2}, "steps": steps}
+    got = gns_truth._time_average(result, 8192)
+    near = [k for k in range(1024) if abs(16 * k - 8192) < 4096]
+    assert got == pytest.approx(np.mean(near))
+    assert gns_truth._time_average({"config": {}, "steps": []}, 8192) is None
