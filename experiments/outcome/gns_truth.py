@@ -244,8 +244,7 @@ def window_summary(result: dict[str, Any]) -> dict[str, float] | None:
     window = result.get("window") or []
     if not window:
         return None
-    count = result["config"]["micro_batches"]
-    per_step = {s: (count * t - lo / count) / (count - 1) for s, lo, t in result["steps"]}
+    per_step = dict(step_sqr(result))
     exact = np.array([v for _, v in window])
     estimates = np.array([per_step[s] for s, _ in window])
     return {
@@ -305,12 +304,14 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
     smoothings = runs[0]["config"]["smoothings"]
     if any(r["config"]["smoothings"] != smoothings for r in runs):
         raise ValueError("the runs were estimated at different smoothings: replay them alike")
-    points = [
-        {**c, "time_sqr": _time_average(r, c["samples"])}
-        for r in runs
-        for c in r["checkpoints"]
-        if c["samples"] > 0
-    ]
+    points = []
+    for r in runs:
+        per_step = step_sqr(r)
+        points += [
+            {**c, "time_sqr": _time_average(per_step, c["samples"])}
+            for c in r["checkpoints"]
+            if c["samples"] > 0
+        ]
     ends = sorted({c["samples"] for c in points})
     for k, part in enumerate(np.array_split(np.array(ends), phases)):
         chosen = [c for c in points if c["samples"] in set(part.tolist())]
@@ -366,23 +367,32 @@ def summarise(runs: Sequence[dict[str, Any]], phases: int = 3) -> list[dict[str,
 TIME_AVERAGE_HALF_WIDTH = 4096
 
 
-def _time_average(result: dict[str, Any], samples: int) -> float | None:
-    """The mean per-step |G|^2 estimate within `TIME_AVERAGE_HALF_WIDTH` samples.
+def step_sqr(result: dict[str, Any]) -> np.ndarray:
+    """Each recorded step's (samples before it, |G|^2 estimate), as core estimates it.
 
-    Each step's estimate is unbiased for the exact |G|^2 at its step, so their mean
-    over a stretch estimates the trajectory's time average there, which a single
-    checkpoint's exact value may miss by a spike. None without a per-step record.
+    Core's `step_estimates` on the step's recorded squared norms; an empty (0, 2)
+    array without a per-step record.
     """
-    steps = result.get("steps")
+    from adaptdl.core.gns import step_estimates
+
+    steps = result.get("steps") or ()
     if not steps:
-        return None
-    count = result["config"]["micro_batches"]
-    near = [
-        (count * t - lo / count) / (count - 1)
-        for s, lo, t in steps
-        if abs(s - samples) < TIME_AVERAGE_HALF_WIDTH
-    ]
-    return float(np.mean(near)) if near else None
+        return np.empty((0, 2))
+    count, b = result["config"]["micro_batches"], result["config"]["micro_batch"]
+    rows = [(s, step_estimates(lo, t, count, b)[0]) for s, lo, t in steps]
+    return np.array(rows, dtype=np.float64)
+
+
+def _time_average(per_step: np.ndarray, samples: int) -> float | None:
+    """The mean of ``per_step``'s |G|^2 estimates within `TIME_AVERAGE_HALF_WIDTH` samples.
+
+    ``per_step`` is `step_sqr`'s. Each step's estimate is unbiased for the exact
+    |G|^2 at its step, so their mean over a stretch estimates the trajectory's time
+    average there, which a single checkpoint's exact value may miss by a spike.
+    None where no step lies that near (no per-step record).
+    """
+    near = per_step[np.abs(per_step[:, 0] - samples) < TIME_AVERAGE_HALF_WIDTH, 1]
+    return float(near.mean()) if near.size else None
 
 
 def _against_exact(

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale, squared_norm
+from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale, squared_norm, step_estimates
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.scaling import adascale_gain
 
@@ -76,6 +76,18 @@ def test_hand_computed_update() -> None:
     assert gns.sqr == pytest.approx(0.0)  # (2 * 0.5 - 1) / 1
     assert gns.var == pytest.approx(2.0)  # (1 - 0.5) * 2 * 2 / 1
     assert gns.grad_params() == GradParams(sqr=0.0, var=0.5)
+
+
+def test_step_estimates_are_what_update_folds_in() -> None:
+    # Three micro-batches (1, 0), (0, 1), (1, 1) of 2 samples: m_s = 4/3, m_B = 5/9.
+    sqr, var = step_estimates(4.0, 5.0 / 9.0, 3, 2)
+    assert sqr == pytest.approx((3 * 5 / 9 - 4 / 3) / 2)
+    assert var == pytest.approx((4 / 3 - 5 / 9) * 2 * 3 / 2)
+    gns = GradientNoiseScale(6)
+    gns.update(4.0, 5.0 / 9.0, 3, 2)
+    assert (gns._raw_sqr, gns._raw_var) == pytest.approx((sqr, var), rel=1e-12)  # as is
+    with pytest.raises(ValueError, match="count must be >= 2"):
+        step_estimates(1.0, 1.0, 1, 2)
 
 
 # -- the moving average --

@@ -162,8 +162,11 @@ def test_time_average_reads_the_per_step_estimates_around_a_checkpoint() -> None
     # Steps (samples, sum of micro-batch norms, norm of the mean) whose estimate
     # 2 * total - local / 2 is the step's index; the average spans +-4096 samples.
     steps = [(16 * k, 0.0, k / 2.0) for k in range(1024)]
-    result = {"config": {"micro_batches": 2}, "steps": steps}
-    got = gns_truth._time_average(result, 8192)
+    result = {"config": {"micro_batches": 2, "micro_batch": 8}, "steps": steps}
+    per_step = gns_truth.step_sqr(result)
+    assert per_step[:, 1] == pytest.approx(np.arange(1024.0))
+    got = gns_truth._time_average(per_step, 8192)
     near = [k for k in range(1024) if abs(16 * k - 8192) < 4096]
     assert got == pytest.approx(np.mean(near))
-    assert gns_truth._time_average({"config": {}, "steps": []}, 8192) is None
+    empty = gns_truth.step_sqr({**result, "steps": []})
+    assert empty.shape == (0, 2) and gns_truth._time_average(empty, 8192) is None

@@ -142,6 +142,23 @@ def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> f
     return value
 
 
+def step_estimates(
+    local_sqr: float, total_sqr: float, count: int, batch_size: int
+) -> tuple[float, float]:
+    """One step's unbiased estimates (|G|^2, tr(Sigma)) from its squared norms.
+
+    ``local_sqr`` sums the squared norms of the step's ``count >= 2`` micro-batch
+    gradients (``batch_size`` samples each), ``total_sqr`` is the squared norm of
+    their mean: the estimators of the module docstring, what
+    :meth:`GradientNoiseScale.update` folds in per parameter group.
+    """
+    if count < 2:
+        raise ValueError(f"count must be >= 2 micro-batches, got {count!r}")
+    sqr = (count * total_sqr - local_sqr / count) / (count - 1)
+    var = (local_sqr / count - total_sqr) * (batch_size * count / (count - 1))
+    return sqr, var
+
+
 def _group_values(name: str, value: Any, num_groups: int) -> tuple[float, ...]:
     """Return one finite, non-negative float per group, or raise naming ``name``."""
     # The common case, checked without numpy (it runs at every optimiser step): a tuple
@@ -457,11 +474,9 @@ class GradientNoiseScale:
         b = check_int("batch_size", batch_size, min=1)
         local = _group_values("local_sqr", local_sqr, self.num_groups)
         total = _group_values("total_sqr", total_sqr, self.num_groups)
-        factor = b * count / (count - 1)
-        sqr = tuple(
-            (count * t - lo / count) / (count - 1) for lo, t in zip(local, total, strict=True)
-        )
-        var = tuple((lo / count - t) * factor for lo, t in zip(local, total, strict=True))
+        pairs = [step_estimates(lo, t, count, b) for lo, t in zip(local, total, strict=True)]
+        sqr = tuple(sq for sq, _ in pairs)
+        var = tuple(v for _, v in pairs)
         if self.differenced:
             self._restart()
         self.differenced = False
