@@ -178,3 +178,43 @@ def test_run_all_targets_read_the_summaries() -> None:
     summary["adascale_scale"] = [scale_row("adascale", 16, 0.05, 0.0)]
     summary["autoscale_vs_fixed"] = {"ratio": 1.2}
     assert list(run_all.check_targets(summary).values()) == [True, False, False, True]
+
+
+def test_run_all_targets_read_item_4() -> None:
+    from experiments.outcome import run_all
+
+    def row(label: str, cpu: float, reached: int = 3) -> dict[str, object]:
+        return {"label": label, "runs": 3, "reached": reached, "cpu_median": cpu}
+
+    summary = {
+        "gns_accuracy": {"summaries": [{"mode": "a"}, {"mode": "b"}]},
+        "adascale_scale": [{"rule": "adascale", "scale": 16, "loss_gap": 0.0, "acc_gap": 0.0}],
+        "autoscale_vs_fixed": {"ratio": None},
+        "time_to_target": {
+            "shapes": {
+                "cpu_ratio_best": 1.0,
+                "cpu_ratio_initial": 1.9,
+                "rows": [row("adaptive", 30.0), row("fixed 16", 60.0)],
+            },
+            "dyck": {
+                "cpu_ratio_best": 0.9,
+                "cpu_ratio_initial": 2.0,
+                "rows": [row("adaptive", 30.0), row("fixed 16", 70.0, reached=2)],
+            },
+        },
+    }
+    for s in summary["gns_accuracy"]["summaries"]:
+        s.update({f"{q}_{ref}_max": 0.0 for q in ("sqr", "var") for ref in ("lag", "now")})
+    targets = run_all.check_targets(summary)
+    item4 = {label: met for label, met in targets.items() if label.startswith(("shapes", "dyck"))}
+    assert item4 == {
+        "shapes: the initial size takes at least 60 CPU s": True,
+        "shapes: adaptive no slower than the best fixed (median CPU time)": True,
+        "shapes: adaptive at most half the initial size's time (median CPU time)": False,
+        # A fixed-16 run that missed its target says nothing about its time to it.
+        "dyck: the initial size takes at least 60 CPU s": False,
+        "dyck: adaptive no slower than the best fixed (median CPU time)": False,
+        "dyck: adaptive at most half the initial size's time (median CPU time)": True,
+    }
+    summary["time_to_target"]["shapes"]["rows"][1]["cpu_median"] = 59.9
+    assert not run_all.check_targets(summary)["shapes: the initial size takes at least 60 CPU s"]

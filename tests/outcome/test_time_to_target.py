@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -152,6 +154,40 @@ def test_targets_follow_the_stated_rule_from_the_initial_size_alone() -> None:
     others = [{**r, "label": "fixed 64"} for r in runs]
     with pytest.raises(ValueError, match="fixed-16"):
         time_to_target.choose_targets(others)
+
+
+def test_runs_summarise_together_only_at_one_target_and_one_calibration() -> None:
+    run = _trajectory(stop=True)
+    assert time_to_target.own_target([run, run]) == {"target_excess": 0.01, "target_accuracy": 0.7}
+    assert time_to_target.own_target([]) is None
+    other = {**run, "config": {**run["config"], "target_excess": 0.02}}
+    with pytest.raises(ValueError, match="different targets"):
+        time_to_target.own_target([run, other])
+    time_to_target.check_one_calibration([run, other])
+    longer = {**run, "config": {**run["config"], "progress_epochs": 8}}
+    with pytest.raises(ValueError, match="different calibrations"):
+        time_to_target.check_one_calibration([run, longer])
+
+
+def test_from_log_refuses_runs_of_two_calibrations(tmp_path: Path, capsys: Any) -> None:
+    run = {**_trajectory(stop=True), "replicas": 2}
+    longer = {**run, "config": {**run["config"], "progress_epochs": 8}}
+    log = tmp_path / "runs.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in (run, longer)))
+    with pytest.raises(SystemExit):
+        time_to_target.main(["--from-log", str(log), "--problems", "dyck", "--out", str(tmp_path)])
+    assert "different calibrations" in capsys.readouterr().err
+
+
+def test_short_is_the_first_calibration() -> None:
+    # RESULTS.md's runs up to its sixth follow-up were made on these settings.
+    for problem, short in time_to_target.SHORT.items():
+        cfg = time_to_target.configs(problem, 0, kinds="fixed", sizes=[16], overrides=short)[0]
+        assert cfg["train_size"] == (65536 if problem == "shapes" else 16384)
+        if problem == "shapes":
+            assert (cfg["noise"], cfg["progress_epochs"], cfg["target_accuracy"]) == (0.5, 3, 0.75)
+        else:
+            assert (cfg["progress_epochs"], cfg["target_excess"]) == (8, 0.001)
 
 
 @pytest.mark.e2e
