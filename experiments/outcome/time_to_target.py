@@ -86,7 +86,13 @@ PROBLEMS: dict[str, dict[str, Any]] = {
 #: The first calibration (RESULTS.md item 4 up to its sixth follow-up; `--short`):
 #: shapes at 75% in 22 CPU s at the initial size, dyck at optimal + 0.001 in 36.
 SHORT: dict[str, dict[str, Any]] = {
-    "shapes": {"noise": 0.5, "progress_epochs": 3, "target_accuracy": 0.75},
+    "shapes": {
+        "noise": 0.5,
+        "progress_epochs": 3,
+        "val_size": 2048,
+        "eval_every_samples": 4096,
+        "target_accuracy": 0.75,
+    },
     "dyck": {"train_size": 16384, "target_excess": 0.001},
 }
 
@@ -232,6 +238,8 @@ CALIBRATION_KEYS = (
     "brackets",
     "max_depth",
     "progress_epochs",
+    # How finely the time to the target is read off.
+    "eval_every_samples",
 )
 
 
@@ -676,6 +684,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="also print each adaptive run's decisions (CPU s: total, noise scale / bound)",
     )
     args = parser.parse_args(argv)
+    if args.short and args.from_log:
+        parser.error(
+            "--short selects the calibration to run; --from-log reads runs as they were made "
+            "(give --retarget-accuracy or --retarget-excess to read them at another target)"
+        )
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:

@@ -21,6 +21,7 @@ from adaptdl.core.hints import (
     validate_hints,
 )
 from adaptdl.core.profiler import (
+    FIT_AFTER,
     PROFILER_SCHEMA,
     SPIKE_AFTER,
     SPIKE_RATIO,
@@ -135,8 +136,19 @@ def test_a_run_of_spikes_is_a_moved_level_and_starts_the_sums_afresh() -> None:
     timing = prof.timing(1, 2, 8)
     assert timing is not None and timing.optim == Timing(1, 0.25, 0.25 * 0.25, 0.1, 0.1 * 0.1, 0)
     assert timing.accum.count == SPIKE_AFTER  # the other kind keeps its own
-    assert prof.new_config_since_fit  # a new level gets a full fit
+    # A new level leaves the fit until it holds FIT_AFTER steps (the last fit stands,
+    # even when a refit is due), then gets a full fit.
+    assert not prof.new_config_since_fit
+    last = prof.perf_params()
+    assert last is not None and prof.num_fits == fits + 1
+    assert prof.observations().atomic_bsz.shape == (0,)
+    prof.steps_since_fit = prof.refit_every
+    assert prof.perf_params() is last
+    for _ in range(FIT_AFTER - 1):
+        record(False, 0.25, 0.1)
+    assert prof.new_config_since_fit
     assert prof.perf_params() is not None and prof.num_fits == fits + 2
+    assert prof.observations().optim_step_time == pytest.approx([0.25])
     for _ in range(100):
         record(False, 0.25, 0.1)
     timing = prof.timing(1, 2, 8)
@@ -246,10 +258,13 @@ def test_empty_timing_has_nan_means() -> None:
 def test_observations_use_measured_or_estimated_accumulation_times() -> None:
     prof = Profiler()
     prof.record(1, 2, 64, accum_step=True, step_time=0.2)
-    prof.record(1, 2, 64, accum_step=False, step_time=0.5, sync_time=0.1)
-    prof.record(1, 1, 16, accum_step=False, step_time=0.3, sync_time=0.1)  # estimate 0.2
-    prof.record(1, 1, 8, accum_step=False, step_time=0.4, sync_time=0.5)  # floor: 1%
+    for _ in range(FIT_AFTER):
+        prof.record(1, 2, 64, accum_step=False, step_time=0.5, sync_time=0.1)
+        prof.record(1, 1, 16, accum_step=False, step_time=0.3, sync_time=0.1)  # estimate 0.2
+        prof.record(1, 1, 8, accum_step=False, step_time=0.4, sync_time=0.5)  # floor: 1%
     prof.record(1, 4, 64, accum_step=True, step_time=0.2)  # no optimiser step: left out
+    for _ in range(FIT_AFTER - 1):  # too few optimiser steps to judge: left out
+        prof.record(1, 4, 32, accum_step=False, step_time=0.2)
     obs = prof.observations()
     assert obs.num_nodes.tolist() == [1, 1, 1]
     assert obs.num_replicas.tolist() == [1, 1, 2]
@@ -263,9 +278,12 @@ def test_observations_use_measured_or_estimated_accumulation_times() -> None:
 def test_max_profiled_counts_configurations_with_optimiser_steps() -> None:
     prof = Profiler()
     assert (prof.max_profiled_replicas, prof.max_profiled_nodes) == (0, 0)
-    prof.record(1, 2, 8, accum_step=False, step_time=0.1)
-    prof.record(2, 3, 8, accum_step=False, step_time=0.1)
-    prof.record(4, 8, 8, accum_step=True, step_time=0.1)
+    for _ in range(FIT_AFTER):
+        prof.record(1, 2, 8, accum_step=False, step_time=0.1)
+        prof.record(2, 3, 8, accum_step=False, step_time=0.1)
+        prof.record(4, 8, 8, accum_step=True, step_time=0.1)
+    for _ in range(FIT_AFTER - 1):  # not in the fit yet
+        prof.record(3, 6, 8, accum_step=False, step_time=0.1)
     assert (prof.max_profiled_replicas, prof.max_profiled_nodes) == (3, 2)
 
 
@@ -283,6 +301,9 @@ def test_no_model_before_an_optimiser_step() -> None:
 
 def test_refits_every_n_optimiser_steps_or_on_a_new_configuration() -> None:
     prof = Profiler(refit_every=3)
+    for _ in range(FIT_AFTER - 1):
+        prof.record(1, 1, 32, accum_step=False, step_time=0.1)
+    assert prof.perf_params() is None and prof.num_fits == 0  # too few steps to judge
     prof.record(1, 1, 32, accum_step=False, step_time=0.1)
     first = prof.perf_params()
     assert first is not None
@@ -297,15 +318,20 @@ def test_refits_every_n_optimiser_steps_or_on_a_new_configuration() -> None:
     assert prof.num_fits == 2
     prof.record(1, 1, 64, accum_step=True, step_time=0.3)  # no optimiser step yet
     assert prof.num_fits == 2 and prof.perf_params() is not None and prof.num_fits == 2
-    prof.record(1, 1, 64, accum_step=False, step_time=0.3)  # new configuration
+    for _ in range(FIT_AFTER - 1):  # a new configuration, not yet in the fit
+        prof.record(1, 1, 64, accum_step=False, step_time=0.3)
+        assert not prof.new_config_since_fit
+    prof.record(1, 1, 64, accum_step=False, step_time=0.3)  # now in: a full fit
+    assert prof.new_config_since_fit
     prof.perf_params()
-    assert prof.num_fits == 3
+    assert prof.num_fits == 3 and prof.observations().atomic_bsz.tolist() == [32, 64]
 
 
 def test_fit_follows_the_recorded_means() -> None:
     prof = Profiler()
-    prof.record(1, 1, 32, accum_step=False, step_time=0.1)
-    prof.record(1, 1, 64, accum_step=False, step_time=0.2)
+    for _ in range(FIT_AFTER):
+        prof.record(1, 1, 32, accum_step=False, step_time=0.1)
+        prof.record(1, 1, 64, accum_step=False, step_time=0.2)
     fitted = prof.perf_params()
     assert fitted is not None
     fn = GoodputFunction(fitted, GradParams(0.0, 0.0), 32)
@@ -347,7 +373,8 @@ def test_goodput_fn_from_synthetic_timings_predicts_throughput() -> None:
 
 def test_goodput_fn_without_gradient_statistics_assumes_no_noise() -> None:
     prof = Profiler()
-    prof.record(1, 1, 32, accum_step=False, step_time=0.1)
+    for _ in range(FIT_AFTER):
+        prof.record(1, 1, 32, accum_step=False, step_time=0.1)
     fn = prof.goodput_fn(None, 16)
     assert fn is not None
     assert fn.grad_params == GradParams(0.0, 0.0)
@@ -580,7 +607,8 @@ def fitted_profiler() -> Profiler:
     prof = Profiler()
     for key in [(1, 1, 32), (2, 4, 32)]:
         compute, optim = true_times(*key)
-        prof.record(*key, accum_step=False, step_time=optim, sync_time=optim - compute)
+        for _ in range(FIT_AFTER):
+            prof.record(*key, accum_step=False, step_time=optim, sync_time=optim - compute)
     return prof
 
 
@@ -661,3 +689,25 @@ def test_hints_rejects_bad_arguments() -> None:
         hints(Profiler(), {"sqr": 1.0}, 32)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_batch_size must be >= 32"):
         hints(Profiler(), None, 32, 8)
+
+
+def test_a_spike_among_a_new_configurations_first_steps_stays_out_of_the_fit() -> None:
+    """Measured on the Dyck transformer: an evaluation among the first two profiled
+    steps at a new size made them read 57 ms against a steady 12; fitted at once,
+    they rated every larger size slow and the decision shrank 76 -> 20."""
+    prof = Profiler()
+    for _ in range(1000):
+        prof.record(1, 2, 24, accum_step=False, step_time=0.0095, sync_time=0.002)
+    before = prof.perf_params()
+    prof.record(1, 2, 38, accum_step=False, step_time=0.1, sync_time=0.002)  # evaluation
+    prof.record(1, 2, 38, accum_step=False, step_time=0.013, sync_time=0.002)
+    assert prof.observations().atomic_bsz.tolist() == [24]
+    assert prof.perf_params() is before
+    for _ in range(50):
+        prof.record(1, 2, 38, accum_step=False, step_time=0.013, sync_time=0.002)
+    obs = prof.observations()
+    assert obs.atomic_bsz.tolist() == [24, 38]
+    # In now, and diluted: the spike came before the test could judge it.
+    assert obs.optim_step_time[1] == pytest.approx(0.013, rel=0.15)
+    fit = prof.perf_params()
+    assert fit is not None and fit is not before

@@ -179,6 +179,14 @@ def test_from_log_refuses_runs_of_two_calibrations(tmp_path: Path, capsys: Any) 
     assert "different calibrations" in capsys.readouterr().err
 
 
+def test_short_only_selects_what_to_run(tmp_path: Path, capsys: Any) -> None:
+    log = tmp_path / "runs.jsonl"
+    log.write_text(json.dumps({**_trajectory(stop=True), "replicas": 2}) + "\n")
+    with pytest.raises(SystemExit):
+        time_to_target.main(["--from-log", str(log), "--short", "--out", str(tmp_path)])
+    assert "--short selects the calibration to run" in capsys.readouterr().err
+
+
 def test_short_is_the_first_calibration() -> None:
     # RESULTS.md's runs up to its sixth follow-up were made on these settings.
     for problem, short in time_to_target.SHORT.items():
@@ -186,6 +194,7 @@ def test_short_is_the_first_calibration() -> None:
         assert cfg["train_size"] == (65536 if problem == "shapes" else 16384)
         if problem == "shapes":
             assert (cfg["noise"], cfg["progress_epochs"], cfg["target_accuracy"]) == (0.5, 3, 0.75)
+            assert (cfg["val_size"], cfg["eval_every_samples"]) == (2048, 4096)
         else:
             assert (cfg["progress_epochs"], cfg["target_excess"]) == (8, 0.001)
 

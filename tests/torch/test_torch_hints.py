@@ -10,7 +10,7 @@ import pytest
 
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.hints import hints
-from adaptdl.core.profiler import Profiler
+from adaptdl.core.profiler import FIT_AFTER, Profiler
 from adaptdl.torch.hints import read_hints, write_hints
 
 
@@ -18,13 +18,15 @@ def fitted_profiler() -> Profiler:
     """A profiler with two configurations' optimiser steps, so hints carry a fit."""
     prof = Profiler()
     for key, (compute, optim) in [((1, 1, 32), (0.15, 0.15)), ((2, 4, 32), (0.15, 0.5))]:
-        prof.record(*key, accum_step=False, step_time=optim, sync_time=optim - compute)
+        for _ in range(FIT_AFTER):
+            prof.record(*key, accum_step=False, step_time=optim, sync_time=optim - compute)
     return prof
 
 
 def test_write_and_read_hints_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "hints.json"
     doc = hints(fitted_profiler(), GradParams(0.5, 7.0), 32, 512, (None, 64), True)
+    assert doc["perf_params"] is not None  # the round trip carries a fit
     write_hints(path, doc)
     assert read_hints(path) == doc
     assert read_hints(str(path)) == doc

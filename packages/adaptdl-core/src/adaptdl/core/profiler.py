@@ -62,6 +62,14 @@ SPIKE_RATIO = 4.0
 # the level moved (longer sequences, a slower network after a restart), and the
 # kind's sums start afresh from the last of them.
 SPIKE_AFTER = 4
+# Optimiser steps a configuration holds before it enters the throughput fit, for the
+# same reason: before the spike test applies, one evaluation among a configuration's
+# first steps can be most of its mean. Measured on the Dyck transformer: an evaluation
+# (~0.1 s) among the first two steps at a new size made them read 57 ms against a
+# steady 12; the decision at the next pass start, 0.1 s later, fitted them, rated every
+# larger size slow, shrank 76 -> 20 and stayed there 25 s (its target took 55 CPU s
+# against 28-36 on the other seeds). Until then the decision reads the fit without it.
+FIT_AFTER = SPIKE_AFTER
 
 Key = tuple[int, int, int]
 
@@ -250,11 +258,11 @@ class _Sums:
                 self.o_run, self.o_run_at = run, count
                 self.spikes += 1
                 return
-            count = self.o_count = 0  # a moved level: afresh, from this step (a full refit)
+            count = self.o_count = 0  # a moved level: afresh (re-enters the fit, `FIT_AFTER`)
             self.o_step = self.o_step_sq = self.o_sync = self.o_sync_sq = 0.0
             self.o_run = 0
         profiler = self._profiler
-        if not count:
+        if count + 1 == FIT_AFTER:  # the configuration enters the fit (`observations`)
             profiler.new_config_since_fit = True
         self.o_count = count + 1
         self.o_step += step_time
@@ -276,7 +284,7 @@ def _check_times(accum_step: Any, step_time: Any, sync_time: Any) -> tuple[bool,
 
 
 class Observations(NamedTuple):
-    """One row per configuration with an optimiser step, in the argument order of the fit."""
+    """One row per configuration in the fit (`FIT_AFTER`), in the argument order of the fit."""
 
     num_nodes: npt.NDArray[np.int64]
     num_replicas: npt.NDArray[np.int64]
@@ -343,8 +351,8 @@ class Profiler:
 
     ``refit_every``: :meth:`perf_params` refits once this many optimiser steps have
     been recorded since the last fit (starting from the last fit), or as soon as a
-    configuration has its first optimiser step (from scratch); otherwise it returns
-    the cached fit. The other fields are state.
+    configuration enters the fit with its `FIT_AFTER`-th optimiser step (from
+    scratch); otherwise it returns the cached fit. The other fields are state.
     """
 
     refit_every: int = attrs.field(default=16, converter=_refit_every)
@@ -426,7 +434,8 @@ class Profiler:
         return None if row is None or row.empty() else row.timing()
 
     def observations(self) -> Observations:
-        """Mean times of every configuration that has an optimiser step, sorted by key.
+        """Mean times of every configuration that holds `FIT_AFTER` optimiser steps,
+        sorted by key.
 
         See :meth:`ConfigTiming.accum_step_time` for configurations that never
         accumulated.
@@ -435,6 +444,8 @@ class Profiler:
         timings = self.timings
         for key in sorted(timings):
             timing = timings[key]
+            if timing.optim.count < FIT_AFTER:
+                continue
             optim = timing.optim_step_time()
             accum = timing.accum_step_time()
             if optim is not None and accum is not None:
@@ -460,16 +471,17 @@ class Profiler:
 
     @property
     def max_profiled_replicas(self) -> int:
-        """The most replicas of any configuration with an optimiser step (0 if none)."""
-        return max((k[1] for k, row in self._sums.items() if row.o_count), default=0)
+        """The most replicas of any configuration in the fit (`FIT_AFTER`; 0 if none)."""
+        return max((k[1] for k, row in self._sums.items() if row.o_count >= FIT_AFTER), default=0)
 
     @property
     def max_profiled_nodes(self) -> int:
-        """The most nodes of any configuration with an optimiser step (0 if none)."""
-        return max((k[0] for k, row in self._sums.items() if row.o_count), default=0)
+        """The most nodes of any configuration in the fit (`FIT_AFTER`; 0 if none)."""
+        return max((k[0] for k, row in self._sums.items() if row.o_count >= FIT_AFTER), default=0)
 
     def perf_params(self) -> PerfParams | None:
-        """The fitted throughput model, refitted if due; None before any optimiser step."""
+        """The fitted throughput model, refitted if due; None before a configuration
+        holds `FIT_AFTER` optimiser steps."""
         due = (
             self.last_fit is None
             or self.new_config_since_fit
@@ -478,7 +490,9 @@ class Profiler:
         if due:
             obs = self.observations()
             if obs.num_nodes.shape[0] == 0:
-                return None
+                # Nothing in the fit: none yet, or the only configuration's level moved
+                # and it is re-entering (`FIT_AFTER`); the last fit stands until then.
+                return self.last_fit
             # A new configuration can change which parameters the data identify, so
             # it gets a full fit; new steps of known ones only refine the last fit.
             warm = self.last_fit if not self.new_config_since_fit else None
@@ -491,7 +505,7 @@ class Profiler:
     def optimistic_fit(self) -> tuple[PerfParams, int] | None:
         """While the fit rests on one atomic batch size: the fit with its compute time
         constant in the batch size, and that size; None once it has seen two (or
-        before any optimiser step).
+        before the fit has any, `observations`).
 
         From one size the fit cannot tell a step's fixed cost from its per-sample
         cost; it takes half of each (`fit_perf_params`). This model takes all of it as
@@ -515,7 +529,8 @@ class Profiler:
     def goodput_fn(
         self, grad_params: GradParams | None, init_batch_size: int
     ) -> GoodputFunction | None:
-        """The job's goodput model, or None before any optimiser step was recorded.
+        """The job's goodput model, or None before the throughput fit has a configuration
+        (`perf_params`).
 
         Without ``grad_params`` (no gradient statistics yet) the model assumes no
         gradient noise, so a batch larger than ``init_batch_size`` brings no gain:

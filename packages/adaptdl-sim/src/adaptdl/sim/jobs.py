@@ -25,7 +25,7 @@ from adaptdl.core.batchsize import (
 )
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.hints import hints
-from adaptdl.core.profiler import Profiler
+from adaptdl.core.profiler import FIT_AFTER, Profiler
 from adaptdl.sim.apps import ApplicationModel, Placement, normalize_placement
 from adaptdl.sim.workload import JobSpec
 
@@ -95,7 +95,8 @@ class JobGoodput:
         optim_time: float,
         sync_time: float = 0.0,
     ) -> None:
-        """Profile one accumulation micro-batch and one optimiser step of a configuration."""
+        """Profile one accumulation micro-batch and the optimiser steps a configuration
+        needs to enter the fit (`FIT_AFTER`, all at the modelled time)."""
         bucket = round(math.log(atomic_bsz) / math.log(_BSZ_BUCKET))
         key = (num_nodes, num_replicas, bucket)
         if key in self._buckets:
@@ -103,14 +104,17 @@ class JobGoodput:
         self._buckets.add(key)
         p = self.profiler
         p.record(num_nodes, num_replicas, atomic_bsz, accum_step=True, step_time=accum_time)
-        p.record(
-            num_nodes,
-            num_replicas,
-            atomic_bsz,
-            accum_step=False,
-            step_time=optim_time,
-            sync_time=sync_time,
-        )
+        # The modelled times are steady steps; as many as a configuration needs to enter
+        # the fit (a real job's first few could hold a spike; these cannot).
+        for _ in range(FIT_AFTER):
+            p.record(
+                num_nodes,
+                num_replicas,
+                atomic_bsz,
+                accum_step=False,
+                step_time=optim_time,
+                sync_time=sync_time,
+            )
 
     @property
     def perf_params(self) -> PerfParams | None:
@@ -380,8 +384,8 @@ class SimJob:
             self.history.append((time, gpus, self.batch_size, accum))
 
     def _measure(self, nnodes: int, gpus: int, atomic: int) -> None:
-        # What the job's profiler measures: one compute-only micro-batch (the step
-        # less its synchronisation) and one optimiser step.
+        # What the job's profiler measures: a compute-only micro-batch (the step less
+        # its synchronisation) and optimiser steps (`JobGoodput.record`).
         step, sync = self.app.step_time(self.placement, atomic)
         self.goodput.record(nnodes, gpus, atomic, max(step - sync, 1e-6), step, sync)
 
