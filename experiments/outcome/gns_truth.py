@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-#: The run: the shapes problem of `time_to_target`, truth every ``every`` samples.
+#: The run: the shapes problem of `time_to_target` as first calibrated (`SHORT`: pixel
+#: noise 0.5, RESULTS.md item 4, sixth follow-up), truth every ``every`` samples.
 DEFAULT: dict[str, Any] = {
     "train_size": 65536,
     "noise": 0.5,
