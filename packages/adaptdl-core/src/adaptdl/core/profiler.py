@@ -67,7 +67,7 @@ SPIKE_AFTER = 4
 # first steps can be most of its mean. Measured on the Dyck transformer: an evaluation
 # (~0.1 s) among the first two steps at a new size made them read 57 ms against a
 # steady 12; the decision at the next pass start, 0.1 s later, fitted them, rated every
-# larger size slow, shrank 76 -> 20 and stayed there 25 s (its target took 55 CPU s
+# larger size slow, shrank 76 -> 20 and stayed there ~27 CPU s (its target took 55 CPU s
 # against 28-36 on the other seeds). Until then the decision reads the fit without it.
 FIT_AFTER = SPIKE_AFTER
 
