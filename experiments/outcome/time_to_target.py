@@ -249,11 +249,7 @@ def check_one_calibration(runs: Sequence[dict[str, Any]]) -> None:
     Times to target on different data or schedules do not compare (`SHORT` against
     `PROBLEMS`, for instance), whatever target they are read at.
     """
-    seen = {tuple((key, r["config"].get(key)) for key in CALIBRATION_KEYS) for r in runs}
-    if len(seen) > 1:
-        raise ValueError(
-            f"runs were made on different calibrations of the problem: {sorted(seen, key=repr)}"
-        )
+    _shared(runs, CALIBRATION_KEYS, "on different calibrations of the problem")
 
 
 #: The configuration keys that name a run's target.
@@ -266,15 +262,23 @@ def own_target(runs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
     Raises ValueError when they were run to different targets: their times to target
     do not compare until `retarget` reads them off at one.
     """
-    owns = {
-        tuple((key, r["config"][key]) for key in TARGET_KEYS if key in r["config"]) for r in runs
-    }
-    if len(owns) > 1:
-        raise ValueError(
-            f"runs were made to different targets {sorted(owns, key=repr)}; give one to "
-            "read them at (--retarget-accuracy, --retarget-excess or --auto-targets)"
-        )
-    return dict(owns.pop()) if owns else None
+    return _shared(
+        runs,
+        TARGET_KEYS,
+        "to different targets",
+        "; give one to read them at (--retarget-accuracy, --retarget-excess or --auto-targets)",
+    )
+
+
+def _shared(
+    runs: Sequence[dict[str, Any]], keys: Sequence[str], what: str, hint: str = ""
+) -> dict[str, Any] | None:
+    """The values of ``keys`` (those a run's configuration has) that every run shares;
+    None without runs; ValueError ("runs were made ``what``: ...``hint``") otherwise."""
+    seen = {tuple((key, r["config"][key]) for key in keys if key in r["config"]) for r in runs}
+    if len(seen) > 1:
+        raise ValueError(f"runs were made {what}: {sorted(seen, key=repr)}{hint}")
+    return dict(seen.pop()) if seen else None
 
 
 #: Grids the targets are rounded to: half a point of accuracy, 0.0005 nats of loss.
@@ -704,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for problem in args.problems.split(","):
         short = SHORT[problem] if args.short else {}
         target: dict[str, float] | None = {
-            key: value for key, value in short.items() if key.startswith("target_")
+            key: short[key] for key in TARGET_KEYS if key in short
         } or None
         if args.from_log is not None:
             runs = [r for r in logged if r["problem"] == problem]

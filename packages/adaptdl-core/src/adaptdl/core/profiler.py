@@ -441,11 +441,8 @@ class Profiler:
         accumulated.
         """
         rows = []
-        timings = self.timings
-        for key in sorted(timings):
-            timing = timings[key]
-            if timing.optim.count < FIT_AFTER:
-                continue
+        for key in self._fitted_keys():
+            timing = self._sums[key].timing()
             optim = timing.optim_step_time()
             accum = timing.accum_step_time()
             if optim is not None and accum is not None:
@@ -469,15 +466,19 @@ class Profiler:
         holds `SPIKE_AFTER` records. Not state: a restored profiler counts from 0."""
         return sum(row.spikes for row in self._sums.values())
 
+    def _fitted_keys(self) -> list[Key]:
+        """The configurations in the fit, those holding `FIT_AFTER` optimiser steps, sorted."""
+        return sorted(key for key, row in self._sums.items() if row.o_count >= FIT_AFTER)
+
     @property
     def max_profiled_replicas(self) -> int:
         """The most replicas of any configuration in the fit (`FIT_AFTER`; 0 if none)."""
-        return max((k[1] for k, row in self._sums.items() if row.o_count >= FIT_AFTER), default=0)
+        return max((key[1] for key in self._fitted_keys()), default=0)
 
     @property
     def max_profiled_nodes(self) -> int:
         """The most nodes of any configuration in the fit (`FIT_AFTER`; 0 if none)."""
-        return max((k[0] for k, row in self._sums.items() if row.o_count >= FIT_AFTER), default=0)
+        return max((key[0] for key in self._fitted_keys()), default=0)
 
     def perf_params(self) -> PerfParams | None:
         """The fitted throughput model, refitted if due; None before a configuration
