@@ -283,15 +283,84 @@ class DecisionLog:
 
 
 def classifier_eval(model: Any, x: Any, y: Any) -> tuple[float, float]:
-    """(cross-entropy, accuracy) of ``model`` on inputs ``x`` and labels ``y``."""
+    """(cross-entropy, accuracy) of ``model`` on inputs ``x`` and labels ``y``.
+
+    Under a process group each replica evaluates every ``world``-th sample and the sums
+    are all-reduced: every replica returns the whole set's figures, in half the time on
+    two replicas (the evaluation is wall time the runs do not count as training).
+    """
     import torch.nn.functional as F
 
     import torch
 
     with torch.no_grad():
-        logits = model(x)
-        loss = float(F.cross_entropy(logits, y))
-        return loss, float((logits.argmax(1) == y).float().mean())
+        rows = _my_rows(len(y))
+        logits = model(x[rows])
+        loss = F.cross_entropy(logits, y[rows], reduction="sum")
+        correct = (logits.argmax(1) == y[rows]).sum()
+        return _whole_set_means([float(loss), float(correct)], len(y))
+
+
+def lm_eval(model: Any, tokens: Any) -> tuple[float, float]:
+    """(cross-entropy, accuracy) of language model ``model`` predicting each next token
+    of the sequences ``tokens``, averaged over every such token; shared out over the
+    replicas as `classifier_eval` is."""
+    import torch.nn.functional as F
+
+    import torch
+
+    with torch.no_grad():
+        mine = tokens[_my_rows(len(tokens))]
+        logits = model(mine[:, :-1])
+        logits = logits.reshape(-1, logits.shape[-1])
+        nexts = mine[:, 1:].reshape(-1)
+        loss = F.cross_entropy(logits, nexts, reduction="sum")
+        correct = (logits.argmax(1) == nexts).sum()
+        return _whole_set_means([float(loss), float(correct)], tokens[:, 1:].numel())
+
+
+def _my_rows(n: int) -> slice:
+    """This replica's share of ``n`` evaluation rows: every ``world``-th from its rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return slice(0, n)
+    return slice(dist.get_rank(), n, dist.get_world_size())
+
+
+def _whole_set_means(sums: list[float], n: int) -> tuple[float, float]:
+    """The two means over all ``n`` rows from each replica's ``sums`` of its share."""
+    import torch.distributed as dist
+
+    import torch
+
+    total = torch.tensor(sums, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total[0]) / n, float(total[1]) / n
+
+
+def shapes_data(cfg: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """Training images and labels, validation images and labels of the shapes problem.
+
+    With ``data_seed`` None the run's ``seed`` draws the data. Otherwise every seed
+    trains on the draw of ``data_seed``, and the seed varies, besides the
+    initialisation, where each training image sits in the dataset, so the order the
+    loader visits them in (its shuffle is seeded alike in every run).
+    """
+    import numpy as np
+    from experiments.outcome import problems
+
+    n, data_seed = cfg["train_size"], cfg.get("data_seed")
+    x, y = problems.shapes(
+        n + cfg["val_size"],
+        noise=cfg["noise"],
+        seed=cfg["seed"] if data_seed is None else data_seed,
+    )
+    order = np.arange(n)
+    if data_seed is not None:
+        order = np.random.default_rng([data_seed, cfg["seed"]]).permutation(n)
+    return x[order], y[order], x[n:], y[n:]
 
 
 def shapes_cnn() -> Any:
@@ -350,9 +419,7 @@ def worker() -> None:
     torch.manual_seed(cfg["seed"])
     n, n_val = cfg["train_size"], cfg["val_size"]
     if cfg["problem"] == "shapes":
-        x_np, y_np = problems.shapes(n + n_val, noise=cfg["noise"], seed=cfg["seed"])
-        x, y = torch.from_numpy(x_np[:n]), torch.from_numpy(y_np[:n])
-        xv, yv = torch.from_numpy(x_np[n:]), torch.from_numpy(y_np[n:])
+        x, y, xv, yv = (torch.from_numpy(a) for a in shapes_data(cfg))
         model = shapes_cnn()
 
         def batch_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
@@ -375,18 +442,13 @@ def worker() -> None:
         vocab = 2 * k + 1
         model = dyck_lm(vocab, length, cfg["d_model"], cfg["layers"])
 
-        def lm_loss(net: Any, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = net(batch[:, :-1]).reshape(-1, vocab - 1)
-            return logits, F.cross_entropy(logits, batch[:, 1:].reshape(-1))
-
         def batch_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
-            return lm_loss(net, train_tok[idx])[1]
+            batch = train_tok[idx]
+            logits = net(batch[:, :-1]).reshape(-1, vocab - 1)
+            return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
 
         def evaluate() -> tuple[float, float]:
-            with torch.no_grad():
-                logits, loss = lm_loss(model, val_tok)
-                acc = (logits.argmax(1) == val_tok[:, 1:].reshape(-1)).float().mean()
-                return float(loss), float(acc)
+            return lm_eval(model, val_tok)
 
     else:
         raise ValueError(f"problem must be 'shapes' or 'dyck', got {cfg['problem']!r}")

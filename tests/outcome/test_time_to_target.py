@@ -26,6 +26,23 @@ def test_shapes_are_deterministic_balanced_and_noisy() -> None:
     assert not np.array_equal(problems.shapes(10, seed=4)[0], problems.shapes(10, seed=5)[0])
 
 
+def test_one_draw_for_every_seed_varies_only_the_order() -> None:
+    from experiments.outcome.trainer import shapes_data
+
+    cfg = {"train_size": 300, "val_size": 50, "noise": 0.4, "data_seed": 7}
+    a, b = (shapes_data({**cfg, "seed": seed}) for seed in (0, 1))
+    assert np.array_equal(a[2], b[2]) and np.array_equal(a[3], b[3])  # validation
+    assert not np.array_equal(a[0], b[0])  # another order ...
+    # ... of the same images, each with its label
+    key = [np.lexsort(run[0].reshape(300, -1).T) for run in (a, b)]
+    assert np.array_equal(a[0][key[0]], b[0][key[1]])
+    assert np.array_equal(a[1][key[0]], b[1][key[1]])
+    # A draw per seed: the data differ, and seed 7 draws what data_seed 7 did.
+    own = [shapes_data({**cfg, "data_seed": None, "seed": seed}) for seed in (1, 7)]
+    assert not np.array_equal(own[0][2], a[2])
+    assert np.array_equal(own[1][2], a[2])
+
+
 @settings(max_examples=20, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 8), st.integers(0, 1000))
 def test_dyck_sequences_are_well_nested_and_their_floor_is_the_entropy(
@@ -77,6 +94,34 @@ def test_summary_takes_medians_and_ratios_over_seeds() -> None:
     assert summary["cpu_ratio_initial"] == pytest.approx(65 / 12)
     assert summary["wall_ratio_best"] == pytest.approx(44 / 24)
     assert "12.0 [10.0, 30.0]" in time_to_target.table("dyck", summary)
+
+
+def test_pairs_by_seed_count_wins_and_bound_the_medians_ratio() -> None:
+    adaptive = (10.0, 12.0, 30.0, 11.0, 9.0, 14.0)
+    fixed = (20.0, 25.0, 22.0, 21.0, 18.0, 26.0)
+    results = [_result("adaptive", k, t) for k, t in enumerate(adaptive)]
+    results += [_result("fixed 64", k, t) for k, t in enumerate(fixed)]
+    results.append(_result("fixed 64", 9, 5.0))  # a seed without an adaptive run: left out
+    pair = time_to_target.paired(results, "fixed 64", "adaptive")
+    assert pair["seeds"] == [0, 1, 2, 3, 4, 5]
+    assert pair["ratios"] == pytest.approx([f / a for f, a in zip(fixed, adaptive, strict=True)])
+    assert pair["wins"] == 5  # seed 2 is the fixed size's
+    low, high = pair["interval"]
+    assert low <= np.median(fixed) / np.median(adaptive) <= high
+    assert low < high
+    # The same inputs give the same interval (a seeded resampling).
+    assert time_to_target.paired(results, "fixed 64", "adaptive")["interval"] == [low, high]
+    # Under 3 seeds, no interval.
+    assert (
+        time_to_target.paired(results[:2] + results[6:8], "fixed 64", "adaptive")["interval"]
+        is None
+    )
+    summary = time_to_target.summarise(results)
+    assert summary["paired_best"]["wins"] == 5
+    assert summary["paired_initial"] is None  # no fixed 16 here
+    assert "adaptive faster on 5 of 6; 90% bootstrap interval" in time_to_target.table(
+        "dyck", summary
+    )
 
 
 def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
@@ -167,6 +212,13 @@ def test_runs_summarise_together_only_at_one_target_and_one_calibration() -> Non
     longer = {**run, "config": {**run["config"], "progress_epochs": 8}}
     with pytest.raises(ValueError, match="different calibrations"):
         time_to_target.check_one_calibration([run, longer])
+    # One data draw for every seed is another calibration than a draw per seed; a run
+    # logged before `data_seed` existed drew its own (the same as None).
+    one_draw = {**run, "config": {**run["config"], "data_seed": 0}}
+    per_seed = {**run, "config": {**run["config"], "data_seed": None}}
+    time_to_target.check_one_calibration([run, per_seed])
+    with pytest.raises(ValueError, match="different calibrations"):
+        time_to_target.check_one_calibration([run, one_draw])
 
 
 def test_from_log_refuses_runs_of_two_calibrations(tmp_path: Path, capsys: Any) -> None:
@@ -194,6 +246,7 @@ def test_short_is_the_first_calibration() -> None:
         assert cfg["train_size"] == (65536 if problem == "shapes" else 16384)
         if problem == "shapes":
             assert (cfg["noise"], cfg["progress_epochs"], cfg["target_accuracy"]) == (0.5, 3, 0.75)
+            assert cfg["data_seed"] is None  # a draw per seed
             assert (cfg["val_size"], cfg["eval_every_samples"]) == (2048, 4096)
         else:
             assert (cfg["progress_epochs"], cfg["target_excess"]) == (8, 0.001)
@@ -283,3 +336,16 @@ def test_preconditioned_is_refused_for_a_problem_without_adamscale(
     with pytest.raises(SystemExit):
         time_to_target.main(["--problems", "shapes", "--preconditioned", "--out", str(tmp_path)])
     assert "not ['shapes']" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_evaluations_shared_over_replicas_are_the_whole_sets() -> None:
+    """Each replica evaluates its share and the sums are all-reduced: the figures every
+    replica gets are the whole validation set's, also when the shares are unequal."""
+    from experiments.outcome._common import launch
+
+    result = launch("tests.outcome.eval_worker", 2, {"images": 1001, "sequences": 301})
+    assert result["world"] == 2
+    for model in ("cnn", "lm"):
+        assert result["shared"][model] == pytest.approx(result["whole"][model], rel=1e-5)
