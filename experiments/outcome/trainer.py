@@ -286,8 +286,8 @@ def classifier_eval(model: Any, x: Any, y: Any) -> tuple[float, float]:
     """(cross-entropy, accuracy) of ``model`` on inputs ``x`` and labels ``y``.
 
     Under a process group each replica evaluates every ``world``-th sample and the sums
-    are all-reduced: every replica returns the whole set's figures, in half the time on
-    two replicas (the evaluation is wall time the runs do not count as training).
+    are all-reduced: every replica returns the whole set's figures, each having done
+    its share of the work (evaluation is wall time the runs do not count as training).
     """
     import torch.nn.functional as F
 
