@@ -68,9 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             # Item 4 at one seed and without fixed 32, 512 and 1024 keeps the whole
             # under 20 minutes on 2 cores: none was the best size of either problem on
-            # any seed (RESULTS.md, item 4: 32 on the problems as calibrated now too),
-            # and on dyck 1024 ran to the cap, the longest run. With 32, on the
-            # problems as calibrated now: 1,041 s (17.4 min).
+            # any seed (RESULTS.md, item 4: 32 and 512 in its seventh and eighth
+            # follow-ups too), and on dyck 1024 ran to the cap, the longest run.
             quick4 = ["--seeds", "1", "--sizes", "16,64,128,256"]
             summary[name] = run([*out, *quick4] if name == "time_to_target" else out)
             seconds[name] = time.perf_counter() - start

@@ -245,6 +245,9 @@ class DecisionLog:
         record: dict[str, Any] = {
             "seconds": time.perf_counter() - self.start,
             "cpu_seconds": time.process_time() - self.start_cpu,
+            # The clocks above count evaluations, a run's time to target does not; the
+            # progress places the decision on the run's own trajectory.
+            "progress": float(self.job.metrics.progress),
             "current": list(query.current) if query.current is not None else None,
             "choice": list(choice),
         }

@@ -100,9 +100,13 @@ def test_pairs_by_seed_count_wins_and_bound_the_medians_ratio() -> None:
     adaptive = (10.0, 12.0, 30.0, 11.0, 9.0, 14.0)
     fixed = (20.0, 25.0, 22.0, 21.0, 18.0, 26.0)
     results = [_result("adaptive", k, t) for k, t in enumerate(adaptive)]
-    results += [_result("fixed 64", k, t) for k, t in enumerate(fixed)]
-    results.append(_result("fixed 64", 9, 5.0))  # a seed without an adaptive run: left out
-    pair = time_to_target.paired(results, "fixed 64", "adaptive")
+    # Another order than the adaptive runs', a seed the adaptive run lacks in the
+    # middle (left out), and a size that ran only some seeds (no candidate).
+    rows = [_result("fixed 64", k, t) for k, t in enumerate(fixed)]
+    results += [*rows[3:], _result("fixed 64", 9, 5.0), *rows[:3]]
+    results += [_result("fixed 32", k, 1.0) for k in (0, 1)]
+    pair = time_to_target.paired(results, ["fixed 32", "fixed 64"], "adaptive")
+    assert pair is not None and pair["label"] == "fixed 64"
     assert pair["seeds"] == [0, 1, 2, 3, 4, 5]
     assert pair["ratios"] == pytest.approx([f / a for f, a in zip(fixed, adaptive, strict=True)])
     assert pair["wins"] == 5  # seed 2 is the fixed size's
@@ -110,18 +114,46 @@ def test_pairs_by_seed_count_wins_and_bound_the_medians_ratio() -> None:
     assert low <= np.median(fixed) / np.median(adaptive) <= high
     assert low < high
     # The same inputs give the same interval (a seeded resampling).
-    assert time_to_target.paired(results, "fixed 64", "adaptive")["interval"] == [low, high]
-    # Under 3 seeds, no interval.
-    assert (
-        time_to_target.paired(results[:2] + results[6:8], "fixed 64", "adaptive")["interval"]
-        is None
-    )
+    again = time_to_target.paired(results, ["fixed 32", "fixed 64"], "adaptive")
+    assert again is not None and again["interval"] == [low, high]
+    # Under 3 seeds, no interval; no size that ran every seed, no pairing.
+    two = [r for r in results if r["seed"] in (0, 1)]
+    assert time_to_target.paired(two, ["fixed 64"], "adaptive")["interval"] is None  # type: ignore[index]
+    assert time_to_target.paired(results, ["fixed 32"], "adaptive") is None
+    # A missed target counts at the run's whole time.
+    missed = [*results, _result("adaptive", 7, None, total=40.0), _result("fixed 64", 7, 20.0)]
+    pair = time_to_target.paired(missed, ["fixed 64"], "adaptive")
+    assert pair is not None and pair["ratios"][-1] == pytest.approx(0.5)
+    # Two runs of one size at one seed are refused, not silently one of them.
+    with pytest.raises(ValueError, match="two runs of 'fixed 64' at seed 0"):
+        time_to_target.paired([*results, _result("fixed 64", 0, 3.0)], ["fixed 64"], "adaptive")
     summary = time_to_target.summarise(results)
     assert summary["paired_best"]["wins"] == 5
     assert summary["paired_initial"] is None  # no fixed 16 here
-    assert "adaptive faster on 5 of 6; 90% bootstrap interval" in time_to_target.table(
-        "dyck", summary
-    )
+    text = time_to_target.table("dyck", summary)
+    assert "(fixed 64) / adaptive (CPU)" in text
+    assert "adaptive faster on 5 of 6; 90% bootstrap interval" in text
+
+
+def test_the_bootstrap_chooses_the_best_size_again_in_each_resample() -> None:
+    # Over 4 seeds, fixed 64 is best in median; fixed 128 wins on the resamples heavy
+    # in seeds 2 and 3. The interval is that of the exhaustive resampling (4^4 equally
+    # likely draws) with the best chosen in each, to within the Monte Carlo's error.
+    adaptive = (10.0, 10.0, 10.0, 10.0)
+    f64, f128 = (8.0, 8.0, 14.0, 14.0), (16.0, 16.0, 6.0, 9.0)
+    results = [_result("adaptive", k, t) for k, t in enumerate(adaptive)]
+    results += [_result("fixed 64", k, t) for k, t in enumerate(f64)]
+    results += [_result("fixed 128", k, t) for k, t in enumerate(f128)]
+    pair = time_to_target.paired(results, ["fixed 64", "fixed 128"], "adaptive")
+    assert pair is not None and pair["label"] == "fixed 64"
+    draws = np.array(np.meshgrid(*[range(4)] * 4)).reshape(4, -1).T
+    ratios = [min(np.median(np.array(f64)[d]), np.median(np.array(f128)[d])) / 10.0 for d in draws]
+    low, high = pair["interval"]
+    assert np.quantile(ratios, 0.03) <= low <= np.quantile(ratios, 0.07)
+    assert np.quantile(ratios, 0.93) <= high <= np.quantile(ratios, 0.97)
+    # Without choosing again, fixed 64 alone reaches higher.
+    alone = time_to_target.paired(results, ["fixed 64"], "adaptive")
+    assert alone is not None and alone["interval"][1] > high
 
 
 def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
@@ -229,6 +261,23 @@ def test_from_log_refuses_runs_of_two_calibrations(tmp_path: Path, capsys: Any) 
     with pytest.raises(SystemExit):
         time_to_target.main(["--from-log", str(log), "--problems", "dyck", "--out", str(tmp_path)])
     assert "different calibrations" in capsys.readouterr().err
+
+
+def test_progress_epochs_overrides_the_cap_of_every_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def fake_run(problem: str, seeds: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        seen.append(kwargs["overrides"])
+        return []
+
+    monkeypatch.setattr(time_to_target, "run", fake_run)
+    monkeypatch.setattr(time_to_target, "plot", lambda *args: None)
+    time_to_target.main(["--problems", "shapes", "--progress-epochs", "8", "--out", str(tmp_path)])
+    assert seen == [{"progress_epochs": 8}]
+    cfg = time_to_target.configs("shapes", 0, kinds="fixed", sizes=[128], overrides=seen[0])[0]
+    assert cfg["progress_epochs"] == 8 and cfg["data_seed"] == 0
 
 
 def test_short_only_selects_what_to_run(tmp_path: Path, capsys: Any) -> None:
@@ -349,3 +398,30 @@ def test_evaluations_shared_over_replicas_are_the_whole_sets() -> None:
     assert result["world"] == 2
     for model in ("cnn", "lm"):
         assert result["shared"][model] == pytest.approx(result["whole"][model], rel=1e-5)
+
+
+def test_the_decision_at_target_is_placed_by_progress_or_by_the_batch_in_use() -> None:
+    def decision(seconds: float, local: int, progress: float | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"seconds": seconds, "choice": [local, 0], "candidates": [[16, 1, 1]]}
+        if progress is not None:
+            d["progress"] = progress
+        return d
+
+    # Evaluations put the decision clock ahead of the training clock: the decision to
+    # 64 came at 5.0 s of training (clock 6.5), the target at 5.5 s with 64 in use.
+    steps = [[p, 16 if p < 50 else 64, 8, 0, 1, 1, 1, 1, 0.0] for p in range(1, 61)]
+    run = {
+        "label": "adaptive",
+        "replicas": 2,
+        "steps": steps,
+        "reached": {"seconds": 5.5, "progress": 55.0, "steps": 55},
+        "decisions": [decision(1.0, 8), decision(6.5, 32), decision(9.0, 64)],
+    }
+    assert time_to_target.decision_at_target(run) is run["decisions"][1]
+    # With the progress logged, it decides; a later decision is left out.
+    logged = [decision(1.0, 8, 0.0), decision(6.5, 32, 49.0), decision(6.6, 32, 56.0)]
+    assert time_to_target.decision_at_target({**run, "decisions": logged}) is logged[1]
+    # A run that missed: its last decision; none logged: None.
+    missed = {**run, "reached": None}
+    assert time_to_target.decision_at_target(missed) is run["decisions"][-1]
+    assert time_to_target.decision_at_target({**run, "decisions": []}) is None
