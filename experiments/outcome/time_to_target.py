@@ -499,9 +499,10 @@ def decision_at_target(run: dict[str, Any]) -> dict[str, Any] | None:
 
     Decisions logged with the job's progress are placed by it. Older logs have only
     the decision clock, which counts evaluations where the time to target does not:
-    there the decision is the first, from the last one the clock places before the
-    target, to choose the total the run trained at when it reached the target. A
-    run that missed gives its last decision; None without decisions.
+    a run that stopped at this target made every decision before it, so its last
+    one is taken; otherwise the last one the clock places before the target (which
+    may be early by the evaluations' time). A run that missed gives its last
+    decision; None without decisions.
     """
     decisions = [d for d in run.get("decisions", []) if "candidates" in d]
     reached = run.get("reached")
@@ -510,17 +511,10 @@ def decision_at_target(run: dict[str, Any]) -> dict[str, Any] | None:
     if all("progress" in d for d in decisions):
         before = [d for d in decisions if d["progress"] <= reached["progress"]]
         return before[-1] if before else decisions[0]
-    replicas = run.get("replicas", 1)
-    start = max(
-        (k for k, d in enumerate(decisions) if d["seconds"] <= reached["seconds"]), default=0
-    )
-    steps = run.get("steps") or []
-    total = int(steps[min(max(reached["steps"], 1), len(steps)) - 1][1]) if steps else None
-    for d in decisions[start:]:
-        local, accum = d["choice"]
-        if local * replicas * (accum + 1) == total:
-            return d
-    return decisions[start]
+    if run.get("config", {}).get("stop_at_target") and reached["samples"] == run.get("samples"):
+        return decisions[-1]
+    before = [d for d in decisions if d["seconds"] <= reached["seconds"]]
+    return before[-1] if before else decisions[0]
 
 
 def model_table(problem: str, rows: Sequence[dict[str, Any]]) -> str:

@@ -144,8 +144,9 @@ def test_the_bootstrap_chooses_the_best_size_again_in_each_resample() -> None:
     results = [_result("adaptive", k, t) for k, t in enumerate(adaptive)]
     results += [_result("fixed 64", k, t) for k, t in enumerate(f64)]
     results += [_result("fixed 128", k, t) for k, t in enumerate(f128)]
-    pair = time_to_target.paired(results, ["fixed 64", "fixed 128"], "adaptive")
+    pair = time_to_target.paired(results, ["fixed 128", "fixed 64"], "adaptive")
     assert pair is not None and pair["label"] == "fixed 64"
+    assert pair["ratios"] == pytest.approx([t / 10.0 for t in f64])
     draws = np.array(np.meshgrid(*[range(4)] * 4)).reshape(4, -1).T
     ratios = [min(np.median(np.array(f64)[d]), np.median(np.array(f128)[d])) / 10.0 for d in draws]
     low, high = pair["interval"]
@@ -321,6 +322,10 @@ def test_one_quick_adaptive_run_trains_and_reports(problem: str) -> None:
     evals = np.asarray(result["evals"])
     # It learns: the validation loss falls.
     assert evals[-1, 3] < evals[0, 3]
+    # Each decision carries the job's progress, which places it on the trajectory.
+    progress = [d["progress"] for d in result["decisions"]]
+    assert progress and progress == sorted(progress)
+    assert progress[-1] <= result["progress"]
 
 
 def test_configs_run_only_the_fixed_sizes_asked_for() -> None:
@@ -400,28 +405,34 @@ def test_evaluations_shared_over_replicas_are_the_whole_sets() -> None:
         assert result["shared"][model] == pytest.approx(result["whole"][model], rel=1e-5)
 
 
-def test_the_decision_at_target_is_placed_by_progress_or_by_the_batch_in_use() -> None:
+def test_the_decision_at_target_is_the_last_one_before_it() -> None:
     def decision(seconds: float, local: int, progress: float | None = None) -> dict[str, Any]:
         d: dict[str, Any] = {"seconds": seconds, "choice": [local, 0], "candidates": [[16, 1, 1]]}
         if progress is not None:
             d["progress"] = progress
         return d
 
-    # Evaluations put the decision clock ahead of the training clock: the decision to
-    # 64 came at 5.0 s of training (clock 6.5), the target at 5.5 s with 64 in use.
-    steps = [[p, 16 if p < 50 else 64, 8, 0, 1, 1, 1, 1, 0.0] for p in range(1, 61)]
+    # Evaluations put the decision clock ahead of the training clock: decisions at
+    # clock 6.5 and 8.0 came before the target, reached at 5.5 s of training.
+    reached = {"seconds": 5.5, "progress": 55.0, "steps": 55, "samples": 3000}
     run = {
         "label": "adaptive",
-        "replicas": 2,
-        "steps": steps,
-        "reached": {"seconds": 5.5, "progress": 55.0, "steps": 55},
-        "decisions": [decision(1.0, 8), decision(6.5, 32), decision(9.0, 64)],
+        "config": {"stop_at_target": True},
+        "samples": 3000,
+        "reached": reached,
+        "decisions": [decision(1.0, 8), decision(6.5, 32), decision(8.0, 32)],
     }
-    assert time_to_target.decision_at_target(run) is run["decisions"][1]
-    # With the progress logged, it decides; a later decision is left out.
-    logged = [decision(1.0, 8, 0.0), decision(6.5, 32, 49.0), decision(6.6, 32, 56.0)]
-    assert time_to_target.decision_at_target({**run, "decisions": logged}) is logged[1]
+    # It stopped there: every decision came before.
+    assert time_to_target.decision_at_target(run) is run["decisions"][-1]
+    # Read at another target than it stopped at, the clock places them (maybe early).
+    onward = {**run, "samples": 9000}
+    assert time_to_target.decision_at_target(onward) is run["decisions"][0]
+    # With the progress logged, it places them: the one at clock 8.0 and progress 52
+    # came before the target, the one at progress 56 after.
+    logged = [decision(1.0, 8, 0.0), decision(6.5, 32, 49.0), decision(8.0, 32, 52.0)]
+    logged.append(decision(8.1, 64, 56.0))
+    for r in (run, onward):
+        assert time_to_target.decision_at_target({**r, "decisions": logged}) is logged[2]
     # A run that missed: its last decision; none logged: None.
-    missed = {**run, "reached": None}
-    assert time_to_target.decision_at_target(missed) is run["decisions"][-1]
+    assert time_to_target.decision_at_target({**run, "reached": None}) is run["decisions"][-1]
     assert time_to_target.decision_at_target({**run, "decisions": []}) is None
