@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from experiments.outcome import problems, time_to_target
+from experiments.outcome import problems, summaries, time_to_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +86,7 @@ def test_summary_takes_medians_and_ratios_over_seeds() -> None:
             _result("fixed 16", seed, f16),
             _result("fixed 64", seed, f64),
         ]
-    summary = time_to_target.summarise(results)
+    summary = summaries.summarise(results)
     rows = {row["label"]: row for row in summary["rows"]}
     assert rows["adaptive"]["cpu_median"] == 12
     assert summary["best_fixed"] == "fixed 64"
@@ -105,7 +105,7 @@ def test_pairs_by_seed_count_wins_and_bound_the_medians_ratio() -> None:
     rows = [_result("fixed 64", k, t) for k, t in enumerate(fixed)]
     results += [*rows[3:], _result("fixed 64", 9, 5.0), *rows[:3]]
     results += [_result("fixed 32", k, 1.0) for k in (0, 1)]
-    pair = time_to_target.paired(results, ["fixed 32", "fixed 64"], "adaptive")
+    pair = summaries.paired(results, ["fixed 32", "fixed 64"], "adaptive")
     assert pair is not None and pair["label"] == "fixed 64"
     assert pair["seeds"] == [0, 1, 2, 3, 4, 5]
     assert pair["ratios"] == pytest.approx([f / a for f, a in zip(fixed, adaptive, strict=True)])
@@ -114,20 +114,20 @@ def test_pairs_by_seed_count_wins_and_bound_the_medians_ratio() -> None:
     assert low <= np.median(fixed) / np.median(adaptive) <= high
     assert low < high
     # The same inputs give the same interval (a seeded resampling).
-    again = time_to_target.paired(results, ["fixed 32", "fixed 64"], "adaptive")
+    again = summaries.paired(results, ["fixed 32", "fixed 64"], "adaptive")
     assert again is not None and again["interval"] == [low, high]
     # Under 3 seeds, no interval; no size that ran every seed, no pairing.
     two = [r for r in results if r["seed"] in (0, 1)]
-    assert time_to_target.paired(two, ["fixed 64"], "adaptive")["interval"] is None  # type: ignore[index]
-    assert time_to_target.paired(results, ["fixed 32"], "adaptive") is None
+    assert summaries.paired(two, ["fixed 64"], "adaptive")["interval"] is None  # type: ignore[index]
+    assert summaries.paired(results, ["fixed 32"], "adaptive") is None
     # A missed target counts at the run's whole time.
     missed = [*results, _result("adaptive", 7, None, total=40.0), _result("fixed 64", 7, 20.0)]
-    pair = time_to_target.paired(missed, ["fixed 64"], "adaptive")
+    pair = summaries.paired(missed, ["fixed 64"], "adaptive")
     assert pair is not None and pair["ratios"][-1] == pytest.approx(0.5)
     # Two runs of one size at one seed are refused, not silently one of them.
     with pytest.raises(ValueError, match="two runs of 'fixed 64' at seed 0"):
-        time_to_target.paired([*results, _result("fixed 64", 0, 3.0)], ["fixed 64"], "adaptive")
-    summary = time_to_target.summarise(results)
+        summaries.paired([*results, _result("fixed 64", 0, 3.0)], ["fixed 64"], "adaptive")
+    summary = summaries.summarise(results)
     assert summary["paired_best"]["wins"] == 5
     assert summary["paired_initial"] is None  # no fixed 16 here
     text = time_to_target.table("dyck", summary)
@@ -144,7 +144,7 @@ def test_the_bootstrap_chooses_the_best_size_again_in_each_resample() -> None:
     results = [_result("adaptive", k, t) for k, t in enumerate(adaptive)]
     results += [_result("fixed 64", k, t) for k, t in enumerate(f64)]
     results += [_result("fixed 128", k, t) for k, t in enumerate(f128)]
-    pair = time_to_target.paired(results, ["fixed 128", "fixed 64"], "adaptive")
+    pair = summaries.paired(results, ["fixed 128", "fixed 64"], "adaptive")
     assert pair is not None and pair["label"] == "fixed 64"
     assert pair["ratios"] == pytest.approx([t / 10.0 for t in f64])
     draws = np.array(np.meshgrid(*[range(4)] * 4)).reshape(4, -1).T
@@ -153,13 +153,13 @@ def test_the_bootstrap_chooses_the_best_size_again_in_each_resample() -> None:
     assert np.quantile(ratios, 0.03) <= low <= np.quantile(ratios, 0.07)
     assert np.quantile(ratios, 0.93) <= high <= np.quantile(ratios, 0.97)
     # Without choosing again, fixed 64 alone reaches higher.
-    alone = time_to_target.paired(results, ["fixed 64"], "adaptive")
+    alone = summaries.paired(results, ["fixed 64"], "adaptive")
     assert alone is not None and alone["interval"][1] > high
 
 
 def test_a_missed_target_counts_its_whole_time_and_voids_the_ratio() -> None:
     results = [_result("adaptive", 0, None, total=90.0), _result("fixed 16", 0, 50.0)]
-    summary = time_to_target.summarise(results)
+    summary = summaries.summarise(results)
     rows = {row["label"]: row for row in summary["rows"]}
     assert rows["adaptive"]["cpu_median"] == 90.0 and rows["adaptive"]["reached"] == 0
     assert summary["cpu_ratio_best"] is None
@@ -170,7 +170,7 @@ def test_a_range_with_misses_holds_the_median_that_counts_them() -> None:
     # Three of six reach (29.5, 32.0, 33.2); three miss after 35, 36, 37 s of training.
     results = [_result("fixed 256", k, t) for k, t in enumerate((29.5, 32.0, 33.2))]
     results += [_result("fixed 256", 3 + k, None, total=t) for k, t in enumerate((35, 36, 37))]
-    summary = time_to_target.summarise(results)
+    summary = summaries.summarise(results)
     row = summary["rows"][0]
     assert row["cpu_median"] == pytest.approx(34.1)
     assert row["cpu_all"] == pytest.approx([29.5, 32.0, 33.2, 35.0, 36.0, 37.0])
@@ -357,7 +357,7 @@ def test_decision_paths_read_totals_and_noise_scales_off_the_log() -> None:
         "seed": 1,
         "decisions": [{"cpu_seconds": 1.0, "choice": [32, 0]}],
     }
-    text = time_to_target.decision_paths([run, fixed])
+    text = summaries.decision_paths([run, fixed])
     assert text.splitlines() == [
         "seed 1: reached in 24.4 CPU s",
         "    0.5: 16 (-/-), 1.0: 24 (inf/22), 2.0: 128 (30/20)",
@@ -376,7 +376,7 @@ def test_phase_table_reads_samples_to_each_level_and_the_implied_noise_scale() -
         run("fixed 64", 0, [0.1, 0.2, 0.6, 0.6, 0.6, 0.8]),  # 3k and 6k: efficiency 0.5
         run("adaptive", 0, [0.6, 0.7]),  # never 80%
     ]
-    text = time_to_target.phase_table(runs, [0.6, 0.8]).splitlines()
+    text = summaries.phase_table(runs, [0.6, 0.8]).splitlines()
     assert text[1] == "| run | 60% | 80% |"
     assert text[3] == "| adaptive | 1 | - |"
     assert text[4] == "| fixed 16 | 2 | 3 |"
@@ -423,16 +423,16 @@ def test_the_decision_at_target_is_the_last_one_before_it() -> None:
         "decisions": [decision(1.0, 8), decision(6.5, 32), decision(8.0, 32)],
     }
     # It stopped there: every decision came before.
-    assert time_to_target.decision_at_target(run) is run["decisions"][-1]
+    assert summaries.decision_at_target(run) is run["decisions"][-1]
     # Read at another target than it stopped at, the clock places them (maybe early).
     onward = {**run, "samples": 9000}
-    assert time_to_target.decision_at_target(onward) is run["decisions"][0]
+    assert summaries.decision_at_target(onward) is run["decisions"][0]
     # With the progress logged, it places them: the one at clock 8.0 and progress 52
     # came before the target, the one at progress 56 after.
     logged = [decision(1.0, 8, 0.0), decision(6.5, 32, 49.0), decision(8.0, 32, 52.0)]
     logged.append(decision(8.1, 64, 56.0))
     for r in (run, onward):
-        assert time_to_target.decision_at_target({**r, "decisions": logged}) is logged[2]
+        assert summaries.decision_at_target({**r, "decisions": logged}) is logged[2]
     # A run that missed: its last decision; none logged: None.
-    assert time_to_target.decision_at_target({**run, "reached": None}) is run["decisions"][-1]
-    assert time_to_target.decision_at_target({**run, "decisions": []}) is None
+    assert summaries.decision_at_target({**run, "reached": None}) is run["decisions"][-1]
+    assert summaries.decision_at_target({**run, "decisions": []}) is None
