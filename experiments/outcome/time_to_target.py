@@ -398,6 +398,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="the gradient-noise estimator's smoothing instead of its default (a sweep)",
     )
     parser.add_argument(
+        "--signal-memory",
+        type=float,
+        help="the prototype estimator whose |G|^2 is the step's gradient times the "
+        "average of the earlier ones with this memory (signal_persistence)",
+    )
+    parser.add_argument(
         "--short",
         action="store_true",
         help="the first calibration of the problems (`SHORT`), as RESULTS.md's earlier runs",
@@ -517,7 +523,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     else {}
                 )
                 | ({"preconditioned": True} if args.preconditioned else {})
-                | ({"smoothing": args.smoothing} if args.smoothing is not None else {}),
+                | ({"smoothing": args.smoothing} if args.smoothing is not None else {})
+                | (
+                    {"signal_memory": args.signal_memory} if args.signal_memory is not None else {}
+                ),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs

@@ -90,6 +90,13 @@ def train(
         from adaptdl.core.gns import GradientNoiseScale
 
         job.metrics.gns = GradientNoiseScale(init_batch_size=b0, smoothing=cfg["smoothing"])
+    memory = None
+    if cfg.get("signal_memory") is not None:
+        # `time_to_target --signal-memory`: the prototype persistent-signal estimator.
+        from experiments.outcome.signal_persistence import GradientMemory, PersistentSignalScale
+
+        job.metrics.gns = PersistentSignalScale(init_batch_size=b0)
+        memory = GradientMemory(cfg["signal_memory"])
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
     if cfg.get("autoscale"):
@@ -146,6 +153,8 @@ def train(
             fraction = min(adp.progress / target, 1.0)
             for group in optimizer.param_groups:
                 group["lr"] = cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * fraction))
+            if memory is not None:
+                job.metrics.gns.pending.append(memory.product(list(model.parameters())))
             optimizer.step()
             if not math.isfinite(float(loss)):
                 diverged = True
@@ -210,6 +219,7 @@ def train(
                 "diverged": diverged,
                 "noise_scale": gns.noise_scale if gns is not None else None,
                 "smoothing": gns.smoothing if gns is not None else None,
+                "estimator": type(gns).__name__,
                 # Per decision of an adaptive run: what the model predicted (DecisionLog).
                 "decisions": getattr(job.batch_size_decision, "records", []),
                 # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).

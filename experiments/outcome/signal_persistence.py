@@ -1,0 +1,329 @@
+"""How much of the shapes CNN's gradient persists from step to step, at the initial batch.
+
+Why. The goodput model's efficiency rates a batch of ``M`` samples by the simple
+noise scale ``B = tr(Sigma) / |G|^2``; on shapes (RESULTS.md item 4, eighth
+follow-up) the fixed sweep's efficiencies imply a noise scale two to four times
+what the estimator reads (about 70-125 against 24-43 early, 350-460 against
+150-320 near the target), so the adaptive run stays below the best fixed size.
+`gns_truth` found the estimator right about the simple noise scale itself (its
+time average) and the exact |G|^2 spiking from step to step under momentum 0.9:
+part of the gradient flips sign as the iterate crosses a valley, which makes no
+progress, yet counts in |G|^2 as signal. This measures that part.
+
+How. One process trains the CNN as `time_to_target`'s shapes problem does (the one
+data draw, SGD with momentum 0.9 at learning rate 0.01 on the cosine schedule over
+12 epochs; at the initial batch the gain is 1, so progress is steps) at 16 samples
+a step as two micro-batches of 8, what two replicas hand the estimator. Per step
+it records the two-micro-batch estimates of |G|^2 and tr(Sigma) (McCandlish et
+al.'s, as core's `GradientNoiseScale` takes them) and, for each lag ``k``, the
+product ``g_t . g_{t-k}`` of the step's mean gradient with the one ``k`` steps
+before: independent draws, so an unbiased estimate of ``G_t . G_{t-k}`` with no
+noise term to subtract. A component that persists counts in it as in |G|^2; one
+that flips sign cancels. Also the product with exponential averages of the past
+mean gradients (``g_t . e_{t-1}``, ``e`` normalised to weights summing to 1; at
+the momentum's 0.9 it is the direction the optimiser's buffer holds). Training
+stops at the target accuracy, evaluated every 8,192 samples.
+
+`summarise` splits the run at accuracy levels and gives per phase, as ratios of
+means, the noise scale that each signal statistic implies with the same
+tr(Sigma): the simple one and the persistent ones.
+
+    python -m experiments.outcome.signal_persistence --seeds 0,1,2 --out out/persist
+    python -m experiments.outcome.signal_persistence --from-log out/persist/seed0.json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from adaptdl.core.gns import GradientNoiseScale, step_estimates
+
+LAGS = (1, 2, 4, 8, 16, 32, 64)
+AVERAGES = (0.5, 0.9, 0.99)
+#: The levels the phases end at: shapes' accuracy, dyck's loss above the optimum (negated).
+LEVELS = {"shapes": (0.5, 0.7, 0.8, 0.85, 0.86), "dyck": (-0.1, -0.03, -0.01, -0.003, -0.001)}
+
+
+def _problem(name: str, seed: int) -> dict[str, Any]:
+    """The model, loss, evaluation and settings of ``name`` as `time_to_target` runs it."""
+    import torch.nn.functional as F
+    from experiments.outcome import problems
+    from experiments.outcome.time_to_target import PROBLEMS
+    from experiments.outcome.trainer import (
+        classifier_eval,
+        dyck_lm,
+        lm_eval,
+        shapes_cnn,
+        shapes_data,
+    )
+
+    import torch
+
+    cfg = {**PROBLEMS[name], "seed": seed}
+    torch.manual_seed(seed)
+    if name == "shapes":
+        x, y, xv, yv = (torch.from_numpy(a) for a in shapes_data(cfg))
+        model = shapes_cnn()
+
+        def loss(idx: Any) -> Any:
+            return F.cross_entropy(model(x[idx]), y[idx])
+
+        def metric() -> float:  # accuracy: higher is better
+            return classifier_eval(model, xv, yv)[1]
+
+        return {
+            "cfg": cfg,
+            "model": model,
+            "loss": loss,
+            "metric": metric,
+            "target": cfg["target_accuracy"],
+        }
+    k, length, n = cfg["brackets"], cfg["length"], cfg["train_size"]
+    tok, logp = problems.dyck(
+        n + cfg["val_size"], length=length, k=k, max_depth=cfg["max_depth"], seed=seed
+    )
+    optimal = problems.dyck_optimal_loss(logp[n:])
+    tokens = torch.from_numpy(tok)
+    train, val = tokens[:n], tokens[n:]
+    model = dyck_lm(2 * k + 1, length, cfg["d_model"], cfg["layers"])
+
+    def lm_loss(idx: Any) -> Any:
+        batch = train[idx]
+        logits = model(batch[:, :-1]).reshape(-1, 2 * k)
+        return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
+
+    def excess() -> float:  # negated loss above the optimum: higher is better
+        return -(lm_eval(model, val)[0] - optimal)
+
+    return {
+        "cfg": cfg,
+        "model": model,
+        "loss": lm_loss,
+        "metric": excess,
+        "target": -cfg["target_excess"],
+    }
+
+
+def run(
+    seed: int,
+    problem: str = "shapes",
+    lags: Sequence[int] = LAGS,
+    averages: Sequence[float] = AVERAGES,
+) -> dict[str, Any]:
+    """Train one seed at the initial batch to the target; per step the statistics above."""
+    import torch
+
+    prob = _problem(problem, seed)
+    cfg, model = prob["cfg"], prob["model"]
+    params = list(model.parameters())
+    if cfg["optimizer"] == "adam":
+        opt: Any = torch.optim.Adam(params, lr=cfg["lr"])
+    else:
+        opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"])
+    n, b, count = cfg["train_size"], cfg["init_batch_size"] // 2, 2
+    batch = b * count
+    total_steps = cfg["progress_epochs"] * n / batch
+    order = torch.Generator().manual_seed(seed)
+    history: list[Any] = []  # the last max(lags) mean gradients, newest last
+    ema = [None] * len(averages)
+    ema_weight = [0.0] * len(averages)
+    rows: list[list[float]] = []  # per step: sqr, var, lag products..., average products...
+    evals: list[tuple[int, float]] = []
+    perm, pos, step = torch.randperm(n, generator=order), 0, 0
+    while True:
+        if step * batch % cfg["eval_every_samples"] == 0:
+            value = prob["metric"]()
+            evals.append((step, value))
+            if value >= prob["target"] or step >= total_steps:
+                break
+        if pos + batch > n:
+            perm, pos = torch.randperm(n, generator=order), 0
+        idx = perm[pos : pos + batch]
+        pos += batch
+        grads = []
+        for i in range(count):
+            g = torch.autograd.grad(prob["loss"](idx[i * b : (i + 1) * b]), params)
+            grads.append(torch.cat([t.reshape(-1) for t in g]).double())
+        mean = (grads[0] + grads[1]) / 2
+        m_s = float(grads[0] @ grads[0] + grads[1] @ grads[1]) / count
+        m_b = float(mean @ mean)
+        sqr = (count * m_b - m_s) / (count - 1)
+        var = (m_s - m_b) * b * count / (count - 1)
+        row = [sqr, var]
+        row += [float(mean @ history[-k]) if len(history) >= k else math.nan for k in lags]
+        for j, beta in enumerate(averages):
+            e = ema[j]
+            row.append(float(mean @ e) / ema_weight[j] if e is not None else math.nan)
+            ema[j] = mean.clone() * (1 - beta) if e is None else e * beta + mean * (1 - beta)
+            ema_weight[j] = ema_weight[j] * beta + (1 - beta)
+        rows.append(row)
+        history = [*history[-(max(lags) - 1) :], mean]
+        for group in opt.param_groups:
+            group["lr"] = (
+                cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * min(step / total_steps, 1.0)))
+            )
+        offset = 0
+        for p in params:
+            p.grad = mean[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
+        opt.step()
+        step += 1
+    return {
+        "seed": seed,
+        "problem": problem,
+        "batch": batch,
+        "lags": list(lags),
+        "averages": list(averages),
+        "evals": evals,
+        "rows": rows,
+    }
+
+
+def summarise(
+    runs: Sequence[dict[str, Any]], levels: Sequence[float] | None = None
+) -> list[dict[str, Any]]:
+    """Per phase (between successive ``levels`` of the evaluation, each run split where
+    it first reached them; steps pooled over runs): the noise scales implied."""
+    levels = levels or LEVELS[runs[0].get("problem", "shapes")]
+    names = ["simple"] + [f"lag {k}" for k in runs[0]["lags"]]
+    names += [f"average {a}" for a in runs[0]["averages"]]
+    phases: list[list[np.ndarray]] = [[] for _ in range(len(levels))]
+    for r in runs:
+        rows = np.array(r["rows"], dtype=np.float64)
+        start = 0
+        for k, level in enumerate(levels):
+            end = next((s for s, acc in r["evals"] if acc >= level), len(rows))
+            if end > start:
+                phases[k].append(rows[start:end])
+            start = max(start, end)
+    out = []
+    for level, parts in zip(levels, phases, strict=True):
+        if not parts:
+            continue
+        rows = np.concatenate(parts)
+        var = float(np.mean(rows[:, 1]))
+        signal = [float(np.nanmean(rows[:, 0]))] + [
+            float(np.nanmean(rows[:, 2 + i])) for i in range(len(names) - 1)
+        ]
+        out.append(
+            {
+                "to": level,
+                "steps": len(rows),
+                "var": var,
+                "signal": dict(zip(names, signal, strict=True)),
+                "noise_scale": {
+                    n: (var / s if s > 0 else math.inf) for n, s in zip(names, signal, strict=True)
+                },
+            }
+        )
+    return out
+
+
+def table(phases: Sequence[dict[str, Any]]) -> str:
+    """The implied noise scales, one row per phase."""
+    names = list(phases[0]["noise_scale"])
+    lines = ["| to accuracy | steps | tr(Sigma) | " + " | ".join(names) + " |"]
+    lines.append("|" + "---|" * (3 + len(names)))
+    for p in phases:
+        cells = [f"{p['noise_scale'][n]:.0f}" for n in names]
+        lines.append(
+            f"| {p['to']:.3g} | {p['steps']} | {p['var']:.1f} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+@attrs.define(eq=False)
+class PersistentSignalScale(GradientNoiseScale):
+    """A prototype estimator whose |G|^2 is the product with the past gradients' average.
+
+    For `time_to_target --signal-memory` only: it tries the statistic measured above in
+    the adaptive and fixed runs before core takes it. tr(Sigma) is core's
+    two-micro-batch estimate; |G|^2 is ``g_t . e_{t-1}``, the step's mean gradient
+    with the exponential average of the earlier steps' (`GradientMemory`), which the
+    training loop queues (`pending`) before each optimiser step and `update` takes
+    in order (the step contract folds a step's norms at the next step). A step
+    without a product (the first) keeps core's estimate. One parameter group only.
+    """
+
+    pending: collections.deque[float] = attrs.field(factory=collections.deque)
+
+    def update(self, local_sqr: Any, total_sqr: Any, count: int, batch_size: int) -> None:
+        """`GradientNoiseScale.update` with |G|^2 replaced by the queued product."""
+        if self.num_groups != 1:
+            raise ValueError("PersistentSignalScale takes one parameter group")
+        local = float(np.asarray(local_sqr).reshape(-1)[0])
+        total = float(np.asarray(total_sqr).reshape(-1)[0])
+        sqr, var = step_estimates(local, total, count, batch_size)
+        if self.pending:
+            product = self.pending.popleft()
+            if math.isfinite(product):
+                sqr = product
+        if self.differenced:
+            self._restart()
+        self.differenced = False
+        self._fold((sqr,), (var,), count * batch_size / self.init_batch_size)
+
+
+class GradientMemory:
+    """The exponential average ``e`` of the mean gradients of the steps so far.
+
+    `product` returns ``g . e`` for this step's mean gradient ``g`` (the parameters'
+    ``.grad``, averaged over the replicas) and then folds ``g`` in: ``e_t = beta *
+    e_{t-1} + (1 - beta) * g_t``, normalised by its weights (NaN at the first step).
+    ``beta`` 0 pairs each step with the previous one only.
+    """
+
+    def __init__(self, beta: float) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+        self.beta = beta
+        self.average: Any = None
+        self.weight = 0.0
+
+    def product(self, params: Sequence[Any]) -> float:
+        """``g . e_{t-1}`` for the gradients of ``params``; folds ``g`` into ``e``."""
+        import torch
+
+        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).double()
+        out = math.nan if self.average is None else float(flat @ self.average) / self.weight
+        rest = 1.0 - self.beta
+        self.average = (
+            flat * rest if self.average is None else self.average * self.beta + flat * rest
+        )
+        self.weight = self.weight * self.beta + rest
+        return out
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run seeds (or read saved runs) and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds")
+    parser.add_argument("--problem", default="shapes", choices=sorted(LEVELS))
+    parser.add_argument("--out", type=Path, default=Path("out/persist"))
+    parser.add_argument("--from-log", type=Path, nargs="+", help="summarise these JSON files")
+    args = parser.parse_args(argv)
+    if args.from_log:
+        runs = [json.loads(p.read_text()) for p in args.from_log]
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        runs = []
+        for s in (int(v) for v in args.seeds.split(",")):
+            r = run(s, args.problem)
+            (args.out / f"seed{s}.json").write_text(json.dumps(r))
+            runs.append(r)
+    phases = summarise(runs)
+    print(table(phases))
+    return phases
+
+
+if __name__ == "__main__":
+    main()
