@@ -229,15 +229,22 @@ def summarise(
 
 
 def table(phases: Sequence[dict[str, Any]]) -> str:
-    """The implied noise scales, one row per phase."""
+    """Two tables, one row per phase: the implied noise scales (inf where the signal
+    statistic is at or below 0), and each signal statistic over the same-step |G|^2."""
     names = list(phases[0]["noise_scale"])
-    lines = ["| to accuracy | steps | tr(Sigma) | " + " | ".join(names) + " |"]
+    lines = ["| to | steps | tr(Sigma) | " + " | ".join(names) + " |"]
     lines.append("|" + "---|" * (3 + len(names)))
     for p in phases:
         cells = [f"{p['noise_scale'][n]:.0f}" for n in names]
         lines.append(
             f"| {p['to']:.3g} | {p['steps']} | {p['var']:.1f} | " + " | ".join(cells) + " |"
         )
+    lines += ["", "| to | |G|^2 | " + " | ".join(f"{n} / simple" for n in names[1:]) + " |"]
+    lines.append("|" + "---|" * (1 + len(names)))
+    for p in phases:
+        simple = p["signal"]["simple"]
+        cells = [f"{p['signal'][n] / simple:.2f}" for n in names[1:]]
+        lines.append(f"| {p['to']:.3g} | {simple:.3g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

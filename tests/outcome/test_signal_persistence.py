@@ -114,7 +114,9 @@ def test_summarise_splits_phases_where_the_levels_were_first_reached() -> None:
         {"simple": 5.0, "lag 1": 10.0, "average 0.5": 10.0}
     )
     assert phases[1]["noise_scale"]["lag 1"] == pytest.approx(2.5)
-    assert "| 0.5 | 4 | 10.0 | 5 | 10 | 10 |" in sp.table(phases)
+    text = sp.table(phases)
+    assert "| 0.5 | 4 | 10.0 | 5 | 10 | 10 |" in text
+    assert "| 0.5 | 2 | 0.50 | 0.50 |" in text  # the products over the same-step |G|^2
 
 
 def test_run_records_every_step_until_the_target_on_a_tiny_problem(
