@@ -259,9 +259,18 @@ class PersistentSignalScale(GradientNoiseScale):
     training loop queues (`pending`) before each optimiser step and `update` takes
     in order (the step contract folds a step's norms at the next step). A step
     without a product (the first) keeps core's estimate. One parameter group only.
+
+    ``decision_only`` False: the product replaces |G|^2 everywhere, so the AdaScale
+    gain (the learning rate and the progress) rests on it too. True: the estimator
+    keeps core's statistics for the gain and answers the batch-size decision's
+    questions (`grad_params`, `grad_params_bound`, `resolved`) from a second
+    estimator, ``persistent``, that folds the product in their place: a larger
+    batch's rate then does not feed back into the statistic its size is chosen on.
     """
 
     pending: collections.deque[float] = attrs.field(factory=collections.deque)
+    decision_only: bool = attrs.field(default=False)
+    persistent: GradientNoiseScale | None = attrs.field(default=None)
 
     def update(self, local_sqr: Any, total_sqr: Any, count: int, batch_size: int) -> None:
         """`GradientNoiseScale.update` with |G|^2 replaced by the queued product."""
@@ -270,14 +279,45 @@ class PersistentSignalScale(GradientNoiseScale):
         local = float(np.asarray(local_sqr).reshape(-1)[0])
         total = float(np.asarray(total_sqr).reshape(-1)[0])
         sqr, var = step_estimates(local, total, count, batch_size)
+        signal = sqr
         if self.pending:
             product = self.pending.popleft()
             if math.isfinite(product):
-                sqr = product
+                signal = product
+        scale = count * batch_size / self.init_batch_size
+        if self.decision_only:
+            if self.persistent is None:
+                self.persistent = GradientNoiseScale(
+                    self.init_batch_size, smoothing=self.smoothing
+                )
+            self.persistent._fold((signal,), (var,), scale)
+            super().update(local, total, count, batch_size)
+            return
         if self.differenced:
             self._restart()
         self.differenced = False
-        self._fold((sqr,), (var,), count * batch_size / self.init_batch_size)
+        self._fold((signal,), (var,), scale)
+
+    def _decision(self) -> GradientNoiseScale:
+        if self.decision_only and self.persistent is not None:
+            return self.persistent
+        return self
+
+    def grad_params(self) -> Any:
+        """The decision's statistics (the persistent ones under ``decision_only``)."""
+        source = self._decision()
+        return super().grad_params() if source is self else source.grad_params()
+
+    def grad_params_bound(self, z: float) -> Any:
+        """The decision's lower confidence bound (persistent under ``decision_only``)."""
+        source = self._decision()
+        return super().grad_params_bound(z) if source is self else source.grad_params_bound(z)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the decision's estimate resolves a gradient."""
+        source = self._decision()
+        return self.has_estimate and (source._raw_sqr > 0.0)
 
 
 class GradientMemory:

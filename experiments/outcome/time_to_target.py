@@ -404,6 +404,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "average of the earlier ones with this memory (signal_persistence)",
     )
     parser.add_argument(
+        "--signal-decision-only",
+        action="store_true",
+        help="with --signal-memory: the product steers the batch-size decision only; "
+        "the AdaScale gain keeps core's estimate",
+    )
+    parser.add_argument(
         "--short",
         action="store_true",
         help="the first calibration of the problems (`SHORT`), as RESULTS.md's earlier runs",
@@ -456,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "--short selects the calibration to run; --from-log reads runs as they were made "
             "(give --retarget-accuracy or --retarget-excess to read them at another target)"
         )
+    if args.signal_decision_only and args.signal_memory is None:
+        parser.error("--signal-decision-only needs --signal-memory")
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:
@@ -524,9 +532,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
                 | ({"preconditioned": True} if args.preconditioned else {})
                 | ({"smoothing": args.smoothing} if args.smoothing is not None else {})
-                | (
-                    {"signal_memory": args.signal_memory} if args.signal_memory is not None else {}
-                ),
+                | ({"signal_memory": args.signal_memory} if args.signal_memory is not None else {})
+                | ({"signal_decision_only": True} if args.signal_decision_only else {}),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs

@@ -95,7 +95,9 @@ def train(
         # `time_to_target --signal-memory`: the prototype persistent-signal estimator.
         from experiments.outcome.signal_persistence import GradientMemory, PersistentSignalScale
 
-        job.metrics.gns = PersistentSignalScale(init_batch_size=b0)
+        job.metrics.gns = PersistentSignalScale(
+            init_batch_size=b0, decision_only=cfg.get("signal_decision_only", False)
+        )
         memory = GradientMemory(cfg["signal_memory"])
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
