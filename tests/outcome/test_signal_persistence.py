@@ -134,3 +134,34 @@ def test_run_records_every_step_until_the_target_on_a_tiny_problem(
     assert all(len(r) == 2 + 2 + 1 for r in out["rows"])
     assert math.isnan(out["rows"][0][2]) and math.isnan(out["rows"][1][3])
     assert all(np.isfinite(r[2]) for r in out["rows"][1:])
+
+
+def test_decision_only_keeps_core_statistics_for_the_gain() -> None:
+    plain = GradientNoiseScale(init_batch_size=16)
+    proto = sp.PersistentSignalScale(init_batch_size=16, decision_only=True)
+    proto.pending.extend([math.nan, 0.05, 0.05, 0.05])
+    steps = [(3.0, 1.0), (2.6, 0.9), (2.2, 0.8), (2.4, 0.85)]
+    for local, total in steps:
+        plain.update(local, total, 2, 8)
+        proto.update(local, total, 2, 8)
+    # The gain (and so the rate and the progress) is core's.
+    assert (proto.sqr, proto.var) == pytest.approx((plain.sqr, plain.var), rel=1e-12)
+    assert proto.gain(16.0) == pytest.approx(plain.gain(16.0), rel=1e-12)
+    # The decision reads the products: a smaller |G|^2, the same tr(Sigma).
+    decided, core = proto.grad_params(), plain.grad_params()
+    assert decided is not None and core is not None
+    assert decided.var == pytest.approx(core.var, rel=1e-12)
+    assert decided.sqr < 0.5 * core.sqr
+    bound, core_bound = proto.grad_params_bound(2.0), plain.grad_params_bound(2.0)
+    assert bound is not None and core_bound is not None
+    assert bound.sqr != pytest.approx(core_bound.sqr, rel=1e-3)
+    assert proto.resolved
+
+
+def test_decision_only_is_unresolved_while_the_products_are_negative() -> None:
+    proto = sp.PersistentSignalScale(init_batch_size=16, decision_only=True)
+    proto.pending.extend([-0.5, -0.5])
+    proto.update(3.0, 1.0, 2, 8)
+    proto.update(2.6, 0.9, 2, 8)
+    assert proto.sqr > 0.0  # core's estimate resolves the gradient
+    assert not proto.resolved  # the decision's does not: it grows by its cap only
