@@ -158,7 +158,10 @@ def train(
             if memory is not None:
                 job.metrics.gns.pending.append(memory.product(list(model.parameters())))
             optimizer.step()
-            if not math.isfinite(float(loss)):
+            # Judged on the parameters, the same on every replica after the averaged
+            # step: a rank judging its own loss could stop while the other enters the
+            # next all-reduce and waits there.
+            if not parameters_finite(model):
                 diverged = True
             steps.append(
                 [
@@ -295,6 +298,16 @@ class DecisionLog:
             record["candidates"] = rows
         self.records.append(record)
         return choice  # type: ignore[no-any-return]
+
+
+def parameters_finite(model: Any) -> bool:
+    """Whether every parameter of ``model`` is finite (a NaN or inf anywhere makes its
+    tensor's sum non-finite)."""
+    import torch
+
+    with torch.no_grad():
+        sums = torch.stack([p.detach().sum().double() for p in model.parameters()])
+    return bool(torch.isfinite(sums).all())
 
 
 def classifier_eval(model: Any, x: Any, y: Any) -> tuple[float, float]:

@@ -436,3 +436,19 @@ def test_the_decision_at_target_is_the_last_one_before_it() -> None:
     # A run that missed: its last decision; none logged: None.
     assert summaries.decision_at_target({**run, "reached": None}) is run["decisions"][-1]
     assert summaries.decision_at_target({**run, "decisions": []}) is None
+
+
+def test_parameters_finite_sees_a_nan_or_inf_in_any_parameter() -> None:
+    from experiments.outcome.trainer import parameters_finite
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    assert parameters_finite(model)
+    with torch.no_grad():
+        model[1].bias[1] = float("nan")
+    assert not parameters_finite(model)
+    with torch.no_grad():
+        model[1].bias[1] = 0.0
+        model[0].weight[2, 0] = float("-inf")
+    assert not parameters_finite(model)
