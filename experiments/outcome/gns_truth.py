@@ -79,6 +79,20 @@ def full_gradient(loss_fn: Callable[[Any], Any], params: Sequence[Any], num_samp
     return full / num_samples
 
 
+def micro_batch_gradients(
+    loss_fn: Callable[[Any], Any], params: Sequence[Any], idx: Any, micro_batch: int, count: int
+) -> list[Any]:
+    """The flat gradient of each of the ``count`` consecutive ``micro_batch``-sample
+    slices of ``idx`` (what ``count`` replicas compute for one step)."""
+    import torch
+
+    out = []
+    for i in range(count):
+        grads = torch.autograd.grad(loss_fn(idx[i * micro_batch : (i + 1) * micro_batch]), params)
+        out.append(torch.cat([t.reshape(-1) for t in grads]))
+    return out
+
+
 def exact_statistics(
     loss_fn: Callable[[Any], Any],
     params: Sequence[Any],
@@ -208,10 +222,7 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
             perm, pos = torch.randperm(n, generator=order), 0
         idx = perm[pos : pos + batch]
         pos += batch
-        grads = []
-        for i in range(count):
-            g = torch.autograd.grad(loss_fn(idx[i * b : (i + 1) * b]), params)
-            grads.append(torch.cat([t.reshape(-1) for t in g]))
+        grads = micro_batch_gradients(loss_fn, params, idx, b, count)
         mean = torch.stack(grads).mean(0)
         local = sum(float(g @ g) for g in grads)
         total = float(mean @ mean)

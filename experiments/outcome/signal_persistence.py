@@ -120,6 +120,8 @@ def run(
     averages: Sequence[float] = AVERAGES,
 ) -> dict[str, Any]:
     """Train one seed at the initial batch to the target; per step the statistics above."""
+    from experiments.outcome.gns_truth import micro_batch_gradients
+
     import torch
 
     prob = _problem(problem, seed)
@@ -149,15 +151,9 @@ def run(
             perm, pos = torch.randperm(n, generator=order), 0
         idx = perm[pos : pos + batch]
         pos += batch
-        grads = []
-        for i in range(count):
-            g = torch.autograd.grad(prob["loss"](idx[i * b : (i + 1) * b]), params)
-            grads.append(torch.cat([t.reshape(-1) for t in g]).double())
-        mean = (grads[0] + grads[1]) / 2
-        m_s = float(grads[0] @ grads[0] + grads[1] @ grads[1]) / count
-        m_b = float(mean @ mean)
-        sqr = (count * m_b - m_s) / (count - 1)
-        var = (m_s - m_b) * b * count / (count - 1)
+        grads = [g.double() for g in micro_batch_gradients(prob["loss"], params, idx, b, count)]
+        mean = torch.stack(grads).mean(0)
+        sqr, var = step_estimates(sum(float(g @ g) for g in grads), float(mean @ mean), count, b)
         row = [sqr, var]
         row += [float(mean @ history[-k]) if len(history) >= k else math.nan for k in lags]
         for j, beta in enumerate(averages):
