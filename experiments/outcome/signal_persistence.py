@@ -118,8 +118,19 @@ def run(
     problem: str = "shapes",
     lags: Sequence[int] = LAGS,
     averages: Sequence[float] = AVERAGES,
+    held_out: bool = True,
 ) -> dict[str, Any]:
-    """Train one seed at the initial batch to the target; per step the statistics above."""
+    """Train one seed at the initial batch to the target; per step the statistics above.
+
+    ``held_out`` (the default) pairs each step's mean gradient with the gradients of
+    held-out micro-batches of the earlier steps (``b`` samples drawn at random at each
+    step, never used in an update), which makes the products unbiased estimates of
+    ``G_t . G_{t-k}``. Without it (the first measurements) they pair with the earlier
+    steps' own mean gradients, whose noise moved the parameters the later gradient is
+    taken at: ``E[g_t . g_{t-k}] = G_t . G_{t-k} + E[G_t . xi_{t-k}]``, the second
+    term the gradient's response to that step's noise (about ``-lr tr(H Sigma) / B``
+    through the momentum's response), which is not separated then.
+    """
     from experiments.outcome.gns_truth import micro_batch_gradients
 
     import torch
@@ -135,7 +146,8 @@ def run(
     batch = b * count
     total_steps = cfg["progress_epochs"] * n / batch
     order = torch.Generator().manual_seed(seed)
-    history: list[Any] = []  # the last max(lags) mean gradients, newest last
+    probes = torch.Generator().manual_seed(seed + 20_000)  # the held-out draws' own
+    history: list[Any] = []  # the last max(lags) earlier gradients, newest last
     ema = [None] * len(averages)
     ema_weight = [0.0] * len(averages)
     rows: list[list[float]] = []  # per step: sqr, var, lag products..., average products...
@@ -154,15 +166,19 @@ def run(
         grads = [g.double() for g in micro_batch_gradients(prob["loss"], params, idx, b, count)]
         mean = torch.stack(grads).mean(0)
         sqr, var = step_estimates(sum(float(g @ g) for g in grads), float(mean @ mean), count, b)
+        earlier = mean  # what later steps pair with
+        if held_out:
+            probe = torch.randint(n, (b,), generator=probes)
+            earlier = micro_batch_gradients(prob["loss"], params, probe, b, 1)[0].double()
         row = [sqr, var]
         row += [float(mean @ history[-k]) if len(history) >= k else math.nan for k in lags]
         for j, beta in enumerate(averages):
             e = ema[j]
             row.append(float(mean @ e) / ema_weight[j] if e is not None else math.nan)
-            ema[j] = mean.clone() * (1 - beta) if e is None else e * beta + mean * (1 - beta)
+            ema[j] = earlier * (1 - beta) if e is None else e * beta + earlier * (1 - beta)
             ema_weight[j] = ema_weight[j] * beta + (1 - beta)
         rows.append(row)
-        history = [*history[-(max(lags) - 1) :], mean]
+        history = [*history[-(max(lags) - 1) :], earlier]
         for group in opt.param_groups:
             group["lr"] = (
                 cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * min(step / total_steps, 1.0)))
@@ -179,6 +195,7 @@ def run(
         "batch": batch,
         "lags": list(lags),
         "averages": list(averages),
+        "held_out": held_out,
         "evals": evals,
         "rows": rows,
     }
@@ -294,6 +311,12 @@ class PersistentSignalScale(GradientNoiseScale):
         self.differenced = False
         self._fold((signal,), (var,), scale)
 
+    def update_differenced(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: a single-micro-batch step has no same-step noise estimate to pair."""
+        raise ValueError(
+            "PersistentSignalScale needs steps of two or more micro-batches (two replicas)"
+        )
+
     def _decision(self) -> GradientNoiseScale:
         if self.decision_only and self.persistent is not None:
             return self.persistent
@@ -353,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--problem", default="shapes", choices=sorted(LEVELS))
     parser.add_argument("--out", type=Path, default=Path("out/persist"))
     parser.add_argument("--from-log", type=Path, nargs="+", help="summarise these JSON files")
+    parser.add_argument(
+        "--own-gradients",
+        action="store_true",
+        help="pair with the earlier steps' own mean gradients (biased; the first measurement)",
+    )
     args = parser.parse_args(argv)
     if args.from_log:
         runs = [json.loads(p.read_text()) for p in args.from_log]
@@ -360,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         args.out.mkdir(parents=True, exist_ok=True)
         runs = []
         for s in (int(v) for v in args.seeds.split(",")):
-            r = run(s, args.problem)
+            r = run(s, args.problem, held_out=not args.own_gradients)
             (args.out / f"seed{s}.json").write_text(json.dumps(r))
             runs.append(r)
     phases = summarise(runs)

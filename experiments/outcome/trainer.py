@@ -93,6 +93,11 @@ def train(
     memory = None
     if cfg.get("signal_memory") is not None:
         # `time_to_target --signal-memory`: the prototype persistent-signal estimator.
+        # Its queue pairs each step's product with the step's norms only where the step
+        # contract folds them one step late (several replicas), and only from a fresh
+        # start (a restored estimator is core's and would take the products in its gain).
+        if job.topology.num_replicas < 2 or job.restored_from is not None:
+            raise ValueError("signal_memory needs two or more replicas and a fresh start")
         from experiments.outcome.signal_persistence import GradientMemory, PersistentSignalScale
 
         job.metrics.gns = PersistentSignalScale(
@@ -269,6 +274,10 @@ class DecisionLog:
         gns = self.job.metrics.gns
         if gns is not None and gns.has_estimate:
             record["gns"] = [gns.sqr, gns.var, min(gns.samples, 1e300)]
+            persistent = getattr(gns, "persistent", None)
+            if persistent is not None and persistent.has_estimate:
+                # The prototype's decision-only statistics (signal_persistence).
+                record["decision_gns"] = [persistent.sqr, persistent.var]
             z = getattr(self.inner, "confidence_z", None)
             bound = gns.grad_params_bound(z) if z is not None else None
             if bound is not None:

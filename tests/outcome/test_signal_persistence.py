@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -165,3 +166,61 @@ def test_decision_only_is_unresolved_while_the_products_are_negative() -> None:
     proto.update(2.6, 0.9, 2, 8)
     assert proto.sqr > 0.0  # core's estimate resolves the gradient
     assert not proto.resolved  # the decision's does not: it grows by its cap only
+
+
+def test_queued_products_pair_with_their_steps_under_the_step_contract() -> None:
+    # Two replicas: the contract folds each step's summed norms at the next step's
+    # measure; the trainer queues the step's product between the two (before its
+    # optimizer.step()). Each fold must take its own step's product.
+    from adaptdl.core.collective import run_replicas
+    from adaptdl.core.gns import step_estimates
+    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.step import StepMeasurement, StepStatistics
+
+    norms = [(3.0, 1.5), (2.8, 1.2), (2.6, 1.0), (2.4, 0.9)]  # per replica: local, total
+    products = [math.nan, 0.3, 0.2, 0.1]
+
+    def replica(collective: Any) -> Any:
+        metrics = MetricsState()
+        metrics.gns = sp.PersistentSignalScale(init_batch_size=8)
+        steps = StepStatistics(metrics, collective)
+        for (local, total), product in zip(norms, products, strict=True):
+            measurement = StepMeasurement(
+                local_sqr=[local], total_sqr=[total], micro_batches=1, num_replicas=2, batch_size=4
+            )
+            steps.measure(measurement, 8)
+            metrics.gns.pending.append(product)
+        steps.drain()
+        return metrics.gns.sqr, metrics.gns.var, len(metrics.gns.pending)
+
+    reference = GradientNoiseScale(init_batch_size=8)
+    for (local, total), product in zip(norms, products, strict=True):
+        sqr, var = step_estimates(2 * local, total, 2, 4)
+        reference._fold((sqr if math.isnan(product) else product,), (var,), 1.0)
+    for sqr, var, left in run_replicas(2, replica):
+        assert (sqr, var) == pytest.approx((reference.sqr, reference.var), rel=1e-12)
+        assert left == 0
+
+
+def test_persistent_scale_refuses_single_micro_batch_steps() -> None:
+    proto = sp.PersistentSignalScale(init_batch_size=16)
+    with pytest.raises(ValueError, match="two or more micro-batches"):
+        proto.update_differenced(1.0, 1.0, 1.0, 16)
+
+
+def test_decision_only_changes_the_models_the_decision_reads() -> None:
+    from adaptdl.core.metrics import MetricsState
+
+    steps = [(3.0, 1.0), (2.6, 0.9), (2.2, 0.8), (2.4, 0.85)]
+    models = []
+    for products in ([math.nan] * 4, [math.nan, 0.05, 0.05, 0.05]):
+        metrics = MetricsState()
+        metrics.gns = sp.PersistentSignalScale(init_batch_size=16, decision_only=True)
+        metrics.gns.pending.extend(products)
+        for local, total in steps:
+            metrics.gns.update(local, total, 2, 8)
+        models.append((metrics.grad_params(), metrics.gns.gain(16.0)))
+    (core_params, core_gain), (params, gain) = models
+    assert core_params is not None and params is not None
+    assert params.sqr < 0.5 * core_params.sqr  # the decision reads the products
+    assert gain == pytest.approx(core_gain, rel=1e-12)  # the gain does not
