@@ -1,4 +1,4 @@
-"""How much of the shapes CNN's gradient persists from step to step, at the initial batch.
+"""How much of a problem's gradient persists from step to step, at the initial batch.
 
 Why. The goodput model's efficiency rates a batch of ``M`` samples by the simple
 noise scale ``B = tr(Sigma) / |G|^2``; on shapes (RESULTS.md item 4, eighth
@@ -6,30 +6,35 @@ follow-up) the fixed sweep's efficiencies imply a noise scale two to four times
 what the estimator reads (about 70-125 against 24-43 early, 350-460 against
 150-320 near the target), so the adaptive run stays below the best fixed size.
 `gns_truth` found the estimator right about the simple noise scale itself (its
-time average) and the exact |G|^2 spiking from step to step under momentum 0.9:
-part of the gradient flips sign as the iterate crosses a valley, which makes no
-progress, yet counts in |G|^2 as signal. This measures that part.
+time average) and the exact |G|^2 spiking from step to step under momentum 0.9.
+The hypothesis measured here: part of the gradient turns back as the iterate
+crosses a valley, which makes no progress, yet counts in |G|^2 as signal.
 
-How. One process trains the CNN as `time_to_target`'s shapes problem does (the one
-data draw, SGD with momentum 0.9 at learning rate 0.01 on the cosine schedule over
-12 epochs; at the initial batch the gain is 1, so progress is steps) at 16 samples
-a step as two micro-batches of 8, what two replicas hand the estimator. Per step
-it records the two-micro-batch estimates of |G|^2 and tr(Sigma) (McCandlish et
-al.'s, as core's `GradientNoiseScale` takes them) and, for each lag ``k``, the
-product ``g_t . g_{t-k}`` of the step's mean gradient with the one ``k`` steps
-before: independent draws, so an unbiased estimate of ``G_t . G_{t-k}`` with no
-noise term to subtract. A component that persists counts in it as in |G|^2; one
-that flips sign cancels. Also the product with exponential averages of the past
-mean gradients (``g_t . e_{t-1}``, ``e`` normalised to weights summing to 1; at
-the momentum's 0.9 it is the direction the optimiser's buffer holds). Training
-stops at the target accuracy, evaluated every 8,192 samples.
+How. One process trains the problem (`time_to_target`'s shapes or dyck: its data,
+optimiser and cosine schedule; at the initial batch the gain is 1, so progress is
+steps) at 16 samples a step as two micro-batches of 8, what two replicas hand the
+estimator. Per step it records the two-micro-batch estimates of |G|^2 and
+tr(Sigma) (core's `step_estimates`) and, for each lag ``k``, the product of the
+step's mean gradient with the gradient of a held-out micro-batch ``k`` steps
+before (drawn at random, never used in an update): an unbiased estimate of ``G_t .
+G_{t-k}`` with no noise term to subtract. A component that persists counts in it
+as in |G|^2; one that flips sign cancels. Also the product with exponential
+averages of those earlier gradients (``g_t . e_{t-1}``, ``e`` normalised to
+weights summing to 1). ``--own-gradients`` pairs with the earlier steps' own mean
+gradients instead (the first measurement): biased by the gradient's response to
+the noise of the step that moved the parameters (`run`). Training stops at the
+target, evaluated as `time_to_target` does.
 
-`summarise` splits the run at accuracy levels and gives per phase, as ratios of
-means, the noise scale that each signal statistic implies with the same
-tr(Sigma): the simple one and the persistent ones.
+`summarise` splits the run at levels of the evaluation and gives per phase, as
+ratios of means, the noise scale that each signal statistic implies with the same
+tr(Sigma), and each product over the same-step |G|^2.
 
-    python -m experiments.outcome.signal_persistence --seeds 0,1,2 --out out/persist
-    python -m experiments.outcome.signal_persistence --from-log out/persist/seed0.json ...
+The prototype estimator `PersistentSignalScale` (``time_to_target
+--signal-memory``) takes the own product (`GradientMemory` reads the parameters'
+averaged ``.grad``), as the first measurement did.
+
+    python -m experiments.outcome.signal_persistence --seeds 0,1,2 --out out/persist2
+    python -m experiments.outcome.signal_persistence --from-log out/persist2/seed0.json ...
 """
 
 from __future__ import annotations
@@ -345,7 +350,8 @@ class GradientMemory:
     `product` returns ``g . e`` for this step's mean gradient ``g`` (the parameters'
     ``.grad``, averaged over the replicas) and then folds ``g`` in: ``e_t = beta *
     e_{t-1} + (1 - beta) * g_t``, normalised by its weights (NaN at the first step).
-    ``beta`` 0 pairs each step with the previous one only.
+    ``beta`` 0 pairs each step with the previous one only. These are the steps' own
+    gradients, so the product carries the bias `run` describes (``held_out`` False).
     """
 
     def __init__(self, beta: float) -> None:
