@@ -2,7 +2,7 @@
 
 Why. The goodput model's efficiency rates a batch of ``M`` samples by the simple
 noise scale ``B = tr(Sigma) / |G|^2``; on shapes (RESULTS.md item 4, eighth
-follow-up) the fixed sweep's efficiencies imply a noise scale two to four times
+follow-up) the fixed sweep's efficiencies imply a noise scale 1.5 to 5 times
 what the estimator reads (about 70-125 against 24-43 early, 350-460 against
 150-320 near the target), so the adaptive run stays below the best fixed size.
 `gns_truth` found the estimator right about the simple noise scale itself (its
@@ -17,7 +17,8 @@ estimator. Per step it records the two-micro-batch estimates of |G|^2 and
 tr(Sigma) (core's `step_estimates`) and, for each lag ``k``, the product of the
 step's mean gradient with the gradient of a held-out micro-batch ``k`` steps
 before (drawn at random, never used in an update): an unbiased estimate of ``G_t .
-G_{t-k}`` with no noise term to subtract. A component that persists counts in it
+G_{t-k}`` with no noise term to subtract (up to a term of order B/n: training draws
+without replacement within a pass). A component that persists counts in it
 as in |G|^2; one that flips sign cancels. Also the product with exponential
 averages of those earlier gradients (``g_t . e_{t-1}``, ``e`` normalised to
 weights summing to 1). ``--own-gradients`` pairs with the earlier steps' own mean
@@ -33,8 +34,8 @@ The prototype estimator `PersistentSignalScale` (``time_to_target
 --signal-memory``) takes the own product (`GradientMemory` reads the parameters'
 averaged ``.grad``), as the first measurement did.
 
-    python -m experiments.outcome.signal_persistence --seeds 0,1,2 --out out/persist2
-    python -m experiments.outcome.signal_persistence --from-log out/persist2/seed0.json ...
+    python -m experiments.outcome.signal_persistence --seeds 0,1,2 --out out/persist2/shapes
+    python -m experiments.outcome.signal_persistence --from-log out/persist2/shapes/seed0.json ...
 """
 
 from __future__ import annotations
