@@ -60,62 +60,22 @@ LEVELS = {"shapes": (0.5, 0.7, 0.8, 0.85, 0.86), "dyck": (-0.1, -0.03, -0.01, -0
 
 
 def _problem(name: str, seed: int) -> dict[str, Any]:
-    """The model, loss, evaluation and settings of ``name`` as `time_to_target` runs it."""
-    import torch.nn.functional as F
-    from experiments.outcome import problems
+    """The model, loss, metric (higher is better) and target of ``name`` as
+    `time_to_target` runs it (`trainer.build_problem`)."""
     from experiments.outcome.time_to_target import PROBLEMS
-    from experiments.outcome.trainer import (
-        classifier_eval,
-        dyck_lm,
-        lm_eval,
-        shapes_cnn,
-        shapes_data,
-    )
+    from experiments.outcome.trainer import build_problem
 
-    import torch
-
-    cfg = {**PROBLEMS[name], "seed": seed}
-    torch.manual_seed(seed)
+    cfg, model, batch_loss, evaluate = build_problem({**PROBLEMS[name], "seed": seed})
     if name == "shapes":
-        x, y, xv, yv = (torch.from_numpy(a) for a in shapes_data(cfg))
-        model = shapes_cnn()
-
-        def loss(idx: Any) -> Any:
-            return F.cross_entropy(model(x[idx]), y[idx])
-
-        def metric() -> float:  # accuracy: higher is better
-            return classifier_eval(model, xv, yv)[1]
-
-        return {
-            "cfg": cfg,
-            "model": model,
-            "loss": loss,
-            "metric": metric,
-            "target": cfg["target_accuracy"],
-        }
-    k, length, n = cfg["brackets"], cfg["length"], cfg["train_size"]
-    tok, logp = problems.dyck(
-        n + cfg["val_size"], length=length, k=k, max_depth=cfg["max_depth"], seed=seed
-    )
-    optimal = problems.dyck_optimal_loss(logp[n:])
-    tokens = torch.from_numpy(tok)
-    train, val = tokens[:n], tokens[n:]
-    model = dyck_lm(2 * k + 1, length, cfg["d_model"], cfg["layers"])
-
-    def lm_loss(idx: Any) -> Any:
-        batch = train[idx]
-        logits = model(batch[:, :-1]).reshape(-1, 2 * k)
-        return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
-
-    def excess() -> float:  # negated loss above the optimum: higher is better
-        return -(lm_eval(model, val)[0] - optimal)
-
+        metric, target = (lambda: evaluate()[1]), cfg["target_accuracy"]
+    else:  # dyck: the loss above the optimum, negated
+        metric, target = (lambda: cfg["optimal_loss"] - evaluate()[0]), -cfg["target_excess"]
     return {
         "cfg": cfg,
         "model": model,
-        "loss": lm_loss,
-        "metric": excess,
-        "target": -cfg["target_excess"],
+        "loss": lambda idx: batch_loss(model, idx),
+        "metric": metric,
+        "target": target,
     }
 
 
@@ -138,24 +98,21 @@ def run(
     through the momentum's response), which is not separated then.
     """
     from experiments.outcome.gns_truth import micro_batch_gradients
+    from experiments.outcome.trainer import cosine_lr, make_optimizer
 
     import torch
 
     prob = _problem(problem, seed)
     cfg, model = prob["cfg"], prob["model"]
     params = list(model.parameters())
-    if cfg["optimizer"] == "adam":
-        opt: Any = torch.optim.Adam(params, lr=cfg["lr"])
-    else:
-        opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg["momentum"])
+    opt = make_optimizer(cfg, params)
     n, b, count = cfg["train_size"], cfg["init_batch_size"] // 2, 2
     batch = b * count
     total_steps = cfg["progress_epochs"] * n / batch
     order = torch.Generator().manual_seed(seed)
     probes = torch.Generator().manual_seed(seed + 20_000)  # the held-out draws' own
     history: list[Any] = []  # the last max(lags) earlier gradients, newest last
-    ema = [None] * len(averages)
-    ema_weight = [0.0] * len(averages)
+    memories = [GradientMemory(beta) for beta in averages]
     rows: list[list[float]] = []  # per step: sqr, var, lag products..., average products...
     evals: list[tuple[int, float]] = []
     perm, pos, step = torch.randperm(n, generator=order), 0, 0
@@ -178,17 +135,11 @@ def run(
             earlier = micro_batch_gradients(prob["loss"], params, probe, b, 1)[0].double()
         row = [sqr, var]
         row += [float(mean @ history[-k]) if len(history) >= k else math.nan for k in lags]
-        for j, beta in enumerate(averages):
-            e = ema[j]
-            row.append(float(mean @ e) / ema_weight[j] if e is not None else math.nan)
-            ema[j] = earlier * (1 - beta) if e is None else e * beta + earlier * (1 - beta)
-            ema_weight[j] = ema_weight[j] * beta + (1 - beta)
+        row += [memory.pair(mean, earlier) for memory in memories]
         rows.append(row)
         history = [*history[-(max(lags) - 1) :], earlier]
         for group in opt.param_groups:
-            group["lr"] = (
-                cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * min(step / total_steps, 1.0)))
-            )
+            group["lr"] = cosine_lr(cfg, min(step / total_steps, 1.0))
         offset = 0
         for p in params:
             p.grad = mean[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
@@ -366,11 +317,18 @@ class GradientMemory:
         """``g . e_{t-1}`` for the gradients of ``params``; folds ``g`` into ``e``."""
         import torch
 
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).double()
-        out = math.nan if self.average is None else float(flat @ self.average) / self.weight
+        return self.pair(
+            torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).double()
+        )
+
+    def pair(self, current: Any, earlier: Any = None) -> float:
+        """``current . e_{t-1}`` (NaN before any fold), then folds ``earlier`` (default:
+        ``current``) into ``e``: `run`'s held-out measurement folds another draw."""
+        earlier = current if earlier is None else earlier
+        out = math.nan if self.average is None else float(current @ self.average) / self.weight
         rest = 1.0 - self.beta
         self.average = (
-            flat * rest if self.average is None else self.average * self.beta + flat * rest
+            earlier * rest if self.average is None else self.average * self.beta + earlier * rest
         )
         self.weight = self.weight * self.beta + rest
         return out

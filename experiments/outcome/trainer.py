@@ -119,12 +119,7 @@ def train(
         total = local * (accum + 1) * job.topology.num_replicas
         # Adaptive mode with a fixed decision: the loop then ends on progress, not data.
         loader.autoscale_batch_size(max(total, b0), gradient_accumulation=True)
-    if cfg.get("optimizer", "sgd") == "adam":
-        optimizer: Any = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
-    else:
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=cfg["lr"], momentum=cfg.get("momentum", 0.0)
-        )
+    optimizer = make_optimizer(cfg, model.parameters())
     rules = {"linear": LinearScale, "adamscale": AdamScale, "adascale": AdaScale}
     rule = rules[cfg["rule"]]()
     if cfg.get("preconditioned"):  # `time_to_target --preconditioned`: the original's noise
@@ -159,7 +154,7 @@ def train(
                 continue
             fraction = min(adp.progress / target, 1.0)
             for group in optimizer.param_groups:
-                group["lr"] = cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * fraction))
+                group["lr"] = cosine_lr(cfg, fraction)
             if memory is not None:
                 job.metrics.gns.pending.append(memory.product(list(model.parameters())))
             optimizer.step()
@@ -443,16 +438,34 @@ def dyck_lm(vocab: int, length: int, d_model: int, layers: int) -> Any:
     return LM()
 
 
-def worker() -> None:
-    """One replica of one training run of the problem named in the config."""
+def make_optimizer(cfg: dict[str, Any], params: Any) -> Any:
+    """The problem's optimiser over ``params``: Adam, or SGD with its momentum."""
+    import torch
+
+    if cfg.get("optimizer", "sgd") == "adam":
+        return torch.optim.Adam(params, lr=cfg["lr"])
+    return torch.optim.SGD(params, lr=cfg["lr"], momentum=cfg.get("momentum", 0.0))
+
+
+def cosine_lr(cfg: dict[str, Any], fraction: float) -> float:
+    """The base learning rate at ``fraction`` (in [0, 1]) of the cosine schedule."""
+    return float(cfg["lr"] * 0.5 * (1.0 + math.cos(math.pi * fraction)))
+
+
+def build_problem(
+    cfg: dict[str, Any],
+) -> tuple[dict[str, Any], Any, Callable[[Any, Any], Any], Callable[[], tuple[float, float]]]:
+    """(cfg, model, batch_loss, evaluate) of the problem named in ``cfg``, seeded by it.
+
+    For dyck with a ``target_excess`` the returned cfg adds ``optimal_loss`` (the
+    exact best loss of the validation draw) and ``target_loss``. ``batch_loss(net,
+    indices)`` and ``evaluate()`` are what `train` takes.
+    """
     import torch.nn.functional as F
     from experiments.outcome import problems
 
-    import adaptdl.torch as adl
     import torch
 
-    cfg = worker_config()
-    adl.init_process_group("gloo")
     torch.manual_seed(cfg["seed"])
     n, n_val = cfg["train_size"], cfg["val_size"]
     if cfg["problem"] == "shapes":
@@ -465,30 +478,40 @@ def worker() -> None:
         def evaluate() -> tuple[float, float]:
             return classifier_eval(model, xv, yv)
 
-    elif cfg["problem"] == "dyck":
-        k, length = cfg["brackets"], cfg["length"]
-        tok_np, logp = problems.dyck(
-            n + n_val, length=length, k=k, max_depth=cfg["max_depth"], seed=cfg["seed"]
-        )
-        if "target_excess" in cfg:
-            # The target is a loss this far above the best possible one on this draw.
-            optimal = problems.dyck_optimal_loss(logp[n:])
-            cfg = {**cfg, "optimal_loss": optimal, "target_loss": optimal + cfg["target_excess"]}
-        tokens = torch.from_numpy(tok_np)
-        train_tok, val_tok = tokens[:n], tokens[n:]
-        vocab = 2 * k + 1
-        model = dyck_lm(vocab, length, cfg["d_model"], cfg["layers"])
-
-        def batch_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
-            batch = train_tok[idx]
-            logits = net(batch[:, :-1]).reshape(-1, vocab - 1)
-            return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
-
-        def evaluate() -> tuple[float, float]:
-            return lm_eval(model, val_tok)
-
-    else:
+        return cfg, model, batch_loss, evaluate
+    if cfg["problem"] != "dyck":
         raise ValueError(f"problem must be 'shapes' or 'dyck', got {cfg['problem']!r}")
+    k, length = cfg["brackets"], cfg["length"]
+    tok_np, logp = problems.dyck(
+        n + n_val, length=length, k=k, max_depth=cfg["max_depth"], seed=cfg["seed"]
+    )
+    if "target_excess" in cfg:
+        # The target is a loss this far above the best possible one on this draw.
+        optimal = problems.dyck_optimal_loss(logp[n:])
+        cfg = {**cfg, "optimal_loss": optimal, "target_loss": optimal + cfg["target_excess"]}
+    tokens = torch.from_numpy(tok_np)
+    train_tok, val_tok = tokens[:n], tokens[n:]
+    vocab = 2 * k + 1
+    lm = dyck_lm(vocab, length, cfg["d_model"], cfg["layers"])
+
+    def lm_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
+        batch = train_tok[idx]
+        logits = net(batch[:, :-1]).reshape(-1, vocab - 1)
+        return F.cross_entropy(logits, batch[:, 1:].reshape(-1))
+
+    def lm_evaluate() -> tuple[float, float]:
+        return lm_eval(lm, val_tok)
+
+    return cfg, lm, lm_loss, lm_evaluate
+
+
+def worker() -> None:
+    """One replica of one training run of the problem named in the config."""
+    import adaptdl.torch as adl
+
+    cfg = worker_config()
+    adl.init_process_group("gloo")
+    cfg, model, batch_loss, evaluate = build_problem(cfg)
     train(cfg, model, batch_loss, evaluate)
 
 
