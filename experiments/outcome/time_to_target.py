@@ -410,6 +410,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "the AdaScale gain keeps core's estimate",
     )
     parser.add_argument(
+        "--noise-match",
+        action="store_true",
+        help="fixed sizes whose steps carry the initial batch's gradient noise per unit of "
+        "progress (noise_match)",
+    )
+    parser.add_argument(
         "--short",
         action="store_true",
         help="the first calibration of the problems (`SHORT`), as RESULTS.md's earlier runs",
@@ -464,6 +470,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     if args.signal_decision_only and args.signal_memory is None:
         parser.error("--signal-decision-only needs --signal-memory")
+    if args.noise_match and "adaptive" in args.kinds.split(","):
+        parser.error("--noise-match applies to fixed sizes: give --kinds fixed")
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:
@@ -533,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 | ({"preconditioned": True} if args.preconditioned else {})
                 | ({"smoothing": args.smoothing} if args.smoothing is not None else {})
                 | ({"signal_memory": args.signal_memory} if args.signal_memory is not None else {})
-                | ({"signal_decision_only": True} if args.signal_decision_only else {}),
+                | ({"signal_decision_only": True} if args.signal_decision_only else {})
+                | ({"noise_match": True} if args.noise_match else {}),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs

@@ -104,6 +104,19 @@ def train(
             init_batch_size=b0, decision_only=cfg.get("signal_decision_only", False)
         )
         memory = GradientMemory(cfg["signal_memory"])
+    matched = None
+    if cfg.get("noise_match"):
+        # `time_to_target --noise-match` (noise_match): a fixed size's steps carry the
+        # initial batch's gradient noise per unit of progress.
+        replicas = job.topology.num_replicas
+        if cfg.get("autoscale") or cfg.get("accum_steps", 0) or b0 % replicas:
+            raise ValueError(
+                "noise_match needs a fixed size without accumulation and an initial batch "
+                f"that the {replicas} replicas divide"
+            )
+        from experiments.outcome.noise_match import extra_noise_weight, match_noise
+
+        matched = b0 // replicas
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
     if cfg.get("autoscale"):
@@ -157,6 +170,9 @@ def train(
                 group["lr"] = cosine_lr(cfg, fraction)
             if memory is not None:
                 job.metrics.gns.pending.append(memory.product(list(model.parameters())))
+            if matched is not None:
+                weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain)
+                match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
             optimizer.step()
             # Judged on the parameters, the same on every replica after the averaged
             # step: a rank judging its own loss could stop while the other enters the

@@ -1,0 +1,166 @@
+"""Whether a large batch reaches the target early because its steps are less noisy.
+
+Why. On shapes the fixed sweep reaches the target at less scale-invariant progress
+the larger its batch (RESULTS.md item 4: about 18.7k initial-batch steps at 16,
+13.5k at 128, 10.1k at 256), so the AdaScale gain, and the goodput model's
+efficiency built on the same noise scale, credit a large batch with less than it
+achieves. Two accounts fit that. (a) Noise: at scale ``S = M / 16`` and gain ``r``
+a step of ``M`` samples moves as far as ``r`` initial-batch steps in expectation
+(AdaScale's premise), but carries ``r / S`` of their gradient noise per unit of
+progress; near a target set by the noise floor, less noise is worth progress the
+gain does not count. (b) Drift: one large step at ``r`` times the rate moves
+further than ``r`` small ones (the gain's expansion is wrong about the mean, e.g.
+through momentum or curvature).
+
+How. `time_to_target --noise-match` trains a fixed size with one change: before each
+optimiser step, the averaged gradient ``g_M`` becomes ``g_M + k (g_m - g_M)``, where
+``g_m`` is the gradient of the mean loss over ``m = 16`` of the batch's own samples
+(the first ``m / replicas`` of each replica's, averaged over the replicas) and ``k``
+(`extra_noise_weight`) gives the step the covariance ``Sigma / (r m)``: per unit of
+progress, the initial batch's noise. Its mean is unchanged and so are the gain, the
+rate and the progress (the estimator reads the gradients before the change). If the
+matched run needs the initial size's progress to reach the target, (a) is the
+account; if it keeps the plain run's, (b).
+
+    python -m experiments.outcome.time_to_target --problems shapes --kinds fixed \
+        --sizes 128,256 --noise-match --seed-list 0,1,2 --out out/nm/matched
+    python -m experiments.outcome.noise_match out/nm/*/time_to_target.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def extra_noise_weight(scale: float, gain: float) -> float:
+    """``k`` for which ``g_M + k (g_m - g_M)`` has covariance ``Sigma / (gain * m)``.
+
+    ``g_m`` is the mean gradient of ``m`` of the ``M = scale * m`` samples whose mean is
+    ``g_M``, so ``Cov(g_m, g_M) = Sigma / M`` and the mix's covariance is
+    ``((1 - k^2) / M + k^2 / m) Sigma``. ``gain`` is clipped to ``[1, scale]`` (the
+    AdaScale gain's range): 1 gives ``k = 1`` (the small batch's gradient), ``scale``
+    gives 0 (no added noise).
+    """
+    if not (scale >= 1.0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number >= 1, got {scale!r}")
+    if not math.isfinite(gain):
+        raise ValueError(f"gain must be finite, got {gain!r}")
+    if scale == 1.0:
+        return 0.0
+    r = min(max(gain, 1.0), scale)
+    return math.sqrt((scale / r - 1.0) / (scale - 1.0))
+
+
+def match_noise(
+    model: Any,
+    batch_loss: Callable[[Any, Any], Any],
+    local_indices: Any,
+    local_samples: int,
+    weight: float,
+) -> None:
+    """Mix ``weight`` of the small-batch gradient into ``model``'s averaged ``.grad``.
+
+    The small batch is the first ``local_samples`` of ``local_indices`` on every
+    replica (the loader's order is already shuffled), its gradient averaged over the
+    replicas with `torch.distributed` when a process group is up. The gradient is
+    taken through detached copies of the parameters, so AdaptDL's gradient hooks
+    (on the parameters themselves) do not see it.
+    """
+    import torch.distributed as dist
+
+    import torch
+
+    if not 0 < local_samples <= len(local_indices):
+        raise ValueError(
+            f"local_samples must be in [1, {len(local_indices)}] (the local batch), "
+            f"got {local_samples}"
+        )
+    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    copies = {name: p.detach().requires_grad_() for name, p in named}
+
+    def net(*inputs: Any) -> Any:
+        return torch.func.functional_call(model, copies, inputs)
+
+    loss = batch_loss(net, local_indices[:local_samples])
+    grads = torch.autograd.grad(loss, list(copies.values()))
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+    offset = 0
+    with torch.no_grad():
+        for _, p in named:
+            small = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.grad.add_(small - p.grad, alpha=weight)
+
+
+def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kind of run (size, matched or plain): medians over seeds of the progress,
+    samples and CPU seconds at the target, the seeds that reached it, and its
+    seeds."""
+    groups: dict[tuple[int, bool], list[dict[str, Any]]] = {}
+    for r in runs:
+        cfg = r["config"]
+        size = 2 * cfg["local_bsz"] * (cfg["accum_steps"] + 1)
+        groups.setdefault((size, bool(cfg.get("noise_match"))), []).append(r)
+    rows = []
+    for (size, matched), group in sorted(groups.items()):
+        reached = [r["reached"] for r in group if r["reached"] is not None]
+
+        def median(key: str, reached: list[dict[str, Any]] = reached) -> float:
+            return float(np.median([x[key] for x in reached])) if reached else math.nan
+
+        rows.append(
+            {
+                "size": size,
+                "matched": matched,
+                "seeds": sorted(r["seed"] for r in group),
+                "reached": len(reached),
+                "progress": median("progress"),
+                "samples": median("samples"),
+                "cpu_seconds": median("cpu_seconds"),
+            }
+        )
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """`at_target`'s rows as a Markdown table, progress also over the smallest size's."""
+    plain = [r for r in rows if not r["matched"]]
+    base = min(plain, key=lambda r: r["size"])["progress"] if plain else math.nan
+    lines = [
+        "| run | seeds (reached) | progress at target (median) | over the smallest plain "
+        "size's | samples | CPU s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = f"fixed {r['size']}" + (", noise matched" if r["matched"] else "")
+        seeds = ",".join(str(s) for s in r["seeds"])
+        lines.append(
+            f"| {name} | {seeds} ({r['reached']}) | {r['progress']:.0f} | "
+            f"{r['progress'] / base:.2f} | {r['samples']:.0f} | {r['cpu_seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("logs", nargs="+", type=Path, help="time_to_target JSON-lines logs")
+    args = parser.parse_args(argv)
+    runs = [json.loads(line) for p in args.logs for line in p.read_text().splitlines() if line]
+    fixed = [r for r in runs if not r["config"].get("autoscale")]
+    rows = at_target(fixed)
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

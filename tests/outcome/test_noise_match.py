@@ -1,0 +1,157 @@
+"""`experiments.outcome.noise_match`: the added noise's weight, the mix, the wiring."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from experiments.outcome import noise_match, time_to_target
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torch
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1.0, 4096.0), st.floats(0.0, 1.0))
+def test_the_weight_gives_the_covariance_of_gain_times_the_small_batch(
+    scale: float, where: float
+) -> None:
+    gain = 1.0 + where * (scale - 1.0)
+    k = noise_match.extra_noise_weight(scale, gain)
+    assert 0.0 <= k <= 1.0
+    # ((1 - k^2) / M + k^2 / m) Sigma with M = scale * m, in units of Sigma / m.
+    if scale > 1.0:
+        assert (1.0 - k * k) / scale + k * k == pytest.approx(1.0 / gain, rel=1e-9)
+
+
+def test_the_weight_at_the_ends_of_the_gain_range() -> None:
+    assert noise_match.extra_noise_weight(16.0, 1.0) == pytest.approx(1.0)
+    assert noise_match.extra_noise_weight(16.0, 16.0) == 0.0
+    # Outside [1, scale] the gain is clipped to it.
+    assert noise_match.extra_noise_weight(16.0, 0.5) == pytest.approx(1.0)
+    assert noise_match.extra_noise_weight(16.0, 40.0) == 0.0
+    assert noise_match.extra_noise_weight(1.0, 1.0) == 0.0
+
+
+@pytest.mark.parametrize(("scale", "gain"), [(0.5, 1.0), (math.inf, 2.0), (4.0, math.nan)])
+def test_the_weight_refuses_a_scale_below_one_or_a_gain_not_finite(
+    scale: float, gain: float
+) -> None:
+    with pytest.raises(ValueError, match=r"(scale|gain) must be"):
+        noise_match.extra_noise_weight(scale, gain)
+
+
+def _linear_problem(samples: int, dim: int, seed: int) -> tuple[Any, Any, torch.Tensor]:
+    # Per-sample loss -w . z_i: each sample's gradient is -z_i, whatever w is.
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(samples, dim, generator=gen, dtype=torch.float64) + 0.5
+    model = torch.nn.Linear(dim, 1, bias=False).double()
+
+    def batch_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:
+        return -net(z[idx]).mean()
+
+    return model, batch_loss, z
+
+
+def test_the_mix_is_the_large_gradient_moved_toward_the_small_one() -> None:
+    model, batch_loss, z = _linear_problem(64, 3, 0)
+    idx = torch.randperm(64)[:32]
+    (param,) = model.parameters()
+    large = -z[idx].mean(0)
+    param.grad = large.clone().view_as(param)
+    seen: list[torch.Tensor] = []
+    param.register_hook(lambda grad: seen.append(grad))
+    noise_match.match_noise(model, batch_loss, idx, 8, 0.25)
+    small = -z[idx[:8]].mean(0)
+    assert torch.allclose(param.grad.view(-1), large + 0.25 * (small - large))
+    assert not seen  # the hooks on the parameter (AdaptDL's) never see the small gradient
+
+
+def test_the_mixed_gradient_carries_the_noise_of_gain_small_batches() -> None:
+    # Over many draws of a batch of 64: the mixed gradient's total variance is
+    # tr(Sigma) / (gain * 8) where the plain one's is tr(Sigma) / 64.
+    model, batch_loss, z = _linear_problem(100_000, 4, 1)
+    (param,) = model.parameters()
+    gen = torch.Generator().manual_seed(2)
+    gain = 3.0
+    k = noise_match.extra_noise_weight(8.0, gain)
+    mixed = []
+    for _ in range(3000):
+        idx = torch.randint(0, len(z), (64,), generator=gen)
+        param.grad = (-z[idx].mean(0)).view_as(param).clone()
+        noise_match.match_noise(model, batch_loss, idx, 8, k)
+        mixed.append(param.grad.view(-1).clone())
+    total = float(torch.stack(mixed).var(0).sum())
+    trace = float(z.var(0).sum())
+    assert total == pytest.approx(trace / (gain * 8), rel=0.1)
+
+
+def test_the_mix_refuses_more_samples_than_the_local_batch() -> None:
+    model, batch_loss, _ = _linear_problem(16, 2, 0)
+    (param,) = model.parameters()
+    param.grad = torch.zeros_like(param)
+    with pytest.raises(ValueError, match=r"local_samples must be in \[1, 4\]"):
+        noise_match.match_noise(model, batch_loss, torch.arange(4), 5, 0.5)
+
+
+def test_at_target_groups_plain_and_matched_runs_by_size() -> None:
+    def run(size: int, matched: bool, seed: int, progress: float | None) -> dict[str, Any]:
+        cfg = {"local_bsz": size // 2, "accum_steps": 0, "noise_match": matched}
+        reached = None
+        if progress is not None:
+            reached = {"progress": progress, "samples": 16 * progress, "cpu_seconds": 1.0}
+        return {"config": cfg, "seed": seed, "reached": reached}
+
+    rows = noise_match.at_target(
+        [
+            run(16, False, 0, 100.0),
+            run(16, False, 1, 200.0),
+            run(256, False, 0, 50.0),
+            run(256, True, 0, 90.0),
+            run(256, True, 1, None),
+        ]
+    )
+    assert [(r["size"], r["matched"], r["reached"]) for r in rows] == [
+        (16, False, 2),
+        (256, False, 1),
+        (256, True, 1),
+    ]
+    assert rows[0]["progress"] == 150.0 and rows[2]["seeds"] == [0, 1]
+    text = noise_match.table(rows).splitlines()
+    assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 |")
+    assert text[4].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.60 |")
+
+
+def test_noise_match_is_refused_for_an_adaptive_run(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        time_to_target.main(["--problems", "shapes", "--noise-match", "--out", str(tmp_path)])
+    assert "--noise-match applies to fixed sizes" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_matched_at_the_initial_size_is_the_plain_run_and_changes_a_larger_one() -> None:
+    from experiments.outcome._common import launch
+
+    results = {}
+    for size in (16, 64):
+        (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="fixed", sizes=[size])
+        cfg = {**cfg, "stop_at_target": False, "progress_epochs": 1}
+        for matched in (False, True):
+            results[size, matched] = launch(
+                "experiments.outcome.trainer", 2, {**cfg, "noise_match": matched}
+            )
+    # At the initial size the weight is 0: the extra gradient changes nothing, and the
+    # estimator (whose hooks it must not reach) reads the same norms.
+    plain, matched = results[16, False], results[16, True]
+    assert matched["noise"] == plain["noise"]
+    assert [e[3] for e in matched["evals"]] == [e[3] for e in plain["evals"]]
+    # At 64 it moves the training: the same steps, other losses.
+    plain, matched = results[64, False], results[64, True]
+    assert not matched["diverged"] and len(matched["steps"]) == len(plain["steps"])
+    assert not np.allclose([e[3] for e in matched["evals"]], [e[3] for e in plain["evals"]])
