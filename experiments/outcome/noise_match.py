@@ -102,22 +102,33 @@ def match_noise(
             p.grad.add_(small - p.grad, alpha=weight)
 
 
+def _size(run: dict[str, Any]) -> int:
+    cfg = run["config"]
+    return int(2 * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
+
+
 def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kind of run (size, matched or plain): medians over seeds of the progress,
-    samples and CPU seconds at the target, the seeds that reached it, and its
-    seeds."""
+    """Per kind of run (size, matched or plain): the seeds that ran and reached the
+    target, medians over them of the progress, samples and CPU seconds at the target,
+    and the median over seeds of the progress over that seed's smallest plain size's
+    (``ratio``; seeds where both reached it)."""
+    smallest = min((_size(r) for r in runs if not r["config"].get("noise_match")), default=None)
+    base = {
+        r["seed"]: r["reached"]["progress"]
+        for r in runs
+        if _size(r) == smallest and not r["config"].get("noise_match") and r["reached"]
+    }
     groups: dict[tuple[int, bool], list[dict[str, Any]]] = {}
     for r in runs:
-        cfg = r["config"]
-        size = 2 * cfg["local_bsz"] * (cfg["accum_steps"] + 1)
-        groups.setdefault((size, bool(cfg.get("noise_match"))), []).append(r)
+        groups.setdefault((_size(r), bool(r["config"].get("noise_match"))), []).append(r)
     rows = []
     for (size, matched), group in sorted(groups.items()):
-        reached = [r["reached"] for r in group if r["reached"] is not None]
+        reached = [r for r in group if r["reached"] is not None]
 
         def median(key: str, reached: list[dict[str, Any]] = reached) -> float:
-            return float(np.median([x[key] for x in reached])) if reached else math.nan
+            return float(np.median([r["reached"][key] for r in reached])) if reached else math.nan
 
+        ratios = [r["reached"]["progress"] / base[r["seed"]] for r in reached if r["seed"] in base]
         rows.append(
             {
                 "size": size,
@@ -127,18 +138,18 @@ def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "progress": median("progress"),
                 "samples": median("samples"),
                 "cpu_seconds": median("cpu_seconds"),
+                "ratio": float(np.median(ratios)) if ratios else math.nan,
+                "ratios": ratios,
             }
         )
     return rows
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """`at_target`'s rows as a Markdown table, progress also over the smallest size's."""
-    plain = [r for r in rows if not r["matched"]]
-    base = min(plain, key=lambda r: r["size"])["progress"] if plain else math.nan
+    """`at_target`'s rows as a Markdown table."""
     lines = [
         "| run | seeds (reached) | progress at target (median) | over the smallest plain "
-        "size's | samples | CPU s |",
+        "size's, per seed (median) | samples | CPU s |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -146,19 +157,51 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         seeds = ",".join(str(s) for s in r["seeds"])
         lines.append(
             f"| {name} | {seeds} ({r['reached']}) | {r['progress']:.0f} | "
-            f"{r['progress'] / base:.2f} | {r['samples']:.0f} | {r['cpu_seconds']:.1f} |"
+            f"{r['ratio']:.2f} | {r['samples']:.0f} | {r['cpu_seconds']:.1f} |"
         )
+    return "\n".join(lines)
+
+
+def level_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
+    """Per kind of run and level: the median over seeds of the progress at which it
+    first reached the level (read off its evaluations, `time_to_target.retarget`: an
+    accuracy, or for a loss target the excess over the optimal loss) over that seed's
+    smallest plain size's."""
+    from experiments.outcome.time_to_target import retarget
+
+    key = "accuracy" if "target_accuracy" in runs[0]["config"] else "excess"
+    columns = []
+    for level in levels:
+        rows = at_target([retarget(r, **{key: level}) for r in runs])
+        columns.append({(r["size"], r["matched"]): r["ratio"] for r in rows})
+    lines = [
+        "| progress to the level over the smallest plain size's, per seed (median) | "
+        + " | ".join(f"{level:g}" for level in levels)
+        + " |",
+        "|---" * (len(levels) + 1) + "|",
+    ]
+    for size, matched in sorted(columns[0]):
+        cells = " | ".join(f"{c.get((size, matched), math.nan):.2f}" for c in columns)
+        lines.append(f"| fixed {size}" + (", noise matched" if matched else "") + f" | {cells} |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", type=Path, help="time_to_target JSON-lines logs")
+    parser.add_argument(
+        "--levels",
+        help="comma-separated levels (accuracies, or losses above the optimal one) to read "
+        "the progress at, no stricter than the runs' target",
+    )
     args = parser.parse_args(argv)
     runs = [json.loads(line) for p in args.logs for line in p.read_text().splitlines() if line]
     fixed = [r for r in runs if not r["config"].get("autoscale")]
     rows = at_target(fixed)
     print(table(rows))
+    if args.levels:
+        print()
+        print(level_table(fixed, [float(x) for x in args.levels.split(",")]))
     return rows
 
 

@@ -122,7 +122,35 @@ def test_at_target_groups_plain_and_matched_runs_by_size() -> None:
     assert rows[0]["progress"] == 150.0 and rows[2]["seeds"] == [0, 1]
     text = noise_match.table(rows).splitlines()
     assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 |")
-    assert text[4].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.60 |")
+    # The ratio pairs by seed: seed 0's 90 over seed 0's 100.
+    assert text[4].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.90 |")
+
+
+def test_level_table_reads_each_level_off_the_evaluations_paired_by_seed() -> None:
+    def run(size: int, matched: bool, seed: int, accuracies: list[float]) -> dict[str, Any]:
+        cfg = {
+            "local_bsz": size // 2,
+            "accum_steps": 0,
+            "noise_match": matched,
+            "target_accuracy": 0.8,
+            "stop_at_target": False,
+        }
+        # One evaluation per 100 units of progress: [progress, samples, s, loss, acc, cpu].
+        evals = [[100.0 * (i + 1), 0, 0.0, 1.0, a, 0.0] for i, a in enumerate(accuracies)]
+        return {"config": cfg, "seed": seed, "reached": None, "evals": evals, "steps": []}
+
+    runs = [
+        run(16, False, 0, [0.3, 0.6, 0.7, 0.8]),
+        run(16, False, 1, [0.6, 0.7, 0.8, 0.8]),
+        run(256, False, 0, [0.6, 0.8, 0.8, 0.8]),
+        run(256, False, 1, [0.8, 0.8, 0.8, 0.8]),
+        run(256, True, 0, [0.5, 0.5, 0.5, 0.8]),
+    ]
+    text = noise_match.level_table(runs, [0.6, 0.8]).splitlines()
+    assert text[2] == "| fixed 16 | 1.00 | 1.00 |"
+    # 0.6: seed 0 at 100 / 200, seed 1 at 100 / 100; 0.8: 200 / 400 and 100 / 300.
+    assert text[3] == "| fixed 256 | 0.75 | 0.42 |"
+    assert text[4] == "| fixed 256, noise matched | 2.00 | 1.00 |"
 
 
 def test_noise_match_is_refused_for_an_adaptive_run(
