@@ -111,7 +111,7 @@ def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per kind of run (size, matched or plain): the seeds that ran and reached the
     target, medians over them of the progress, samples and CPU seconds at the target,
     and the median over seeds of the progress over that seed's smallest plain size's
-    (``ratio``; seeds where both reached it)."""
+    (``ratio``; ``ratios``, in the order of the seeds, where both reached it)."""
     smallest = min((_size(r) for r in runs if not r["config"].get("noise_match")), default=None)
     base = {
         r["seed"]: r["reached"]["progress"]
@@ -123,7 +123,7 @@ def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((_size(r), bool(r["config"].get("noise_match"))), []).append(r)
     rows = []
     for (size, matched), group in sorted(groups.items()):
-        reached = [r for r in group if r["reached"] is not None]
+        reached = sorted((r for r in group if r["reached"] is not None), key=lambda r: r["seed"])
 
         def median(key: str, reached: list[dict[str, Any]] = reached) -> float:
             return float(np.median([r["reached"][key] for r in reached])) if reached else math.nan
@@ -149,7 +149,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     """`at_target`'s rows as a Markdown table."""
     lines = [
         "| run | seeds (reached) | progress at target (median) | over the smallest plain "
-        "size's, per seed (median) | samples | CPU s |",
+        "size's, per seed: median (each) | samples | CPU s |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -157,7 +157,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         seeds = ",".join(str(s) for s in r["seeds"])
         lines.append(
             f"| {name} | {seeds} ({r['reached']}) | {r['progress']:.0f} | "
-            f"{r['ratio']:.2f} | {r['samples']:.0f} | {r['cpu_seconds']:.1f} |"
+            f"{r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | "
+            f"{r['samples']:.0f} | {r['cpu_seconds']:.1f} |"
         )
     return "\n".join(lines)
 

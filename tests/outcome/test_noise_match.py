@@ -121,9 +121,9 @@ def test_at_target_groups_plain_and_matched_runs_by_size() -> None:
     ]
     assert rows[0]["progress"] == 150.0 and rows[2]["seeds"] == [0, 1]
     text = noise_match.table(rows).splitlines()
-    assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 |")
+    assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 (1.00, 1.00) |")
     # The ratio pairs by seed: seed 0's 90 over seed 0's 100.
-    assert text[4].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.90 |")
+    assert text[4].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.90 (0.90) |")
 
 
 def test_level_table_reads_each_level_off_the_evaluations_paired_by_seed() -> None:
