@@ -30,6 +30,7 @@ account; if it keeps the plain run's, (b).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -187,6 +188,39 @@ def level_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
     return "\n".join(lines)
 
 
+def along_table(runs: Sequence[dict[str, Any]], edges: Sequence[float]) -> str:
+    """Core's |G|^2, tr(Sigma) and their ratio along each kind of run: per kind and
+    progress bin (between consecutive ``edges``), the median over seeds of each run's
+    mean over the trainer's ``noise`` records in the bin."""
+    cells: dict[tuple[int, bool], list[list[tuple[float, float]]]] = {}
+    for r in runs:
+        noise = np.asarray(r["noise"], dtype=float).reshape(-1, 5)
+        row = []
+        for lo, hi in itertools.pairwise(edges):
+            inside = noise[(noise[:, 0] >= lo) & (noise[:, 0] < hi)]
+            row.append(
+                (float(inside[:, 2].mean()), float(inside[:, 3].mean()))
+                if len(inside)
+                else (math.nan, math.nan)
+            )
+        cells.setdefault((_size(r), bool(r["config"].get("noise_match"))), []).append(row)
+    bins = [f"{lo / 1000:g}k-{hi / 1000:g}k" for lo, hi in itertools.pairwise(edges)]
+    lines = [
+        "| run: |G|^2 / tr(Sigma) / noise scale, by progress | " + " | ".join(bins) + " |",
+        "|---" * (len(bins) + 1) + "|",
+    ]
+    for (size, matched), rows in sorted(cells.items()):
+        values = np.asarray(rows)  # seeds x bins x (|G|^2, tr(Sigma))
+        sqr, var = (
+            [np.nanmedian(c) if np.isfinite(c).any() else math.nan for c in values[:, :, i].T]
+            for i in (0, 1)
+        )
+        text = [f"{g:.2f} / {v:.0f} / {v / g:.0f}" for g, v in zip(sqr, var, strict=True)]
+        name = f"fixed {size}" + (", noise matched" if matched else "")
+        lines.append(f"| {name} | " + " | ".join(text) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", type=Path, help="time_to_target JSON-lines logs")
@@ -194,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "--levels",
         help="comma-separated levels (accuracies, or losses above the optimal one) to read "
         "the progress at, no stricter than the runs' target",
+    )
+    parser.add_argument(
+        "--along",
+        help="comma-separated progress edges of the bins in which to read the runs' noise "
+        "statistics",
     )
     args = parser.parse_args(argv)
     runs = [json.loads(line) for p in args.logs for line in p.read_text().splitlines() if line]
@@ -203,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if args.levels:
         print()
         print(level_table(fixed, [float(x) for x in args.levels.split(",")]))
+    if args.along:
+        print()
+        print(along_table(fixed, [float(x) for x in args.along.split(",")]))
     return rows
 
 

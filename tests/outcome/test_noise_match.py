@@ -183,3 +183,21 @@ def test_matched_at_the_initial_size_is_the_plain_run_and_changes_a_larger_one()
     plain, matched = results[64, False], results[64, True]
     assert not matched["diverged"] and len(matched["steps"]) == len(plain["steps"])
     assert not np.allclose([e[3] for e in matched["evals"]], [e[3] for e in plain["evals"]])
+
+
+def test_along_table_bins_each_runs_noise_record_by_progress() -> None:
+    def run(matched: bool, seed: int, records: list[list[float]]) -> dict[str, Any]:
+        cfg = {"local_bsz": 128, "accum_steps": 0, "noise_match": matched}
+        return {"config": cfg, "seed": seed, "noise": records}
+
+    # Records: [progress, samples, |G|^2, tr(Sigma), estimate samples].
+    runs = [
+        run(False, 0, [[10, 0, 1.0, 10.0, 0], [20, 0, 3.0, 30.0, 0], [150, 0, 1.0, 50.0, 0]]),
+        run(False, 1, [[50, 0, 4.0, 40.0, 0]]),
+        run(True, 0, [[10, 0, 2.0, 10.0, 0]]),
+    ]
+    text = noise_match.along_table(runs, [0, 100, 200]).splitlines()
+    assert text[0] == "| run: |G|^2 / tr(Sigma) / noise scale, by progress | 0k-0.1k | 0.1k-0.2k |"
+    # Seed 0's bin mean (2, 20) and seed 1's (4, 40): medians 3 and 30; one seed in the next.
+    assert text[2] == "| fixed 256 | 3.00 / 30 / 10 | 1.00 / 50 / 50 |"
+    assert text[3] == "| fixed 256, noise matched | 2.00 / 10 / 5 | nan / nan / nan |"
