@@ -59,6 +59,21 @@ def extra_noise_weight(scale: float, gain: float) -> float:
     return math.sqrt((scale / r - 1.0) / (scale - 1.0))
 
 
+def check_config(cfg: dict[str, Any], replicas: int) -> int:
+    """The samples each of ``replicas`` contributes to the small batch of a
+    ``noise_match`` run of the trainer config ``cfg``; ValueError for an adaptive
+    run, one that accumulates, or an initial batch the replicas do not divide."""
+    b0 = cfg["init_batch_size"]
+    if cfg.get("autoscale") or cfg.get("accum_steps", 0) or replicas < 1 or b0 % replicas:
+        raise ValueError(
+            "noise_match needs a fixed size without accumulation and an initial batch "
+            f"that the replicas divide; got autoscale={cfg.get('autoscale')!r}, "
+            f"accum_steps={cfg.get('accum_steps')!r}, init_batch_size={b0!r}, "
+            f"replicas={replicas!r}"
+        )
+    return int(b0 // replicas)
+
+
 def match_noise(
     model: Any,
     batch_loss: Callable[[Any, Any], Any],

@@ -108,15 +108,9 @@ def train(
     if cfg.get("noise_match"):
         # `time_to_target --noise-match` (noise_match): a fixed size's steps carry the
         # initial batch's gradient noise per unit of progress.
-        replicas = job.topology.num_replicas
-        if cfg.get("autoscale") or cfg.get("accum_steps", 0) or b0 % replicas:
-            raise ValueError(
-                "noise_match needs a fixed size without accumulation and an initial batch "
-                f"that the {replicas} replicas divide"
-            )
-        from experiments.outcome.noise_match import extra_noise_weight, match_noise
+        from experiments.outcome.noise_match import check_config, extra_noise_weight, match_noise
 
-        matched = b0 // replicas
+        matched = check_config(cfg, job.topology.num_replicas)
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
     if cfg.get("autoscale"):

@@ -201,3 +201,28 @@ def test_along_table_bins_each_runs_noise_record_by_progress() -> None:
     # Seed 0's bin mean (2, 20) and seed 1's (4, 40): medians 3 and 30; one seed in the next.
     assert text[2] == "| fixed 256 | 3.00 / 30 / 10 | 1.00 / 50 / 50 |"
     assert text[3] == "| fixed 256, noise matched | 2.00 / 10 / 5 | nan / nan / nan |"
+
+
+@pytest.mark.parametrize(
+    ("change", "replicas"),
+    [({"autoscale": True}, 2), ({"accum_steps": 1}, 2), ({}, 3)],
+)
+def test_the_trainer_config_is_refused_where_the_mix_is_not_defined(
+    change: dict[str, Any], replicas: int
+) -> None:
+    cfg = {"init_batch_size": 16, "local_bsz": 64, "accum_steps": 0, **change}
+    with pytest.raises(ValueError, match="noise_match needs a fixed size"):
+        noise_match.check_config(cfg, replicas)
+    assert noise_match.check_config({"init_batch_size": 16, "accum_steps": 0}, 2) == 8
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_the_small_gradient_is_averaged_over_the_replicas() -> None:
+    from experiments.outcome._common import launch
+
+    result = launch("tests.outcome.match_worker", 2, {"samples": 4, "weight": 0.5})
+    assert result["world"] == 2
+    # Each replica's first 4 samples, averaged over both: the 8-sample gradient.
+    assert np.allclose(result["mixed"], result["expected"])
+    assert not np.allclose(result["mixed"], result["large"])
