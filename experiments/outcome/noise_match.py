@@ -40,23 +40,27 @@ from typing import Any
 import numpy as np
 
 
-def extra_noise_weight(scale: float, gain: float) -> float:
-    """``k`` for which ``g_M + k (g_m - g_M)`` has covariance ``Sigma / (gain * m)``.
+def extra_noise_weight(scale: float, gain: float, level: float = 1.0) -> float:
+    """``k`` for which ``g_M + k (g_m - g_M)`` has covariance ``level * Sigma / (gain * m)``.
 
     ``g_m`` is the mean gradient of ``m`` of the ``M = scale * m`` samples whose mean is
     ``g_M``, so ``Cov(g_m, g_M) = Sigma / M`` and the mix's covariance is
     ``((1 - k^2) / M + k^2 / m) Sigma``. ``gain`` is clipped to ``[1, scale]`` (the
-    AdaScale gain's range): 1 gives ``k = 1`` (the small batch's gradient), ``scale``
-    gives 0 (no added noise).
+    AdaScale gain's range). At ``level`` 1 (the initial batch's noise per unit of
+    progress) a gain of 1 gives ``k = 1`` (the small batch's gradient) and ``scale``
+    gives 0 (no added noise); a ``level`` in (0, 1) asks for that fraction of it, and
+    ``k`` is 0 where the batch's own noise is already below it.
     """
     if not (scale >= 1.0 and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number >= 1, got {scale!r}")
     if not math.isfinite(gain):
         raise ValueError(f"gain must be finite, got {gain!r}")
+    if not 0.0 < level <= 1.0:
+        raise ValueError(f"level must be in (0, 1], got {level!r}")
     if scale == 1.0:
         return 0.0
     r = min(max(gain, 1.0), scale)
-    return math.sqrt((scale / r - 1.0) / (scale - 1.0))
+    return math.sqrt(max(scale * level / r - 1.0, 0.0) / (scale - 1.0))
 
 
 def check_config(cfg: dict[str, Any], replicas: int) -> int:
@@ -118,27 +122,39 @@ def match_noise(
             p.grad.add_(small - p.grad, alpha=weight)
 
 
+def level_of(run: dict[str, Any]) -> float:
+    """The run's ``noise_match`` level: 0 for a plain run, 1 for ``True`` (older logs)."""
+    return float(run["config"].get("noise_match") or 0.0)
+
+
+def name_of(size: int, level: float) -> str:
+    """'fixed 256', 'fixed 256, noise matched' (level 1) or 'fixed 256, noise at 0.5'."""
+    if level == 0.0:
+        return f"fixed {size}"
+    return f"fixed {size}, " + ("noise matched" if level == 1.0 else f"noise at {level:g}")
+
+
 def _size(run: dict[str, Any]) -> int:
     cfg = run["config"]
     return int(2 * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
 
 
 def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kind of run (size, matched or plain): the seeds that ran and reached the
+    """Per kind of run (its size and `level_of`): the seeds that ran and reached the
     target, medians over them of the progress, samples and CPU seconds at the target,
     and the median over seeds of the progress over that seed's smallest plain size's
     (``ratio``; ``ratios``, in the order of the seeds, where both reached it)."""
-    smallest = min((_size(r) for r in runs if not r["config"].get("noise_match")), default=None)
+    smallest = min((_size(r) for r in runs if not level_of(r)), default=None)
     base = {
         r["seed"]: r["reached"]["progress"]
         for r in runs
-        if _size(r) == smallest and not r["config"].get("noise_match") and r["reached"]
+        if _size(r) == smallest and not level_of(r) and r["reached"]
     }
-    groups: dict[tuple[int, bool], list[dict[str, Any]]] = {}
+    groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
     for r in runs:
-        groups.setdefault((_size(r), bool(r["config"].get("noise_match"))), []).append(r)
+        groups.setdefault((_size(r), level_of(r)), []).append(r)
     rows = []
-    for (size, matched), group in sorted(groups.items()):
+    for (size, level), group in sorted(groups.items()):
         reached = sorted((r for r in group if r["reached"] is not None), key=lambda r: r["seed"])
 
         def median(key: str, reached: list[dict[str, Any]] = reached) -> float:
@@ -148,7 +164,7 @@ def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "size": size,
-                "matched": matched,
+                "level": level,
                 "seeds": sorted(r["seed"] for r in group),
                 "reached": len(reached),
                 "progress": median("progress"),
@@ -169,7 +185,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = f"fixed {r['size']}" + (", noise matched" if r["matched"] else "")
+        name = name_of(r["size"], r["level"])
         seeds = ",".join(str(s) for s in r["seeds"])
         lines.append(
             f"| {name} | {seeds} ({r['reached']}) | {r['progress']:.0f} | "
@@ -190,16 +206,16 @@ def level_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
     columns = []
     for level in levels:
         rows = at_target([retarget(r, **{key: level}) for r in runs])
-        columns.append({(r["size"], r["matched"]): r["ratio"] for r in rows})
+        columns.append({(r["size"], r["level"]): r["ratio"] for r in rows})
     lines = [
         "| progress to the level over the smallest plain size's, per seed (median) | "
         + " | ".join(f"{level:g}" for level in levels)
         + " |",
         "|---" * (len(levels) + 1) + "|",
     ]
-    for size, matched in sorted(columns[0]):
-        cells = " | ".join(f"{c.get((size, matched), math.nan):.2f}" for c in columns)
-        lines.append(f"| fixed {size}" + (", noise matched" if matched else "") + f" | {cells} |")
+    for size, level in sorted(columns[0]):
+        cells = " | ".join(f"{c.get((size, level), math.nan):.2f}" for c in columns)
+        lines.append(f"| {name_of(size, level)} | {cells} |")
     return "\n".join(lines)
 
 
@@ -207,7 +223,7 @@ def along_table(runs: Sequence[dict[str, Any]], edges: Sequence[float]) -> str:
     """Core's |G|^2, tr(Sigma) and their ratio along each kind of run: per kind and
     progress bin (between consecutive ``edges``), the median over seeds of each run's
     mean over the trainer's ``noise`` records in the bin."""
-    cells: dict[tuple[int, bool], list[list[tuple[float, float]]]] = {}
+    cells: dict[tuple[int, float], list[list[tuple[float, float]]]] = {}
     for r in runs:
         noise = np.asarray(r["noise"], dtype=float).reshape(-1, 5)
         row = []
@@ -218,20 +234,20 @@ def along_table(runs: Sequence[dict[str, Any]], edges: Sequence[float]) -> str:
                 if len(inside)
                 else (math.nan, math.nan)
             )
-        cells.setdefault((_size(r), bool(r["config"].get("noise_match"))), []).append(row)
+        cells.setdefault((_size(r), level_of(r)), []).append(row)
     bins = [f"{lo / 1000:g}k-{hi / 1000:g}k" for lo, hi in itertools.pairwise(edges)]
     lines = [
         "| run: |G|^2 / tr(Sigma) / noise scale, by progress | " + " | ".join(bins) + " |",
         "|---" * (len(bins) + 1) + "|",
     ]
-    for (size, matched), rows in sorted(cells.items()):
+    for (size, level), rows in sorted(cells.items()):
         values = np.asarray(rows)  # seeds x bins x (|G|^2, tr(Sigma))
         sqr, var = (
             [np.nanmedian(c) if np.isfinite(c).any() else math.nan for c in values[:, :, i].T]
             for i in (0, 1)
         )
         text = [f"{g:.2f} / {v:.0f} / {v / g:.0f}" for g, v in zip(sqr, var, strict=True)]
-        name = f"fixed {size}" + (", noise matched" if matched else "")
+        name = name_of(size, level)
         lines.append(f"| {name} | " + " | ".join(text) + " |")
     return "\n".join(lines)
 

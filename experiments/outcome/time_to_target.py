@@ -411,9 +411,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--noise-match",
-        action="store_true",
+        nargs="?",
+        const=1.0,
+        type=float,
+        metavar="LEVEL",
         help="fixed sizes whose steps carry the initial batch's gradient noise per unit of "
-        "progress (noise_match)",
+        "progress, or LEVEL (in (0, 1]) times it (noise_match)",
     )
     parser.add_argument(
         "--short",
@@ -470,8 +473,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     if args.signal_decision_only and args.signal_memory is None:
         parser.error("--signal-decision-only needs --signal-memory")
-    if args.noise_match and "adaptive" in args.kinds.split(","):
+    if args.noise_match is not None and "adaptive" in args.kinds.split(","):
         parser.error("--noise-match applies to fixed sizes: give --kinds fixed")
+    if args.noise_match is not None and not 0.0 < args.noise_match <= 1.0:
+        parser.error(f"--noise-match LEVEL must be in (0, 1], got {args.noise_match}")
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:
@@ -542,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 | ({"smoothing": args.smoothing} if args.smoothing is not None else {})
                 | ({"signal_memory": args.signal_memory} if args.signal_memory is not None else {})
                 | ({"signal_decision_only": True} if args.signal_decision_only else {})
-                | ({"noise_match": True} if args.noise_match else {}),
+                | ({"noise_match": args.noise_match} if args.noise_match is not None else {}),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs

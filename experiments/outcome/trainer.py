@@ -165,7 +165,8 @@ def train(
             if memory is not None:
                 job.metrics.gns.pending.append(memory.product(list(model.parameters())))
             if matched is not None:
-                weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain)
+                level = float(cfg["noise_match"])  # True (1.0): the initial batch's noise
+                weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain, level)
                 match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
             optimizer.step()
             # Judged on the parameters, the same on every replica after the averaged

@@ -14,17 +14,19 @@ from hypothesis import strategies as st
 import torch
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.floats(1.0, 4096.0), st.floats(0.0, 1.0))
+@settings(max_examples=300, deadline=None)
+@given(st.floats(1.0, 4096.0), st.floats(0.0, 1.0), st.floats(1e-3, 1.0))
 def test_the_weight_gives_the_covariance_of_gain_times_the_small_batch(
-    scale: float, where: float
+    scale: float, where: float, level: float
 ) -> None:
     gain = 1.0 + where * (scale - 1.0)
-    k = noise_match.extra_noise_weight(scale, gain)
+    k = noise_match.extra_noise_weight(scale, gain, level)
     assert 0.0 <= k <= 1.0
-    # ((1 - k^2) / M + k^2 / m) Sigma with M = scale * m, in units of Sigma / m.
+    # ((1 - k^2) / M + k^2 / m) Sigma with M = scale * m, in units of Sigma / m: the
+    # level asked for, or the batch's own where that is already below it.
     if scale > 1.0:
-        assert (1.0 - k * k) / scale + k * k == pytest.approx(1.0 / gain, rel=1e-9)
+        expected = max(level / gain, 1.0 / scale)
+        assert (1.0 - k * k) / scale + k * k == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_weight_at_the_ends_of_the_gain_range() -> None:
@@ -36,12 +38,21 @@ def test_the_weight_at_the_ends_of_the_gain_range() -> None:
     assert noise_match.extra_noise_weight(1.0, 1.0) == 0.0
 
 
-@pytest.mark.parametrize(("scale", "gain"), [(0.5, 1.0), (math.inf, 2.0), (4.0, math.nan)])
-def test_the_weight_refuses_a_scale_below_one_or_a_gain_not_finite(
-    scale: float, gain: float
+@pytest.mark.parametrize(
+    ("scale", "gain", "level"),
+    [
+        (0.5, 1.0, 1.0),
+        (math.inf, 2.0, 1.0),
+        (4.0, math.nan, 1.0),
+        (4.0, 2.0, 0.0),
+        (4.0, 2.0, 1.5),
+    ],
+)
+def test_the_weight_refuses_a_scale_below_one_a_gain_not_finite_or_a_level_outside(
+    scale: float, gain: float, level: float
 ) -> None:
-    with pytest.raises(ValueError, match=r"(scale|gain) must be"):
-        noise_match.extra_noise_weight(scale, gain)
+    with pytest.raises(ValueError, match=r"(scale|gain|level) must be"):
+        noise_match.extra_noise_weight(scale, gain, level)
 
 
 def _linear_problem(samples: int, dim: int, seed: int) -> tuple[Any, Any, torch.Tensor]:
@@ -98,7 +109,7 @@ def test_the_mix_refuses_more_samples_than_the_local_batch() -> None:
 
 
 def test_at_target_groups_plain_and_matched_runs_by_size() -> None:
-    def run(size: int, matched: bool, seed: int, progress: float | None) -> dict[str, Any]:
+    def run(size: int, matched: float, seed: int, progress: float | None) -> dict[str, Any]:
         cfg = {"local_bsz": size // 2, "accum_steps": 0, "noise_match": matched}
         reached = None
         if progress is not None:
@@ -112,18 +123,22 @@ def test_at_target_groups_plain_and_matched_runs_by_size() -> None:
             run(256, False, 0, 50.0),
             run(256, True, 0, 90.0),
             run(256, True, 1, None),
+            run(256, 0.5, 1, 170.0),
         ]
     )
-    assert [(r["size"], r["matched"], r["reached"]) for r in rows] == [
-        (16, False, 2),
-        (256, False, 1),
-        (256, True, 1),
+    # True (older logs) is level 1.
+    assert [(r["size"], r["level"], r["reached"]) for r in rows] == [
+        (16, 0.0, 2),
+        (256, 0.0, 1),
+        (256, 0.5, 1),
+        (256, 1.0, 1),
     ]
-    assert rows[0]["progress"] == 150.0 and rows[2]["seeds"] == [0, 1]
+    assert rows[0]["progress"] == 150.0 and rows[3]["seeds"] == [0, 1]
     text = noise_match.table(rows).splitlines()
     assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 (1.00, 1.00) |")
     # The ratio pairs by seed: seed 0's 90 over seed 0's 100.
-    assert text[4].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.90 (0.90) |")
+    assert text[4].startswith("| fixed 256, noise at 0.5 | 1 (1) | 170 | 0.85 (0.85) |")
+    assert text[5].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.90 (0.90) |")
 
 
 def test_level_table_reads_each_level_off_the_evaluations_paired_by_seed() -> None:
@@ -226,3 +241,12 @@ def test_the_small_gradient_is_averaged_over_the_replicas() -> None:
     # Each replica's first 4 samples, averaged over both: the 8-sample gradient.
     assert np.allclose(result["mixed"], result["expected"])
     assert not np.allclose(result["mixed"], result["large"])
+
+
+def test_a_noise_match_level_outside_its_range_is_refused(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--problems", "shapes", "--kinds", "fixed", "--noise-match", "1.5"]
+    with pytest.raises(SystemExit):
+        time_to_target.main([*argv, "--out", str(tmp_path)])
+    assert "--noise-match LEVEL must be in (0, 1], got 1.5" in capsys.readouterr().err
