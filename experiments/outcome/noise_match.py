@@ -22,9 +22,17 @@ rate and the progress (the estimator reads the gradients before the change). If 
 matched run needs the initial size's progress to reach the target, (a) is the
 account; if it keeps the plain run's, (b).
 
+``--noise-match LEVEL`` asks for LEVEL (in (0, 1]) times that noise instead.
+
     python -m experiments.outcome.time_to_target --problems shapes --kinds fixed \
         --sizes 128,256 --noise-match --seed-list 0,1,2 --out out/nm/matched
-    python -m experiments.outcome.noise_match out/nm/*/time_to_target.jsonl
+    python -m experiments.outcome.time_to_target --problems shapes --kinds fixed \
+        --sizes 16,128,256 --seed-list 0,1,2 --out out/nm/plain
+    python -m experiments.outcome.noise_match out/nm/matched/time_to_target.jsonl \
+        out/nm/plain/time_to_target.jsonl --levels 0.5,0.7,0.8,0.86
+
+The summary takes the runs of one calibration and target per problem (it refuses a
+mix) and counts a run that missed the target as infinitely late.
 """
 
 from __future__ import annotations
@@ -66,14 +74,22 @@ def extra_noise_weight(scale: float, gain: float, level: float = 1.0) -> float:
 def check_config(cfg: dict[str, Any], replicas: int) -> int:
     """The samples each of ``replicas`` contributes to the small batch of a
     ``noise_match`` run of the trainer config ``cfg``; ValueError for an adaptive
-    run, one that accumulates, or an initial batch the replicas do not divide."""
+    run, one that accumulates, a batch below the initial one, or an initial batch the
+    replicas do not divide."""
     b0 = cfg["init_batch_size"]
-    if cfg.get("autoscale") or cfg.get("accum_steps", 0) or replicas < 1 or b0 % replicas:
+    local = cfg.get("local_bsz", 0)
+    if (
+        cfg.get("autoscale")
+        or cfg.get("accum_steps", 0)
+        or replicas < 1
+        or b0 % replicas
+        or local * replicas < b0
+    ):
         raise ValueError(
-            "noise_match needs a fixed size without accumulation and an initial batch "
-            f"that the replicas divide; got autoscale={cfg.get('autoscale')!r}, "
-            f"accum_steps={cfg.get('accum_steps')!r}, init_batch_size={b0!r}, "
-            f"replicas={replicas!r}"
+            "noise_match needs a fixed size at least the initial batch, without "
+            "accumulation, and an initial batch that the replicas divide; got "
+            f"autoscale={cfg.get('autoscale')!r}, accum_steps={cfg.get('accum_steps')!r}, "
+            f"local_bsz={local!r}, init_batch_size={b0!r}, replicas={replicas!r}"
         )
     return int(b0 // replicas)
 
@@ -91,7 +107,9 @@ def match_noise(
     replica (the loader's order is already shuffled), its gradient averaged over the
     replicas with `torch.distributed` when a process group is up. The gradient is
     taken through detached copies of the parameters, so AdaptDL's gradient hooks
-    (on the parameters themselves) do not see it.
+    (on the parameters themselves) do not see it. Its extra forward pass would
+    update batch-norm statistics and draw dropout masks: the outcome problems' models
+    have neither.
     """
     import torch.distributed as dist
 
@@ -136,61 +154,104 @@ def name_of(size: int, level: float) -> str:
 
 def _size(run: dict[str, Any]) -> int:
     cfg = run["config"]
-    return int(2 * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
+    return int(run.get("replicas", 2) * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
+
+
+def _at(run: dict[str, Any], key: str) -> float:
+    """``key`` of the run's ``reached`` record; infinite for a run that missed."""
+    return float(run["reached"][key]) if run["reached"] is not None else math.inf
+
+
+def _mean_gain(run: dict[str, Any]) -> float:
+    """The mean AdaScale gain of the run's steps up to its target (all of them if missed)."""
+    steps = run["steps"]
+    count = run["reached"]["steps"] if run["reached"] is not None else len(steps)
+    return float(np.mean([s[4] for s in steps[:count]])) if count else math.nan
+
+
+def _over(top: float, bottom: float) -> float:
+    """``top / bottom``; NaN where ``bottom`` is 0 (a record without it)."""
+    return top / bottom if bottom else math.nan
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(np.median(values)) if len(values) else math.nan
 
 
 def at_target(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kind of run (its size and `level_of`): the seeds that ran and reached the
-    target, medians over them of the progress, samples and CPU seconds at the target,
-    and the median over seeds of the progress over that seed's smallest plain size's
-    (``ratio``; ``ratios``, in the order of the seeds, where both reached it)."""
-    smallest = min((_size(r) for r in runs if not level_of(r)), default=None)
-    base = {
-        r["seed"]: r["reached"]["progress"]
-        for r in runs
-        if _size(r) == smallest and not level_of(r) and r["reached"]
-    }
+    """Per kind of run (its size and `level_of`), medians over its seeds, a run that
+    missed the target counting as infinitely late: the progress, samples and CPU
+    seconds at the target (``progress``, ``samples``, ``cpu_seconds``), the mean gain
+    to it (``gain``), and per seed, in seed order, against that seed's run at the
+    smallest plain size (where it reached the target): the progress over its
+    (``ratios``, median ``ratio``) and its samples over these (``efficiencies``,
+    median ``efficiency``); for a matched kind also the progress over the plain run
+    of its size and seed (``over_plain``)."""
+    plain = {(r["seed"], _size(r)): r for r in runs if not level_of(r)}
+    smallest = min((size for _, size in plain), default=None)
     groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((_size(r), level_of(r)), []).append(r)
     rows = []
     for (size, level), group in sorted(groups.items()):
-        reached = sorted((r for r in group if r["reached"] is not None), key=lambda r: r["seed"])
-
-        def median(key: str, reached: list[dict[str, Any]] = reached) -> float:
-            return float(np.median([r["reached"][key] for r in reached])) if reached else math.nan
-
-        ratios = [r["reached"]["progress"] / base[r["seed"]] for r in reached if r["seed"] in base]
+        group = sorted(group, key=lambda r: r["seed"])
+        bases = [plain.get((r["seed"], smallest)) for r in group]
+        paired = [(r, b) for r, b in zip(group, bases, strict=True) if b and b["reached"]]
+        ratios = [_over(_at(r, "progress"), _at(b, "progress")) for r, b in paired]
+        efficiencies = [_over(_at(b, "samples"), _at(r, "samples")) for r, b in paired]
+        over_plain = []
+        if level:
+            for r in group:
+                p = plain.get((r["seed"], size))
+                if p is not None and p["reached"] is not None:
+                    over_plain.append(_over(_at(r, "progress"), _at(p, "progress")))
         rows.append(
             {
                 "size": size,
                 "level": level,
-                "seeds": sorted(r["seed"] for r in group),
-                "reached": len(reached),
-                "progress": median("progress"),
-                "samples": median("samples"),
-                "cpu_seconds": median("cpu_seconds"),
-                "ratio": float(np.median(ratios)) if ratios else math.nan,
+                "seeds": [r["seed"] for r in group],
+                "reached": sum(r["reached"] is not None for r in group),
+                "progress": _median([_at(r, "progress") for r in group]),
+                "samples": _median([_at(r, "samples") for r in group]),
+                "cpu_seconds": _median([_at(r, "cpu_seconds") for r in group]),
+                "gain": _median([_mean_gain(r) for r in group]),
                 "ratios": ratios,
+                "ratio": _median(ratios),
+                "efficiencies": efficiencies,
+                "efficiency": _median(efficiencies),
+                "over_plain": over_plain,
             }
         )
     return rows
+
+
+def _num(x: float, digits: int) -> str:
+    return "miss" if math.isinf(x) else f"{x:.{digits}f}"
+
+
+def _each(values: Sequence[float]) -> str:
+    """'median (each, ...)' of per-seed values, or '-' without any."""
+    if not values:
+        return "-"
+    return f"{_num(_median(values), 2)} ({', '.join(_num(x, 2) for x in values)})"
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """`at_target`'s rows as a Markdown table."""
     lines = [
         "| run | seeds (reached) | progress at target (median) | over the smallest plain "
-        "size's, per seed: median (each) | samples | CPU s |",
-        "|---|---|---|---|---|---|",
+        "size's, per seed: median (each) | over the plain run of its size, per seed | "
+        "mean gain to target (median) | samples (median) | samples of the smallest plain "
+        "size over these, per seed | CPU s (median) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = name_of(r["size"], r["level"])
         seeds = ",".join(str(s) for s in r["seeds"])
         lines.append(
-            f"| {name} | {seeds} ({r['reached']}) | {r['progress']:.0f} | "
-            f"{r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | "
-            f"{r['samples']:.0f} | {r['cpu_seconds']:.1f} |"
+            f"| {name_of(r['size'], r['level'])} | {seeds} ({r['reached']}) | "
+            f"{_num(r['progress'], 0)} | {_each(r['ratios'])} | {_each(r['over_plain'])} | "
+            f"{r['gain']:.2f} | {_num(r['samples'], 0)} | {_each(r['efficiencies'])} | "
+            f"{_num(r['cpu_seconds'], 1)} |"
         )
     return "\n".join(lines)
 
@@ -214,7 +275,7 @@ def level_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
         "|---" * (len(levels) + 1) + "|",
     ]
     for size, level in sorted(columns[0]):
-        cells = " | ".join(f"{c.get((size, level), math.nan):.2f}" for c in columns)
+        cells = " | ".join(_num(c.get((size, level), math.nan), 2) for c in columns)
         lines.append(f"| {name_of(size, level)} | {cells} |")
     return "\n".join(lines)
 
@@ -242,13 +303,15 @@ def along_table(runs: Sequence[dict[str, Any]], edges: Sequence[float]) -> str:
     ]
     for (size, level), rows in sorted(cells.items()):
         values = np.asarray(rows)  # seeds x bins x (|G|^2, tr(Sigma))
-        sqr, var = (
-            [np.nanmedian(c) if np.isfinite(c).any() else math.nan for c in values[:, :, i].T]
-            for i in (0, 1)
-        )
-        text = [f"{g:.2f} / {v:.0f} / {v / g:.0f}" for g, v in zip(sqr, var, strict=True)]
-        name = name_of(size, level)
-        lines.append(f"| {name} | " + " | ".join(text) + " |")
+        text = []
+        for column in range(values.shape[1]):
+            sqr, var = values[:, column, 0], values[:, column, 1]
+            if not np.isfinite(sqr).any():
+                text.append("- / - / -")
+                continue
+            g, v = float(np.nanmedian(sqr)), float(np.nanmedian(var))
+            text.append(f"{g:.2f} / {v:.0f} / {v / g:.0f}")
+        lines.append(f"| {name_of(size, level)} | " + " | ".join(text) + " |")
     return "\n".join(lines)
 
 
@@ -266,16 +329,30 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "statistics",
     )
     args = parser.parse_args(argv)
+    from experiments.outcome.time_to_target import check_one_calibration, own_target
+
     runs = [json.loads(line) for p in args.logs for line in p.read_text().splitlines() if line]
     fixed = [r for r in runs if not r["config"].get("autoscale")]
-    rows = at_target(fixed)
-    print(table(rows))
-    if args.levels:
+    rows = []
+    for problem in sorted({r["problem"] for r in fixed}):
+        mine = [r for r in fixed if r["problem"] == problem]
+        try:
+            # Matched and plain runs compare only on one calibration and one target.
+            check_one_calibration(mine)
+            own_target(mine)
+        except ValueError as err:
+            parser.error(f"{problem}: {err}")
+        print(f"{problem}:")
+        problem_rows = at_target(mine)
+        print(table(problem_rows))
+        if args.levels:
+            print()
+            print(level_table(mine, [float(x) for x in args.levels.split(",")]))
+        if args.along:
+            print()
+            print(along_table(mine, [float(x) for x in args.along.split(",")]))
         print()
-        print(level_table(fixed, [float(x) for x in args.levels.split(",")]))
-    if args.along:
-        print()
-        print(along_table(fixed, [float(x) for x in args.along.split(",")]))
+        rows += [{"problem": problem, **row} for row in problem_rows]
     return rows
 
 

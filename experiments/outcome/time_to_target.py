@@ -366,6 +366,20 @@ def plot(results: Sequence[dict[str, Any]], summaries: dict[str, Any], path: Pat
     plt.close(fig)
 
 
+def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The problem settings that ``main``'s options replace in every run it launches."""
+    options = {
+        "lr": args.lr,
+        "progress_epochs": args.progress_epochs,
+        "preconditioned": True if args.preconditioned else None,
+        "smoothing": args.smoothing,
+        "signal_memory": args.signal_memory,
+        "signal_decision_only": True if args.signal_decision_only else None,
+        "noise_match": args.noise_match,
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run both problems over the seeds, print the tables, write the plot and the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -473,6 +487,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     if args.signal_decision_only and args.signal_memory is None:
         parser.error("--signal-decision-only needs --signal-memory")
+    if args.noise_match is not None and args.from_log:
+        parser.error(
+            "--noise-match selects the runs to make; summarise noise-matched runs with "
+            "python -m experiments.outcome.noise_match"
+        )
     if args.noise_match is not None and "adaptive" in args.kinds.split(","):
         parser.error("--noise-match applies to fixed sizes: give --kinds fixed")
     if args.noise_match is not None and not 0.0 < args.noise_match <= 1.0:
@@ -503,6 +522,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     r["seed"],
                 )
             )
+            if any(r["config"].get("noise_match") for r in runs):
+                # Their labels are the plain sizes' ("fixed 256"): they would merge.
+                parser.error(
+                    f"{problem}: the logs hold noise-matched runs; summarise them with "
+                    "python -m experiments.outcome.noise_match"
+                )
             try:
                 check_one_calibration(runs)
             except ValueError as err:
@@ -536,21 +561,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 log=log,
                 kinds=args.kinds,
                 to_cap=args.to_cap,
-                overrides=short
-                | ({"lr": args.lr} if args.lr is not None else {})
-                | (
-                    {"progress_epochs": args.progress_epochs}
-                    if args.progress_epochs is not None
-                    else {}
-                )
-                | ({"preconditioned": True} if args.preconditioned else {})
-                | ({"smoothing": args.smoothing} if args.smoothing is not None else {})
-                | ({"signal_memory": args.signal_memory} if args.signal_memory is not None else {})
-                | ({"signal_decision_only": True} if args.signal_decision_only else {})
-                | ({"noise_match": args.noise_match} if args.noise_match is not None else {}),
+                overrides=short | run_overrides(args),
                 sizes=[int(x) for x in args.sizes.split(",")] if args.sizes else None,
             )
         results += runs
+        if args.noise_match is not None:
+            print(f"{problem}: every fixed run below is noise matched (level {args.noise_match})")
         summaries[problem] = summarise(runs)
         print(table(problem, summaries[problem], target))
         print()

@@ -111,6 +111,7 @@ def train(
         from experiments.outcome.noise_match import check_config, extra_noise_weight, match_noise
 
         matched = check_config(cfg, job.topology.num_replicas)
+        level = float(cfg["noise_match"])  # True (1.0): the initial batch's noise
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
     if cfg.get("autoscale"):
@@ -165,9 +166,9 @@ def train(
             if memory is not None:
                 job.metrics.gns.pending.append(memory.product(list(model.parameters())))
             if matched is not None:
-                level = float(cfg["noise_match"])  # True (1.0): the initial batch's noise
                 weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain, level)
-                match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
+                if weight > 0.0:  # the same on every replica: the gain is the job's
+                    match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
             optimizer.step()
             # Judged on the parameters, the same on every replica after the averaged
             # step: a rank judging its own loss could stop while the other enters the

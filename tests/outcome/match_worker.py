@@ -49,6 +49,9 @@ def main() -> None:
                 "large": large.view(-1).tolist(),
             }
         )
+    # Both replicas leave the group together: gloo aborts a process exiting with it open.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -108,37 +109,48 @@ def test_the_mix_refuses_more_samples_than_the_local_batch() -> None:
         noise_match.match_noise(model, batch_loss, torch.arange(4), 5, 0.5)
 
 
-def test_at_target_groups_plain_and_matched_runs_by_size() -> None:
-    def run(size: int, matched: float, seed: int, progress: float | None) -> dict[str, Any]:
-        cfg = {"local_bsz": size // 2, "accum_steps": 0, "noise_match": matched}
-        reached = None
-        if progress is not None:
-            reached = {"progress": progress, "samples": 16 * progress, "cpu_seconds": 1.0}
-        return {"config": cfg, "seed": seed, "reached": reached}
+def _reached_run(size: int, level: float, seed: int, progress: float | None) -> dict[str, Any]:
+    cfg = {"local_bsz": size // 2, "accum_steps": 0, "noise_match": level}
+    reached = None
+    # Gains: 2 before the target, 9 after it (a run that missed counts all its steps).
+    steps = [[0, size, size // 2, 0, 2.0]] * 3 + [[0, size, size // 2, 0, 9.0]]
+    if progress is not None:
+        reached = {"progress": progress, "samples": 16 * progress, "cpu_seconds": 1.0}
+        reached["steps"] = 3
+    return {"config": cfg, "seed": seed, "reached": reached, "steps": steps}
 
+
+def test_at_target_groups_runs_by_size_and_level_and_pairs_them_by_seed() -> None:
     rows = noise_match.at_target(
         [
-            run(16, False, 0, 100.0),
-            run(16, False, 1, 200.0),
-            run(256, False, 0, 50.0),
-            run(256, True, 0, 90.0),
-            run(256, True, 1, None),
-            run(256, 0.5, 1, 170.0),
+            _reached_run(16, False, 0, 100.0),
+            _reached_run(16, False, 1, 200.0),
+            _reached_run(256, False, 0, 50.0),
+            _reached_run(256, False, 1, 100.0),
+            _reached_run(256, True, 0, 90.0),
+            _reached_run(256, True, 1, None),
+            _reached_run(256, 0.5, 1, 170.0),
         ]
     )
     # True (older logs) is level 1.
     assert [(r["size"], r["level"], r["reached"]) for r in rows] == [
         (16, 0.0, 2),
-        (256, 0.0, 1),
+        (256, 0.0, 2),
         (256, 0.5, 1),
         (256, 1.0, 1),
     ]
     assert rows[0]["progress"] == 150.0 and rows[3]["seeds"] == [0, 1]
+    # Paired by seed: seed 0's 90 over seed 0's 100 (and its plain 256's 50); seed 1
+    # missed, infinitely late, which the medians count.
+    matched = rows[3]
+    assert matched["ratios"] == [0.9, math.inf] and matched["over_plain"] == [1.8, math.inf]
+    assert matched["progress"] == math.inf and matched["efficiencies"] == [100 / 90, 0.0]
+    assert matched["gain"] == pytest.approx((2.0 + 3.75) / 2)  # reached: 2; missed: all 4
     text = noise_match.table(rows).splitlines()
-    assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 (1.00, 1.00) |")
-    # The ratio pairs by seed: seed 0's 90 over seed 0's 100.
-    assert text[4].startswith("| fixed 256, noise at 0.5 | 1 (1) | 170 | 0.85 (0.85) |")
-    assert text[5].startswith("| fixed 256, noise matched | 0,1 (1) | 90 | 0.90 (0.90) |")
+    assert text[2].startswith("| fixed 16 | 0,1 (2) | 150 | 1.00 (1.00, 1.00) | - | 2.00 |")
+    half = "| fixed 256, noise at 0.5 | 1 (1) | 170 | 0.85 (0.85) | 1.70 (1.70) |"
+    assert text[4].startswith(half)
+    assert text[5].startswith("| fixed 256, noise matched | 0,1 (1) | miss | miss (0.90, miss) |")
 
 
 def test_level_table_reads_each_level_off_the_evaluations_paired_by_seed() -> None:
@@ -178,26 +190,21 @@ def test_noise_match_is_refused_for_an_adaptive_run(
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_matched_at_the_initial_size_is_the_plain_run_and_changes_a_larger_one() -> None:
+def test_the_level_reaches_the_trainer_and_moves_the_training() -> None:
     from experiments.outcome._common import launch
 
-    results = {}
-    for size in (16, 64):
-        (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="fixed", sizes=[size])
-        cfg = {**cfg, "stop_at_target": False, "progress_epochs": 1}
-        for matched in (False, True):
-            results[size, matched] = launch(
-                "experiments.outcome.trainer", 2, {**cfg, "noise_match": matched}
-            )
-    # At the initial size the weight is 0: the extra gradient changes nothing, and the
-    # estimator (whose hooks it must not reach) reads the same norms.
-    plain, matched = results[16, False], results[16, True]
-    assert matched["noise"] == plain["noise"]
-    assert [e[3] for e in matched["evals"]] == [e[3] for e in plain["evals"]]
-    # At 64 it moves the training: the same steps, other losses.
-    plain, matched = results[64, False], results[64, True]
-    assert not matched["diverged"] and len(matched["steps"]) == len(plain["steps"])
-    assert not np.allclose([e[3] for e in matched["evals"]], [e[3] for e in plain["evals"]])
+    (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="fixed", sizes=[64])
+    cfg = {**cfg, "stop_at_target": False, "progress_epochs": 1}
+    results = {
+        level: launch("experiments.outcome.trainer", 2, {**cfg, "noise_match": level})
+        for level in (None, 0.5, 1.0)
+    }
+    # The same steps and gains' run; each level trains differently.
+    losses = {level: [e[3] for e in r["evals"]] for level, r in results.items()}
+    for result in results.values():
+        assert not result["diverged"] and len(result["steps"]) == len(results[None]["steps"])
+    assert not np.allclose(losses[0.5], losses[None])
+    assert not np.allclose(losses[1.0], losses[0.5])
 
 
 def test_along_table_bins_each_runs_noise_record_by_progress() -> None:
@@ -215,20 +222,20 @@ def test_along_table_bins_each_runs_noise_record_by_progress() -> None:
     assert text[0] == "| run: |G|^2 / tr(Sigma) / noise scale, by progress | 0k-0.1k | 0.1k-0.2k |"
     # Seed 0's bin mean (2, 20) and seed 1's (4, 40): medians 3 and 30; one seed in the next.
     assert text[2] == "| fixed 256 | 3.00 / 30 / 10 | 1.00 / 50 / 50 |"
-    assert text[3] == "| fixed 256, noise matched | 2.00 / 10 / 5 | nan / nan / nan |"
+    assert text[3] == "| fixed 256, noise matched | 2.00 / 10 / 5 | - / - / - |"
 
 
 @pytest.mark.parametrize(
     ("change", "replicas"),
-    [({"autoscale": True}, 2), ({"accum_steps": 1}, 2), ({}, 3)],
+    [({"autoscale": True}, 2), ({"accum_steps": 1}, 2), ({}, 3), ({"local_bsz": 4}, 2)],
 )
 def test_the_trainer_config_is_refused_where_the_mix_is_not_defined(
     change: dict[str, Any], replicas: int
 ) -> None:
     cfg = {"init_batch_size": 16, "local_bsz": 64, "accum_steps": 0, **change}
-    with pytest.raises(ValueError, match="noise_match needs a fixed size"):
+    with pytest.raises(ValueError, match="noise_match needs a fixed size at least"):
         noise_match.check_config(cfg, replicas)
-    assert noise_match.check_config({"init_batch_size": 16, "accum_steps": 0}, 2) == 8
+    assert noise_match.check_config({**cfg, **dict.fromkeys(change, None), "local_bsz": 8}, 2) == 8
 
 
 @pytest.mark.e2e
@@ -250,3 +257,60 @@ def test_a_noise_match_level_outside_its_range_is_refused(
     with pytest.raises(SystemExit):
         time_to_target.main([*argv, "--out", str(tmp_path)])
     assert "--noise-match LEVEL must be in (0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_run_overrides_carry_every_option_given_and_only_those() -> None:
+    import argparse
+
+    args = argparse.Namespace(
+        lr=None,
+        progress_epochs=8,
+        preconditioned=False,
+        smoothing=None,
+        signal_memory=None,
+        signal_decision_only=False,
+        noise_match=0.5,
+    )
+    assert time_to_target.run_overrides(args) == {"progress_epochs": 8, "noise_match": 0.5}
+
+
+def _log(path: Any, runs: list[dict[str, Any]]) -> Any:
+    path.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    return path
+
+
+def test_time_to_target_refuses_to_summarise_noise_matched_runs(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = {**_reached_run(256, 1.0, 0, 90.0), "problem": "shapes", "label": "fixed 256"}
+    log = _log(tmp_path / "log.jsonl", [run])
+    with pytest.raises(SystemExit):
+        argv = ["--from-log", str(log), "--problems", "shapes"]
+        time_to_target.main([*argv, "--out", str(tmp_path)])
+    assert "noise-matched runs; summarise them with" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        argv = ["--from-log", str(log), "--noise-match", "--kinds", "fixed"]
+        time_to_target.main([*argv, "--out", str(tmp_path)])
+    assert "--noise-match selects the runs to make" in capsys.readouterr().err
+
+
+def test_noise_match_main_summarises_each_problem_and_refuses_a_mix_of_calibrations(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(problem: str, size: int, level: float, epochs: int) -> dict[str, Any]:
+        r = _reached_run(size, level, 0, 100.0 if size == 16 else 60.0)
+        r["config"].update(progress_epochs=epochs, target_accuracy=0.8)
+        return {**r, "problem": problem}
+
+    runs = [run("shapes", 16, 0.0, 12), run("shapes", 256, 1.0, 12), run("dyck", 16, 0.0, 8)]
+    rows = noise_match.main([str(_log(tmp_path / "a.jsonl", runs))])
+    assert [(r["problem"], r["size"], r["level"]) for r in rows] == [
+        ("dyck", 16, 0.0),
+        ("shapes", 16, 0.0),
+        ("shapes", 256, 1.0),
+    ]
+    assert "| fixed 256, noise matched | 0 (1) | 60 | 0.60 (0.60) |" in capsys.readouterr().out
+    mixed = _log(tmp_path / "b.jsonl", [*runs, run("shapes", 256, 0.0, 8)])
+    with pytest.raises(SystemExit):
+        noise_match.main([str(mixed)])
+    assert "shapes: runs were made on different calibrations" in capsys.readouterr().err
