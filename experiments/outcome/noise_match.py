@@ -153,8 +153,9 @@ def name_of(size: int, level: float) -> str:
 
 
 def _size(run: dict[str, Any]) -> int:
-    cfg = run["config"]
-    return int(run.get("replicas", 2) * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
+    from experiments.outcome.time_to_target import total_of
+
+    return total_of(run["config"], run.get("replicas", 2))
 
 
 def _at(run: dict[str, Any], key: str) -> float:

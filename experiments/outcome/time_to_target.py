@@ -120,11 +120,16 @@ SHORT: dict[str, dict[str, Any]] = {
 QUICK = {"train_size": 2048, "val_size": 512, "progress_epochs": 2, "eval_every_samples": 1024}
 
 
+def total_of(cfg: dict[str, Any], replicas: int = 2) -> int:
+    """The total batch size of a fixed run's config on ``replicas`` replicas."""
+    return int(replicas * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
+
+
 def label_of(cfg: dict[str, Any]) -> str:
     """'adaptive' or 'fixed <total>' for a run's config on 2 replicas."""
     if cfg.get("autoscale"):
         return "adaptive"
-    return f"fixed {2 * cfg['local_bsz'] * (cfg['accum_steps'] + 1)}"
+    return f"fixed {total_of(cfg)}"
 
 
 def configs(
@@ -566,7 +571,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
         results += runs
         if args.noise_match is not None:
-            print(f"{problem}: every fixed run below is noise matched (level {args.noise_match})")
+            # Noise-matched runs carry the plain sizes' labels, which the sweep's summaries
+            # would read as hand-tuned sizes: noise_match's table names them instead.
+            from experiments.outcome import noise_match
+
+            print(f"{problem}:\n{noise_match.table(noise_match.at_target(runs))}\n")
+            continue
         summaries[problem] = summarise(runs)
         print(table(problem, summaries[problem], target))
         print()
@@ -585,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     (args.out / "time_to_target.json").write_text(json.dumps(results))
     if targets:
         (args.out / "targets.json").write_text(json.dumps(targets))
-    plot(results, summaries, args.out / "time_to_target.png")
+    if summaries:
+        plot(results, summaries, args.out / "time_to_target.png")
     return summaries
 
 

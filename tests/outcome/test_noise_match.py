@@ -314,3 +314,22 @@ def test_noise_match_main_summarises_each_problem_and_refuses_a_mix_of_calibrati
     with pytest.raises(SystemExit):
         noise_match.main([str(mixed)])
     assert "shapes: runs were made on different calibrations" in capsys.readouterr().err
+
+
+def test_a_noise_matched_sweep_prints_noise_matchs_table_not_the_sweeps(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: dict[str, Any] = {}
+
+    def fake_run(problem: str, seeds: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        made.update(kwargs)
+        return [{**_reached_run(256, 0.5, 0, 60.0), "problem": problem, "label": "fixed 256"}]
+
+    monkeypatch.setattr(time_to_target, "run", fake_run)
+    argv = ["--problems", "shapes", "--kinds", "fixed", "--sizes", "256", "--seeds", "1"]
+    time_to_target.main([*argv, "--noise-match", "0.5", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert made["overrides"]["noise_match"] == 0.5
+    # Named as what it is; the sweep's table (which would call it "fixed 256") is not printed.
+    assert "| fixed 256, noise at 0.5 | 0 (1) | 60 |" in out
+    assert "Best fixed" not in out
