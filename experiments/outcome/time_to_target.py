@@ -381,6 +381,8 @@ def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "signal_memory": args.signal_memory,
         "signal_decision_only": True if args.signal_decision_only else None,
         "noise_match": args.noise_match,
+        "floor_credit": True if args.floor_credit else None,
+        "floor_target_loss": args.floor_target_loss,
     }
     return {key: value for key, value in options.items() if value is not None}
 
@@ -436,6 +438,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         metavar="LEVEL",
         help="fixed sizes whose steps carry the initial batch's gradient noise per unit of "
         "progress, or LEVEL (in (0, 1]) times it (noise_match)",
+    )
+    parser.add_argument(
+        "--floor-credit",
+        action="store_true",
+        help="the batch-size decision credits the noise floor a batch keeps (floor_credit)",
+    )
+    parser.add_argument(
+        "--floor-target-loss",
+        type=float,
+        metavar="LOSS",
+        help="the decision credits the initial batch's noise floor with its share of the "
+        "training loss left to LOSS (floor_credit.floor_share)",
     )
     parser.add_argument(
         "--short",
@@ -501,6 +515,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("--noise-match applies to fixed sizes: give --kinds fixed")
     if args.noise_match is not None and not 0.0 < args.noise_match <= 1.0:
         parser.error(f"--noise-match LEVEL must be in (0, 1], got {args.noise_match}")
+    floor = [
+        o
+        for o, v in [
+            ("--floor-credit", args.floor_credit),
+            ("--floor-target-loss", args.floor_target_loss),
+        ]
+        if v
+    ]
+    if floor:
+        if args.from_log or len(floor) > 1 or args.kinds != "adaptive":
+            parser.error(
+                f"{' and '.join(floor)} select adaptive runs to make, one decision at a time: "
+                "give --kinds adaptive, no --from-log; summarise them with python -m "
+                "experiments.outcome.floor_credit"
+            )
+        adam = [p for p in args.problems.split(",") if PROBLEMS[p].get("optimizer") == "adam"]
+        if adam:
+            parser.error(f"{floor[0]} needs an SGD-type optimiser, not {adam}'s Adam")
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:

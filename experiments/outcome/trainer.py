@@ -104,6 +104,34 @@ def train(
             init_batch_size=b0, decision_only=cfg.get("signal_decision_only", False)
         )
         memory = GradientMemory(cfg["signal_memory"])
+    meter = None
+    if cfg.get("floor_credit"):
+        # `time_to_target --floor-credit` (floor_credit): the decision credits the noise
+        # floor a batch keeps; a restored estimator would be core's, without the meter.
+        if job.restored_from is not None:
+            raise ValueError("floor_credit needs a fresh start")
+        from experiments.outcome.floor_credit import FloorCreditScale, FloorMeter, check_config
+
+        check_config(cfg)
+        meter = FloorMeter()
+        job.metrics.gns = FloorCreditScale(init_batch_size=b0, meter=meter)
+    shared = None
+    if cfg.get("floor_target_loss") is not None:
+        # `time_to_target --floor-target-loss` (floor_credit): the decision's noise scale
+        # credits the initial batch's noise floor's share of the loss left to the target.
+        if job.restored_from is not None or meter is not None:
+            raise ValueError("floor_target_loss needs a fresh start and no floor_credit")
+        from experiments.outcome.floor_credit import (
+            FloorShareScale,
+            check_config,
+            floor_level,
+            floor_share,
+        )
+
+        check_config(cfg)
+        shared = FloorShareScale(init_batch_size=b0)
+        job.metrics.gns = shared
+        loss_sum = loss_weight = 0.0
     matched = None
     if cfg.get("noise_match"):
         # `time_to_target --noise-match` (noise_match): a fixed size's steps carry the
@@ -148,6 +176,7 @@ def train(
     reached: dict[str, float] | None = None
     diverged = False
     noise: list[list[float]] = []
+    floor: list[list[float]] = []
     tick, tick_cpu = time.perf_counter(), time.process_time()
     for _ in adl.remaining_epochs_until(cfg["progress_epochs"]):
         for idx in loader:
@@ -169,7 +198,27 @@ def train(
                 weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain, level)
                 if weight > 0.0:  # the same on every replica: the gain is the job's
                     match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
+            if meter is not None:
+                meter.before_step(list(model.parameters()))
             optimizer.step()
+            if shared is not None and math.isfinite(float(loss)):
+                # The training loss's average over about the last 100 steps (bias-corrected).
+                loss_sum = 0.99 * loss_sum + 0.01 * float(loss)
+                loss_weight = 0.99 * loss_weight + 0.01
+                if shared.resolved and len(steps) >= 100:
+                    scale = shared.var / shared.sqr
+                    floor0 = floor_level(cosine_lr(cfg, fraction), cfg["momentum"], shared.var, b0)
+                    now = (scale + b0) / (scale + helper.current_batch_size)
+                    shared.share = floor_share(
+                        floor0, loss_sum / loss_weight, min(now, 1.0), cfg["floor_target_loss"]
+                    )
+                    if len(steps) % 8 == 0:
+                        floor.append([adp.progress, loss_sum / loss_weight, floor0, shared.share])
+            if meter is not None:
+                lr = cosine_lr(cfg, fraction) * adp.last_lr_factor
+                meter.after_step(
+                    list(model.parameters()), lr, adp.gns.var, helper.current_batch_size
+                )
             # Judged on the parameters, the same on every replica after the averaged
             # step: a rank judging its own loss could stop while the other enters the
             # next all-reduce and waits there.
@@ -191,6 +240,12 @@ def train(
             if len(steps) % 8 == 1 and adp.gns is not None:
                 g = adp.gns
                 noise.append([adp.progress, samples, g.sqr, g.var, min(g.samples, 1e300)])
+                if meter is not None:  # (progress, the meter's share, the decision's kappa)
+                    share = meter.share
+                    scale = g.var / g.sqr if g.sqr > 0 else math.inf
+                    floor.append(
+                        [adp.progress, math.nan if share is None else share, g.kappa(scale)]
+                    )
             if samples >= next_eval:
                 train_time += time.perf_counter() - tick
                 train_cpu += time.process_time() - tick_cpu
@@ -241,6 +296,7 @@ def train(
                 "decisions": getattr(job.batch_size_decision, "records", []),
                 # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).
                 "noise": noise,
+                **({"floor": floor} if meter is not None or shared is not None else {}),
             }
         )
 
