@@ -287,39 +287,80 @@ def _by_kind(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, An
     for r in runs:
         seeds = out.setdefault(kind_of(r), {})
         if r["seed"] in seeds:
-            raise ValueError(f"two {kind_of(r)!r} runs of seed {r['seed']}")
+            raise ValueError(f"two {kind_of(r)!r} runs of seed {r['seed']} (give --pool)")
         seeds[r["seed"]] = r
     return out
 
 
+def pool_repeats(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per kind and seed: repeats become their mean (CPU time, a miss at its
+    whole run's; progress and samples where every repeat reached the target)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((kind_of(r), r["seed"]), []).append(r)
+    out = []
+    for repeats in groups.values():
+        cpu = float(np.mean([_cpu(r) for r in repeats]))
+        reached = None
+        if all(r.get("reached") for r in repeats):
+            reached = {
+                "cpu_seconds": cpu,
+                **{
+                    key: float(np.mean([r["reached"][key] for r in repeats]))
+                    for key in ("progress", "samples")
+                },
+            }
+        out.append({**repeats[0], "reached": reached, "train_cpu_seconds": cpu})
+    return out
+
+
 def _cpu(run: dict[str, Any]) -> float:
+    """CPU seconds to the target, or the whole run's where it missed (as `summaries`)."""
     reached = run.get("reached")
-    return float(reached["cpu_seconds"]) if reached else math.inf
+    return float(reached["cpu_seconds"] if reached else run["train_cpu_seconds"])
 
 
 def target_table(runs: Sequence[dict[str, Any]]) -> str:
-    """Per kind: CPU seconds, progress and samples to the target (medians; a miss is
-    infinitely late), and per seed the best fixed size's CPU time over the run's (the
-    best fixed size: the lowest median among the fixed sizes in ``runs``)."""
+    """Per kind: CPU seconds, progress and samples to the target (medians; a miss counts
+    at its whole run's time) and, for each adaptive kind, `summaries.paired` against the
+    best fixed size in ``runs``: per seed its CPU time over the run's, the ratio of the
+    medians and its bootstrap interval; for each floor decision, core's adaptive run's
+    CPU time over its, per seed."""
+    from experiments.outcome.summaries import paired
+
     kinds = _by_kind(runs)
     fixed = [k for k in kinds if k.startswith("fixed") and "noise level" not in k]
     if not fixed:
         raise ValueError("no fixed-size runs to compare with")
-    best = min(fixed, key=lambda k: float(np.median([_cpu(r) for r in kinds[k].values()])))
+    labelled = [{**r, "label": kind_of(r)} for r in runs]
     lines = [
-        f"| run | CPU s (median) | progress | samples | {best} / run, CPU, per seed | median |",
-        "|---|---|---|---|---|---|",
+        "| run | CPU s (median) | progress | samples | best fixed / run, CPU, per seed "
+        "| ratio of the medians [90% interval] | core's adaptive / run, per seed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for kind, seeds in kinds.items():
-        done = [r["reached"] for r in seeds.values() if r.get("reached")]
         cpu = float(np.median([_cpu(r) for r in seeds.values()]))
+        done = [r["reached"] for r in seeds.values() if r.get("reached")]
         progress = float(np.median([d["progress"] for d in done])) if done else math.nan
         samples = float(np.median([d["samples"] for d in done])) if done else math.nan
-        pairs = {s: _cpu(kinds[best][s]) / _cpu(r) for s, r in seeds.items() if s in kinds[best]}
-        cells = ", ".join(f"{s}: {v:.2f}" for s, v in sorted(pairs.items()))
-        med = f"{float(np.median(list(pairs.values()))):.2f}" if pairs else "-"
+        cells, ratio, core = "", "", ""
+        own = paired(labelled, ["adaptive"], kind) if kind.startswith("adaptive,") else None
+        if own is not None:
+            core = ", ".join(
+                f"{s}: {v:.2f}" for s, v in zip(own["seeds"], own["ratios"], strict=True)
+            )
+        if kind not in fixed and (pair := paired(labelled, fixed, kind)) is not None:
+            cells = f"{pair['label']}: " + ", ".join(
+                f"{s}: {v:.2f}" for s, v in zip(pair["seeds"], pair["ratios"], strict=True)
+            )
+            best = float(np.median([_cpu(kinds[pair["label"]][s]) for s in pair["seeds"]]))
+            mine = float(np.median([_cpu(seeds[s]) for s in pair["seeds"]]))
+            ratio = f"{best / mine:.2f}"
+            if pair["interval"] is not None:
+                ratio += " [{:.2f}, {:.2f}]".format(*pair["interval"])
         lines.append(
-            f"| {kind} | {cpu:.1f} | {progress:,.0f} | {samples:,.0f} | {cells} | {med} |"
+            f"| {kind} | {cpu:.1f} | {progress:,.0f} | {samples:,.0f} | {cells} | {ratio} "
+            f"| {core} |"
         )
     return "\n".join(lines)
 
@@ -390,8 +431,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--gaps", help="comma-separated progress values: the floor's predicted loss gaps there"
     )
+    parser.add_argument(
+        "--pool", action="store_true", help="average repeats of a kind and seed (pool_repeats)"
+    )
     args = parser.parse_args(argv)
     runs = [json.loads(line) for p in args.logs for line in p.read_text().splitlines() if line]
+    if args.pool:
+        runs = pool_repeats(runs)
     try:
         if args.gaps:
             print(floor_gap_table(runs, [float(x) for x in args.gaps.split(",")]))

@@ -516,12 +516,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.noise_match is not None and not 0.0 < args.noise_match <= 1.0:
         parser.error(f"--noise-match LEVEL must be in (0, 1], got {args.noise_match}")
     floor = [
-        o
-        for o, v in [
+        option
+        for option, given in [
             ("--floor-credit", args.floor_credit),
-            ("--floor-target-loss", args.floor_target_loss),
+            ("--floor-target-loss", args.floor_target_loss is not None),
         ]
-        if v
+        if given
     ]
     if floor:
         if args.from_log or len(floor) > 1 or args.kinds != "adaptive":

@@ -193,7 +193,14 @@ def _run(kind: str, seed: int, cpu: float | None, **extra: Any) -> dict[str, Any
         cfg.update(local_bsz=int(kind) // 2, accum_steps=0)
     cfg.update(extra)
     reached = None if cpu is None else {"cpu_seconds": cpu, "progress": 100.0, "samples": 10}
-    return {"config": cfg, "seed": seed, "replicas": 2, "reached": reached}
+    whole = 80.0 if cpu is None else cpu + 1.0
+    return {
+        "config": cfg,
+        "seed": seed,
+        "replicas": 2,
+        "reached": reached,
+        "train_cpu_seconds": whole,
+    }
 
 
 def test_target_table_pairs_each_run_with_its_seeds_best_fixed_size() -> None:
@@ -207,14 +214,29 @@ def test_target_table_pairs_each_run_with_its_seeds_best_fixed_size() -> None:
         _run("adaptive", 0, 5.0, floor_target_loss=0.35),
     ]
     text = floor_credit.target_table(runs).splitlines()
-    assert text[0].startswith("| run | CPU s (median) | progress | samples | fixed 256 / run")
-    assert "| adaptive | inf |" in text[4]
-    # Seed 0: 10 / 20; seed 1 missed: infinitely late.
-    assert "0: 0.50, 1: 0.00 | 0.25 |" in text[4]
-    assert text[5].startswith("| adaptive, floor share to loss 0.35 | 5.0 |")
-    assert text[5].endswith("0: 2.00 | 2.00 |")
+    assert text[0].startswith("| run | CPU s (median) | progress | samples | best fixed / run")
+    # Seed 1 missed: counted at its whole run's 80 s. Best fixed: 256 (medians 15, 35).
+    assert text[2] == "| fixed 256 | 15.0 | 100 | 10 |  |  |  |"
+    assert text[4] == "| adaptive | 50.0 | 100 | 10 | fixed 256: 0: 0.50, 1: 0.25 | 0.30 |  |"
+    # Core's adaptive run of seed 0 took 20 s: 4x the floor decision's 5.
+    assert text[5] == (
+        "| adaptive, floor share to loss 0.35 | 5.0 | 100 | 10 | fixed 256: 0: 2.00 | 2.00 "
+        "| 0: 4.00 |"
+    )
     with pytest.raises(ValueError, match="two 'fixed 256' runs of seed 0"):
         floor_credit.target_table([*runs, _run("256", 0, 1.0)])
+    # Pooled, the repeat averages in: fixed 256's seed 0 at (10 + 2) / 2.
+    pooled = floor_credit.target_table(floor_credit.pool_repeats([*runs, _run("256", 0, 2.0)]))
+    assert pooled.splitlines()[2] == "| fixed 256 | 13.0 | 100 | 10 |  |  |  |"
+
+
+def test_pool_repeats_averages_each_kind_and_seed_and_keeps_a_miss() -> None:
+    runs = [_run("adaptive", 0, 10.0), _run("adaptive", 0, 20.0), _run("adaptive", 1, None)]
+    runs.append(_run("adaptive", 1, 40.0))
+    pooled = {r["seed"]: r for r in floor_credit.pool_repeats(runs)}
+    assert pooled[0]["reached"] == {"cpu_seconds": 15.0, "progress": 100.0, "samples": 10.0}
+    # A repeat that missed counts at its whole run (80 s) and leaves the mean unreached.
+    assert pooled[1]["reached"] is None and pooled[1]["train_cpu_seconds"] == 60.0
     with pytest.raises(ValueError, match="no fixed-size runs"):
         floor_credit.target_table(runs[4:])
 
@@ -274,6 +296,7 @@ def test_the_floor_options_reach_the_runs_and_are_refused_where_undefined(
     assert time_to_target.run_overrides(args) == {"floor_credit": True, "floor_target_loss": 0.35}
     cases = [
         (["--floor-credit", "--kinds", "adaptive,fixed"], "select adaptive runs to make"),
+        (["--floor-target-loss", "0", "--kinds", "fixed"], "select adaptive runs to make"),
         (["--floor-credit", "--floor-target-loss", "0.3", "--kinds", "adaptive"], "one decision"),
         (
             ["--floor-target-loss", "0.3", "--kinds", "adaptive", "--problems", "dyck"],
