@@ -24,8 +24,8 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         runs = [r for r in results if r["label"] == label]
         reached = [r["reached"] for r in runs if r["reached"] is not None]
         # A run that misses counts as its whole training time (a lower bound).
-        cpu_all = _with_misses(runs, "cpu_seconds", "train_cpu_seconds")
-        wall_all = _with_misses(runs, "seconds", "train_seconds")
+        cpu_all = with_misses(runs, "cpu_seconds", "train_cpu_seconds")
+        wall_all = with_misses(runs, "seconds", "train_seconds")
         cpu = [x["cpu_seconds"] for x in reached]
         wall = [x["seconds"] for x in reached]
         # The sizes used until the target (a run that went on to its cap used more).
@@ -100,7 +100,7 @@ def paired(
             runs = times.setdefault(r["label"], {})
             if r["seed"] in runs:
                 raise ValueError(f"results hold two runs of {r['label']!r} at seed {r['seed']}")
-            runs[r["seed"]] = _with_misses([r], "cpu_seconds", "train_cpu_seconds")[0]
+            runs[r["seed"]] = with_misses([r], "cpu_seconds", "train_cpu_seconds")[0]
     seeds = sorted(times.get(against, {}))
     full = [label for label in labels if seeds and set(seeds) <= set(times.get(label, {}))]
     if not full:
@@ -127,7 +127,7 @@ def paired(
     }
 
 
-def _with_misses(runs: Sequence[dict[str, Any]], key: str, total: str) -> list[float]:
+def with_misses(runs: Sequence[dict[str, Any]], key: str, total: str) -> list[float]:
     """Each run's time to the target, or its whole training time where it missed."""
     return [float(r["reached"][key] if r["reached"] is not None else r[total]) for r in runs]
 

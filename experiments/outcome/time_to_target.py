@@ -515,24 +515,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("--noise-match applies to fixed sizes: give --kinds fixed")
     if args.noise_match is not None and not 0.0 < args.noise_match <= 1.0:
         parser.error(f"--noise-match LEVEL must be in (0, 1], got {args.noise_match}")
-    floor = [
-        option
-        for option, given in [
-            ("--floor-credit", args.floor_credit),
-            ("--floor-target-loss", args.floor_target_loss is not None),
-        ]
-        if given
-    ]
-    if floor:
-        if args.from_log or len(floor) > 1 or args.kinds != "adaptive":
-            parser.error(
-                f"{' and '.join(floor)} select adaptive runs to make, one decision at a time: "
-                "give --kinds adaptive, no --from-log; summarise them with python -m "
-                "experiments.outcome.floor_credit"
-            )
-        adam = [p for p in args.problems.split(",") if PROBLEMS[p].get("optimizer") == "adam"]
-        if adam:
-            parser.error(f"{floor[0]} needs an SGD-type optimiser, not {adam}'s Adam")
+    from experiments.outcome import floor_credit
+
+    if (wrong := floor_credit.check_options(args, PROBLEMS)) is not None:
+        parser.error(wrong)
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:
@@ -559,12 +545,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     r["seed"],
                 )
             )
-            if any(r["config"].get("noise_match") for r in runs):
-                # Their labels are the plain sizes' ("fixed 256"): they would merge.
-                parser.error(
-                    f"{problem}: the logs hold noise-matched runs; summarise them with "
-                    "python -m experiments.outcome.noise_match"
-                )
+            for key, kind, module in [
+                ("noise_match", "noise-matched", "noise_match"),
+                ("floor_credit", "per-step-credit", "floor_credit"),
+                ("floor_target_loss", "floor-share", "floor_credit"),
+            ]:
+                # Their labels are core's ("fixed 256", "adaptive"): they would merge.
+                values = [r["config"].get(key) for r in runs]
+                if any(v is not None and v is not False for v in values):  # 0.0 is given
+                    parser.error(
+                        f"{problem}: the logs hold {kind} runs; summarise them with "
+                        f"python -m experiments.outcome.{module}"
+                    )
             try:
                 check_one_calibration(runs)
             except ValueError as err:
@@ -608,6 +600,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             from experiments.outcome import noise_match
 
             print(f"{problem}:\n{noise_match.table(noise_match.at_target(runs))}\n")
+            continue
+        if args.floor_credit or args.floor_target_loss is not None:
+            # Their label is core's ("adaptive"): floor_credit's table names the decision.
+            print(f"{problem}:\n{floor_credit.target_table(runs)}\n")
             continue
         summaries[problem] = summarise(runs)
         print(table(problem, summaries[problem], target))

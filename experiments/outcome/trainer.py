@@ -104,34 +104,28 @@ def train(
             init_batch_size=b0, decision_only=cfg.get("signal_decision_only", False)
         )
         memory = GradientMemory(cfg["signal_memory"])
-    meter = None
-    if cfg.get("floor_credit"):
-        # `time_to_target --floor-credit` (floor_credit): the decision credits the noise
-        # floor a batch keeps; a restored estimator would be core's, without the meter.
-        if job.restored_from is not None:
-            raise ValueError("floor_credit needs a fresh start")
-        from experiments.outcome.floor_credit import FloorCreditScale, FloorMeter, check_config
+    meter = shared = None
+    if cfg.get("floor_credit") or cfg.get("floor_target_loss") is not None:
+        # `time_to_target --floor-credit` or `--floor-target-loss` (noise_floor): the
+        # decision credits the noise floor a batch keeps. A restored estimator would be
+        # core's; another estimator option's would be replaced.
+        both = cfg.get("floor_credit") and cfg.get("floor_target_loss") is not None
+        if job.restored_from is not None or both or memory is not None or cfg.get("smoothing"):
+            raise ValueError(
+                "floor_credit and floor_target_loss need a fresh start, one of them at a "
+                "time, and no other estimator option (smoothing, signal_memory)"
+            )
+        from experiments.outcome import noise_floor
 
-        check_config(cfg)
-        meter = FloorMeter()
-        job.metrics.gns = FloorCreditScale(init_batch_size=b0, meter=meter)
-    shared = None
-    if cfg.get("floor_target_loss") is not None:
-        # `time_to_target --floor-target-loss` (floor_credit): the decision's noise scale
-        # credits the initial batch's noise floor's share of the loss left to the target.
-        if job.restored_from is not None or meter is not None:
-            raise ValueError("floor_target_loss needs a fresh start and no floor_credit")
-        from experiments.outcome.floor_credit import (
-            FloorShareScale,
-            check_config,
-            floor_level,
-            floor_share,
-        )
-
-        check_config(cfg)
-        shared = FloorShareScale(init_batch_size=b0)
-        job.metrics.gns = shared
-        loss_sum = loss_weight = 0.0
+        noise_floor.check_config(cfg)
+        if cfg.get("floor_credit"):
+            meter = noise_floor.FloorMeter()
+            job.metrics.gns = noise_floor.FloorCreditScale(init_batch_size=b0, meter=meter)
+        else:
+            shared = noise_floor.FloorShareScale(
+                init_batch_size=b0, target_loss=cfg["floor_target_loss"]
+            )
+            job.metrics.gns = shared
     matched = None
     if cfg.get("noise_match"):
         # `time_to_target --noise-match` (noise_match): a fixed size's steps carry the
@@ -176,7 +170,10 @@ def train(
     reached: dict[str, float] | None = None
     diverged = False
     noise: list[list[float]] = []
+    # Floor decisions only: per-step-credit rows (progress, lambda), floor-share rows
+    # (progress, the training loss's average, the initial batch's floor, the share).
     floor: list[list[float]] = []
+    params = list(model.parameters())
     tick, tick_cpu = time.perf_counter(), time.process_time()
     for _ in adl.remaining_epochs_until(cfg["progress_epochs"]):
         for idx in loader:
@@ -198,27 +195,23 @@ def train(
                 weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain, level)
                 if weight > 0.0:  # the same on every replica: the gain is the job's
                     match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
+            step_loss = float(loss)
             if meter is not None:
-                meter.before_step(list(model.parameters()))
+                meter.before_step(params)
             optimizer.step()
-            if shared is not None and math.isfinite(float(loss)):
-                # The training loss's average over about the last 100 steps (bias-corrected).
-                loss_sum = 0.99 * loss_sum + 0.01 * float(loss)
-                loss_weight = 0.99 * loss_weight + 0.01
-                if shared.resolved and len(steps) >= 100:
-                    scale = shared.var / shared.sqr
-                    floor0 = floor_level(cosine_lr(cfg, fraction), cfg["momentum"], shared.var, b0)
-                    now = (scale + b0) / (scale + helper.current_batch_size)
-                    shared.share = floor_share(
-                        floor0, loss_sum / loss_weight, min(now, 1.0), cfg["floor_target_loss"]
-                    )
-                    if len(steps) % 8 == 0:
-                        floor.append([adp.progress, loss_sum / loss_weight, floor0, shared.share])
+            if shared is not None:
+                # Rank 0's decision (broadcast) reads rank 0's own loss.
+                point = shared.observe(
+                    step_loss,
+                    cosine_lr(cfg, fraction),
+                    cfg.get("momentum", 0.0),
+                    helper.current_batch_size,
+                )
+                if point is not None and len(steps) % 8 == 0:
+                    floor.append([adp.progress, *point])
             if meter is not None:
                 lr = cosine_lr(cfg, fraction) * adp.last_lr_factor
-                meter.after_step(
-                    list(model.parameters()), lr, adp.gns.var, helper.current_batch_size
-                )
+                meter.after_step(params, lr, adp.gns.var, helper.current_batch_size)
             # Judged on the parameters, the same on every replica after the averaged
             # step: a rank judging its own loss could stop while the other enters the
             # next all-reduce and waits there.
@@ -232,7 +225,7 @@ def train(
                     helper.accumulation_steps,
                     adp.last_gain,
                     adp.last_lr_factor,
-                    float(loss),
+                    step_loss,
                     adp.goodput() or 0.0,
                     train_time + time.perf_counter() - tick,
                 ]
@@ -240,12 +233,9 @@ def train(
             if len(steps) % 8 == 1 and adp.gns is not None:
                 g = adp.gns
                 noise.append([adp.progress, samples, g.sqr, g.var, min(g.samples, 1e300)])
-                if meter is not None:  # (progress, the meter's share, the decision's kappa)
+                if meter is not None:  # (progress, the meter's share; NaN while immature)
                     share = meter.share
-                    scale = g.var / g.sqr if g.sqr > 0 else math.inf
-                    floor.append(
-                        [adp.progress, math.nan if share is None else share, g.kappa(scale)]
-                    )
+                    floor.append([adp.progress, math.nan if share is None else share])
             if samples >= next_eval:
                 train_time += time.perf_counter() - tick
                 train_cpu += time.process_time() - tick_cpu
