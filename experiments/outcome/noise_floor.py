@@ -150,6 +150,13 @@ class _DecisionScale(GradientNoiseScale):
         return self._answer(super().grad_params_bound(z))
 
 
+def _flat(tensors: Sequence[Any]) -> Any:
+    """One float64 vector of ``tensors`` (torch's own flattening)."""
+    from torch.nn.utils import parameters_to_vector
+
+    return parameters_to_vector(tensors).double()
+
+
 @attrs.define(eq=False)
 class FloorMeter:
     """The curvature's share ``lambda`` of the first-order gain, measured along a run.
@@ -178,23 +185,17 @@ class FloorMeter:
 
     def before_step(self, params: Sequence[Any]) -> None:
         """Read the step's gradient and parameters; pair the previous step's update."""
-        import torch
-
-        grad = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).double()
+        grad = _flat([p.grad for p in params if p.grad is not None])
         if self._step is not None and math.isfinite(self._first_order):
             after = float(grad @ self._step)
             self._fold(-self._first_order, 0.5 * (after - self._first_order))
         self._grad = grad
-        self._params = torch.cat(
-            [p.detach().reshape(-1) for p in params if p.grad is not None]
-        ).double()
+        self._params = _flat([p.detach() for p in params if p.grad is not None])
 
     def after_step(self, params: Sequence[Any], weight: float, var: float, batch: float) -> None:
         """The update just applied; ``weight`` is the current gradient's in it (the
         learning rate applied), ``var`` the job's tr(Sigma), ``batch`` the total size."""
-        import torch
-
-        now = torch.cat([p.detach().reshape(-1) for p in params if p.grad is not None]).double()
+        now = _flat([p.detach() for p in params if p.grad is not None])
         self._step = now - self._params
         self._first_order = float(self._grad @ self._step) + weight * var / batch
         self.batch = float(batch)
