@@ -6,7 +6,7 @@
 `target_table` compares the adaptive runs of each decision (core's rule, and the two
 of `noise_floor`: ``time_to_target --floor-credit`` and ``--floor-target-loss``)
 with the fixed sizes in the logs; `floor_gap_table` sets the fixed runs' training
-loss gaps to fixed 16 beside what `noise_floor.floor_level` predicts. `check_options`
+loss gaps to fixed 16 beside what `adaptdl.core.floor.floor_level` predicts. `check_options`
 holds ``time_to_target``'s refusals of the floor options.
 """
 
@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome.noise_floor import check_config, floor_level
+from experiments.outcome.noise_floor import check_config
+
+from adaptdl.core.floor import floor_level, sgd_rate
 
 
 def check_options(args: argparse.Namespace, problems: dict[str, Any]) -> str | None:
@@ -192,7 +194,7 @@ def _floor_along(run: dict[str, Any], grid: np.ndarray) -> tuple[np.ndarray, np.
         k = extra_noise_weight(scale, r, level) if level else 0.0
         batch = m0 / ((1.0 - k * k) / scale + k * k)
         lr = cosine_lr(cfg, min(p / cap, 1.0)) * r
-        floor.append(floor_level(lr, cfg.get("momentum", 0.0), v, batch))
+        floor.append(floor_level(sgd_rate(lr, cfg.get("momentum", 0.0)), v, batch))
     return loss, np.array(floor)
 
 

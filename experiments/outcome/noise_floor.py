@@ -1,17 +1,18 @@
-"""The noise floor a batch keeps, and two decisions crediting it (#18, eleventh follow-up).
+"""The noise floor's per-step credit, a prototype that failed (#18, eleventh follow-up).
 
 The tenth follow-up (`noise_match`) found that shapes' large fixed batches reach the
 target at less scale-invariant progress because a step at gain ``r`` on ``S`` times
 the initial batch carries ``r / S`` of the initial batch's gradient noise per unit of
 progress, and ``r / S`` is Pollux's efficiency ``E(M) = (B + M0) / (B + M)``. The
 goodput model credits a batch with its progress per second only. This module holds
-the floor, the two prototype decisions that credit it, and the refusals of what they
-do not cover; `floor_credit` holds their tables and command line.
+the per-step credit and the refusals of what the floor does not cover;
+`floor_credit` holds the tables and the command line's refusals.
 
-**The floor** (`floor_level`). SGD with momentum ``beta`` at the applied rate
-``lr`` on a quadratic keeps an excess loss of ``lr / (1 - beta) * tr(Sigma) / (4
-M)`` once the directions the noise excites have settled (for ``lr h`` well below
-``2 (1 + beta)`` in each direction; it does not depend on the curvatures).
+**The floor** (`adaptdl.core.floor.floor_level`, in core since the twelfth
+follow-up, with the floor share's decision: `adaptdl.core.floor`, opted into by
+reporting the training loss, ``AdaptiveDataParallel.report_loss``). SGD with
+momentum ``beta`` at the applied rate ``lr`` on a quadratic keeps an excess loss of
+``lr / (1 - beta) * tr(Sigma) / (4 M)``.
 
 **A per-step credit** (`FloorMeter`, `credited_scale`, `FloorCreditScale`; it
 failed, RESULTS.md). To second order a step ``dx`` changes the loss by ``G_t . dx +
@@ -27,15 +28,10 @@ the noise, whose cost per unit of progress scales as ``E``, the objective is
 the noise scale ``B'`` whose Pollux optimum has the same slope at the current batch,
 ``B' + M = (B + M) (1 - lambda) / (1 - 2 lambda)`` (unbounded at ``lambda >= 1/2``).
 
-**A floor share** (`floor_share`, `shared_scale`, `FloorShareScale`). The loss left
-to a target at the initial batch's noise is ``X = drift - target + F0``, ``F0`` the
-initial batch's floor at the current base rate and ``drift = loss - F0 E(M_now)``;
-its share ``f = F0 / X`` is floor, ``F0 E(M)`` at batch ``M``. With the drift linear
-in progress the time to the target goes as ``(1 - f + f E) / (throughput E)``, and
-``E / (1 - f + f E)`` is exactly Pollux's efficiency at ``B' = (B + f M0) / (1 -
-f)``: core's exact optimiser and caps take ``B'`` unchanged.
+**A floor share**: moved to core (`adaptdl.core.floor`); ``time_to_target
+--floor-target-loss`` runs it through ``report_loss``.
 
-Both decisions change the noise scale the batch-size decision reads (`grad_params`,
+The per-step credit changes the noise scale the batch-size decision reads (`grad_params`,
 `grad_params_bound`); the AdaScale gain, and with it the rate and the progress,
 keeps core's. SGD-type optimisers only (`check_config`): under Adam the noise's
 weight in the update is the preconditioner, not a number.
@@ -62,52 +58,6 @@ _HUGE = 1e12
 def efficiency_at(scale: float, init_batch: float, batch: float) -> float:
     """Core's statistical efficiency of ``batch`` at the noise scale ``scale``."""
     return float(efficiency(FLOATS, 1.0, scale / init_batch, init_batch, batch))
-
-
-def floor_level(lr: float, momentum: float, var: float, batch: float) -> float:
-    """SGD with momentum's quadratic floor, ``lr / (1 - momentum) * tr(Sigma) / (4 batch)``.
-
-    ``var`` is tr(Sigma) per sample. ValueError names the argument out of range.
-    """
-    for name, value, ok in [
-        ("lr", lr, lr >= 0.0),
-        ("momentum", momentum, 0.0 <= momentum < 1.0),
-        ("var", var, var >= 0.0),
-        ("batch", batch, batch > 0.0),
-    ]:
-        if not (ok and math.isfinite(value)):
-            allowed = "in [0, 1)" if name == "momentum" else "> 0" if name == "batch" else ">= 0"
-            raise ValueError(f"{name} must be finite and {allowed}, got {value!r}")
-    return lr / (1.0 - momentum) * var / (4.0 * batch)
-
-
-def floor_share(
-    floor0: float, loss: float, efficiency: float, target_loss: float, cap: float = 0.9
-) -> float:
-    """The share ``f`` of the loss left to shed to ``target_loss`` that is the initial
-    batch's noise floor ``floor0``, in [0, ``cap``].
-
-    ``loss`` is the training loss now, at a batch of statistical ``efficiency`` (whose
-    floor is ``floor0 * efficiency``). Left to shed at the initial batch: the drift
-    ``loss - floor0 * efficiency`` less the target, plus ``floor0``. At or past the
-    point where the floor is all that is left, ``cap``; 0 without a floor or a finite
-    loss.
-    """
-    if not 0.0 <= cap < 1.0:
-        raise ValueError(f"cap must be in [0, 1), got {cap!r}")
-    left = loss - floor0 * efficiency - target_loss + floor0
-    if not (math.isfinite(left) and math.isfinite(floor0)) or floor0 <= 0.0:
-        return 0.0
-    if left <= floor0:
-        return cap
-    return min(floor0 / left, cap)
-
-
-def shared_scale(scale: float, init_batch: float, share: float) -> float:
-    """The noise scale ``B' = (B + f M0) / (1 - f)`` at floor share ``f = share``."""
-    if not 0.0 <= share < 1.0:
-        raise ValueError(f"share must be in [0, 1), got {share!r}")
-    return (scale + share * init_batch) / (1.0 - share)
 
 
 def credited_scale(scale: float, batch: float, share: float) -> float:
@@ -228,51 +178,6 @@ class FloorCreditScale(_DecisionScale):
         if meter is None or meter.share is None or meter.batch <= 0.0:
             return scale
         return credited_scale(scale, meter.batch, meter.share)
-
-
-@attrs.define(eq=False)
-class FloorShareScale(_DecisionScale):
-    """The floor share: the decision reads `shared_scale` at ``share``, which `observe`
-    keeps from the training loss (averaged with memory ``memory`` per step, taken
-    after ``min_steps`` steps) and ``target_loss``."""
-
-    target_loss: float = 0.0
-    memory: float = 0.99
-    min_steps: int = 100
-    share: float = 0.0
-    steps: int = 0
-    _loss_sum: float = 0.0
-    _loss_weight: float = 0.0
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        if not math.isfinite(self.target_loss):
-            raise ValueError(f"target_loss must be finite, got {self.target_loss!r}")
-        if not 0.0 <= self.memory < 1.0:
-            raise ValueError(f"memory must be in [0, 1), got {self.memory!r}")
-
-    def decision_scale(self, scale: float) -> float:
-        """`shared_scale` at the current share."""
-        return shared_scale(scale, float(self.init_batch_size), self.share)
-
-    def observe(
-        self, loss: float, base_lr: float, momentum: float, batch: float
-    ) -> tuple[float, float, float] | None:
-        """Fold one step's training ``loss`` (a loss not finite is skipped) and set the
-        share from the initial batch's floor at ``base_lr``; return (loss average,
-        that floor, the share) once it is set, else None."""
-        self.steps += 1
-        if math.isfinite(loss):
-            self._loss_sum = self.memory * self._loss_sum + (1.0 - self.memory) * loss
-            self._loss_weight = self.memory * self._loss_weight + (1.0 - self.memory)
-        if self.steps < self.min_steps or not self.resolved or self._loss_weight <= 0.0:
-            return None
-        m0 = float(self.init_batch_size)
-        average = self._loss_sum / self._loss_weight
-        floor0 = floor_level(base_lr, momentum, self.var, m0)
-        now = efficiency_at(self.var / self.sqr, m0, batch)
-        self.share = floor_share(floor0, average, now, self.target_loss)
-        return average, floor0, self.share
 
 
 def check_config(cfg: dict[str, Any]) -> None:

@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         type=float,
         metavar="LOSS",
         help="the decision credits the initial batch's noise floor with its share of the "
-        "training loss left to LOSS (floor_credit.floor_share)",
+        "training loss left to LOSS (adaptdl.core.floor, through report_loss)",
     )
     parser.add_argument(
         "--short",

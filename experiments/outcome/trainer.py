@@ -104,28 +104,26 @@ def train(
             init_batch_size=b0, decision_only=cfg.get("signal_decision_only", False)
         )
         memory = GradientMemory(cfg["signal_memory"])
-    meter = shared = None
-    if cfg.get("floor_credit") or cfg.get("floor_target_loss") is not None:
-        # `time_to_target --floor-credit` or `--floor-target-loss` (noise_floor): the
-        # decision credits the noise floor a batch keeps. A restored estimator would be
-        # core's; another estimator option's would be replaced.
-        both = cfg.get("floor_credit") and cfg.get("floor_target_loss") is not None
-        if job.restored_from is not None or both or memory is not None or cfg.get("smoothing"):
-            raise ValueError(
-                "floor_credit and floor_target_loss need a fresh start, one of them at a "
-                "time, and no other estimator option (smoothing, signal_memory)"
-            )
+    meter = None
+    # `time_to_target --floor-target-loss LOSS`: core's floor share (adaptdl.core.floor),
+    # through the loss the loop reports (`report_loss`), with LOSS its target.
+    report_target = cfg.get("floor_target_loss")
+    if cfg.get("floor_credit") or report_target is not None:
         from experiments.outcome import noise_floor
 
         noise_floor.check_config(cfg)
-        if cfg.get("floor_credit"):
-            meter = noise_floor.FloorMeter()
-            job.metrics.gns = noise_floor.FloorCreditScale(init_batch_size=b0, meter=meter)
-        else:
-            shared = noise_floor.FloorShareScale(
-                init_batch_size=b0, target_loss=cfg["floor_target_loss"]
+        if cfg.get("floor_credit") and report_target is not None:
+            raise ValueError("floor_credit and floor_target_loss are two decisions: one at a time")
+    if cfg.get("floor_credit"):
+        # `time_to_target --floor-credit` (noise_floor): the per-step credit, a prototype
+        # estimator. A restored estimator would be core's; another option's replaced.
+        if job.restored_from is not None or memory is not None or cfg.get("smoothing"):
+            raise ValueError(
+                "floor_credit needs a fresh start and no other estimator option "
+                "(smoothing, signal_memory)"
             )
-            job.metrics.gns = shared
+        meter = noise_floor.FloorMeter()
+        job.metrics.gns = noise_floor.FloorCreditScale(init_batch_size=b0, meter=meter)
     matched = None
     if cfg.get("noise_match"):
         # `time_to_target --noise-match` (noise_match): a fixed size's steps carry the
@@ -199,16 +197,12 @@ def train(
             if meter is not None:
                 meter.before_step(params)
             optimizer.step()
-            if shared is not None:
-                # Rank 0's decision (broadcast) reads rank 0's own loss.
-                point = shared.observe(
-                    step_loss,
-                    cosine_lr(cfg, fraction),
-                    cfg.get("momentum", 0.0),
-                    helper.current_batch_size,
-                )
-                if point is not None and len(steps) % 8 == 0:
-                    floor.append([adp.progress, *point])
+            if report_target is not None:
+                # Each replica reports its own; rank 0's decision (broadcast) reads its.
+                adp.report_loss(step_loss, target_loss=report_target)
+                shared = job.metrics.floor
+                if shared is not None and shared.share > 0.0 and len(steps) % 8 == 0:
+                    floor.append([adp.progress, shared.average, shared.floor0, shared.share])
             if meter is not None:
                 lr = cosine_lr(cfg, fraction) * adp.last_lr_factor
                 meter.after_step(params, lr, adp.gns.var, helper.current_batch_size)
@@ -286,7 +280,7 @@ def train(
                 "decisions": getattr(job.batch_size_decision, "records", []),
                 # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).
                 "noise": noise,
-                **({"floor": floor} if meter is not None or shared is not None else {}),
+                **({"floor": floor} if meter is not None or report_target is not None else {}),
             }
         )
 

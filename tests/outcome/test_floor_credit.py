@@ -7,7 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from experiments.outcome import floor_credit, noise_floor, time_to_target
+from experiments.outcome import floor_credit, time_to_target
+
+from adaptdl.core.floor import floor_level, sgd_rate
 
 
 def _run(kind: str, seed: int, cpu: float | None, **extra: Any) -> dict[str, Any]:
@@ -96,11 +98,11 @@ def test_floor_gap_table_sets_each_measured_gap_beside_the_floors_prediction() -
     text = floor_credit.floor_gap_table(runs, [50.0]).splitlines()
     # At progress 50 (half the cap): base lr 0.005; at 16 with gain 2 (the steps'
     # lr factor) the floor is 0.01 / 0.1 * 100 / 64; at 256 with gain 2, / 1024.
-    at16 = noise_floor.floor_level(0.01, 0.9, 100.0, 16.0)
-    at256 = noise_floor.floor_level(0.01, 0.9, 100.0, 256.0)
+    at16 = floor_level(sgd_rate(0.01, 0.9), 100.0, 16.0)
+    at256 = floor_level(sgd_rate(0.01, 0.9), 100.0, 256.0)
     assert text[2] == f"| fixed 256 | -0.100 / {at256 - at16:+.3f} |"
     # Noise matched at level 1: 16 * gain / level = 32 samples' noise.
-    at32 = noise_floor.floor_level(0.01, 0.9, 100.0, 32.0)
+    at32 = floor_level(sgd_rate(0.01, 0.9), 100.0, 32.0)
     assert text[3] == f"| fixed 256, noise matched | +0.000 / {at32 - at16:+.3f} |"
     assert text[0].startswith("| run: training loss over fixed 16's, measured / predicted |")
     with pytest.raises(ValueError, match="needs the fixed 16 runs"):
@@ -179,10 +181,12 @@ def test_the_share_reaches_the_decision_of_an_adaptive_run_under_torchrun() -> N
     (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="adaptive")
     cfg = {**cfg, "stop_at_target": False, "progress_epochs": 4, "floor_target_loss": 0.0}
     result = launch("experiments.outcome.trainer", 2, cfg)
-    assert result["estimator"] == "FloorShareScale" and not result["diverged"]
+    # Core's estimator: the share is core's (adaptdl.core.floor), through report_loss.
+    assert result["estimator"] == "GradientNoiseScale" and not result["diverged"]
     floor = np.array(result["floor"])
-    # Rows from step 100 on: (progress, the training loss's average, the initial
-    # batch's floor, the share), the share the floor over the loss left (target 0).
+    # Rows once the share is set (from step 100 on): (progress, the training loss's
+    # average, the initial batch's floor, the share), the share the floor over the loss
+    # left (target 0).
     assert len(floor) and np.all(floor[:, 2] > 0.0)
     assert np.all((floor[:, 3] > 0.0) & (floor[:, 3] <= 0.9))
     # With the efficiency E in (0, 1]: F0 / (loss + F0) <= f <= F0 / loss (or the cap).

@@ -1,4 +1,5 @@
-"""`experiments.outcome.noise_floor`: the floor, its share, the two decisions' scales."""
+"""`experiments.outcome.noise_floor`: the per-step credit (the floor and its share are
+core's: tests/core/test_floor.py)."""
 
 from __future__ import annotations
 
@@ -26,81 +27,6 @@ def test_efficiency_at_is_cores_efficiency_of_the_scale(
     assert noise_floor.efficiency_at(scale, m0, batch) == pytest.approx(
         _efficiency(scale, m0, batch), rel=1e-12
     )
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.floats(0.0, 1e5),
-    st.floats(1.0, 4096.0),
-    st.floats(1.0, 64.0),
-    st.floats(0.0, 0.999),
-)
-def test_the_shared_scale_is_pollux_at_the_floor_shares_time_to_target(
-    scale: float, batch: float, m0: float, share: float
-) -> None:
-    # Time to the target at batch M goes as (1 - f + f E) / (throughput E): the
-    # efficiency that multiplies throughput is E / (1 - f + f E), Pollux's at B'.
-    e = (scale + m0) / (scale + batch)
-    shared = noise_floor.shared_scale(scale, m0, share)
-    assert shared >= scale
-    expected = e / (1.0 - share + share * e)
-    assert (shared + m0) / (shared + batch) == pytest.approx(expected, rel=1e-9)
-
-
-def test_the_shared_scale_at_share_zero_is_the_scale_and_refuses_a_share_outside() -> None:
-    assert noise_floor.shared_scale(100.0, 16.0, 0.0) == 100.0
-    assert noise_floor.shared_scale(100.0, 16.0, 0.5) == pytest.approx(216.0)
-    for bad in (-0.1, 1.0, math.nan):
-        with pytest.raises(ValueError, match="share must be in"):
-            noise_floor.shared_scale(100.0, 16.0, bad)
-
-
-def test_the_floor_level_and_its_refusals_name_the_argument() -> None:
-    # lr / (1 - momentum) * tr(Sigma) / (4 M): 0.01 / 0.1 * 120 / 64.
-    assert noise_floor.floor_level(0.01, 0.9, 120.0, 16.0) == pytest.approx(0.1875)
-    assert noise_floor.floor_level(0.01, 0.0, 120.0, 256.0) == pytest.approx(0.01 * 120 / 1024)
-    for args, name in [
-        ((-0.1, 0.9, 1.0, 16.0), "lr"),
-        ((0.1, 1.0, 1.0, 16.0), "momentum"),
-        ((0.1, 0.9, -1.0, 16.0), "var"),
-        ((0.1, 0.9, 1.0, 0.0), "batch"),
-        ((math.inf, 0.9, 1.0, 16.0), "lr"),
-    ]:
-        with pytest.raises(ValueError, match=f"^{name} must be finite"):
-            noise_floor.floor_level(*args)
-
-
-def test_the_floor_share_of_the_loss_left_to_the_target() -> None:
-    share = noise_floor.floor_share
-    # Loss 0.6 at E = 0.5 with floor0 0.2: drift 0.5; left to 0.35 at the initial
-    # batch's noise: 0.5 - 0.35 + 0.2 = 0.35, of which the floor 0.2.
-    assert share(0.2, 0.6, 0.5, 0.35) == pytest.approx(0.2 / 0.35)
-    assert share(0.2, 0.6, 0.5, 0.35, cap=0.5) == 0.5
-    # The floor all that is left (or more): the cap.
-    assert share(0.2, 0.45, 1.0, 0.3) == 0.9
-    # No floor, or a loss not finite: no share.
-    assert share(0.0, 0.6, 1.0, 0.35) == 0.0
-    assert share(0.2, math.nan, 1.0, 0.35) == 0.0
-    with pytest.raises(ValueError, match="cap must be in"):
-        share(0.2, 0.6, 1.0, 0.35, cap=1.0)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.floats(0.0, 1.0),
-    st.floats(0.0, 5.0),
-    st.floats(0.0, 5.0),
-    st.floats(1e-3, 1.0),
-    st.floats(-1.0, 1.0),
-)
-def test_the_floor_share_is_within_its_cap_and_falls_as_the_loss_left_grows(
-    floor0: float, loss: float, more: float, efficiency: float, target: float
-) -> None:
-    share = noise_floor.floor_share(floor0, loss, efficiency, target)
-    assert 0.0 <= share <= 0.9
-    # More loss left (a higher loss, or a lower target) never raises the floor's share.
-    assert noise_floor.floor_share(floor0, loss + more, efficiency, target) <= share
-    assert noise_floor.floor_share(floor0, loss, efficiency, target - more) <= share
 
 
 @settings(max_examples=200, deadline=None)
@@ -199,48 +125,6 @@ def test_the_meter_waits_for_its_minimum_and_refuses_a_memory_outside() -> None:
 def _estimates(est: GradientNoiseScale, steps: int = 4) -> None:
     for sqr_local, total in [(40.0, 15.0), (42.0, 15.5), (38.0, 14.5), (41.0, 15.2)][:steps]:
         est.update(sqr_local, total, 2, 8)
-
-
-def test_the_share_scale_answers_the_decision_at_the_shared_scale_and_keeps_the_gain() -> None:
-    est = noise_floor.FloorShareScale(init_batch_size=16)
-    core = GradientNoiseScale(init_batch_size=16)
-    _estimates(est)
-    _estimates(core)
-    assert est.grad_params() == core.grad_params()
-    est.share = 0.5
-    params, base = est.grad_params(), core.grad_params()
-    assert params is not None and base is not None
-    assert params.sqr == base.sqr
-    scale = base.var * 16 / base.sqr
-    assert params.var * 16 / params.sqr == pytest.approx((scale + 8.0) / 0.5)
-    bound, core_bound = est.grad_params_bound(1.0), core.grad_params_bound(1.0)
-    assert bound is not None and core_bound is not None
-    assert bound.var * 16 / bound.sqr == pytest.approx(
-        noise_floor.shared_scale(core_bound.var * 16 / core_bound.sqr, 16.0, 0.5)
-    )
-    assert est.gain(4.0) == core.gain(4.0)
-    # A bound without spread (two steps) reads no noise: no floor to credit either.
-    young = noise_floor.FloorShareScale(init_batch_size=16, share=0.5)
-    _estimates(young, 2)
-    bound = young.grad_params_bound(2.0)
-    assert bound is not None and bound.var == 0.0
-
-
-def test_observe_sets_the_share_from_the_loss_average_after_its_minimum() -> None:
-    est = noise_floor.FloorShareScale(init_batch_size=16, target_loss=0.1, min_steps=3)
-    _estimates(est)
-    assert est.observe(0.5, 0.01, 0.9, 32) is None
-    assert est.observe(math.nan, 0.01, 0.9, 32) is None  # skipped, yet counted
-    point = est.observe(0.7, 0.01, 0.9, 32)
-    assert point is not None
-    average, floor0, share = point
-    # The bias-corrected average of 0.5 and 0.7 (memory 0.99).
-    assert average == pytest.approx((0.99 * 0.5 + 0.7) / 1.99)
-    assert floor0 == pytest.approx(noise_floor.floor_level(0.01, 0.9, est.var, 16.0))
-    now = noise_floor.efficiency_at(est.var / est.sqr, 16.0, 32)
-    assert share == est.share == noise_floor.floor_share(floor0, average, now, 0.1)
-    with pytest.raises(ValueError, match="target_loss must be finite"):
-        noise_floor.FloorShareScale(init_batch_size=16, target_loss=math.inf)
 
 
 def test_the_credit_scale_reads_the_meters_share_at_its_batch() -> None:

@@ -1,11 +1,14 @@
-"""The job's training metrics as one checkpointed state: noise, progress and step timings."""
+"""The job's training metrics as one checkpointed state: noise, progress, step timings
+and (where the program reports its training loss) the noise floor's share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from adaptdl.core._validate import check_float
 from adaptdl.core.checkpoint import JsonState
+from adaptdl.core.floor import LossFloor, shared_params
 from adaptdl.core.gns import GNS_SCHEMA_WITHOUT_SPREAD, GradientNoiseScale
 from adaptdl.core.goodput import GoodputFunction, GradParams
 from adaptdl.core.profiler import Profiler
@@ -21,6 +24,10 @@ class MetricsState(JsonState):
     weighted by its gain (initial-batch-size steps that would have made the same
     progress). It belongs to the job, not to the estimator: the estimator may be
     made anew (another parameter-group shape) or reset without losing it.
+
+    ``floor`` exists once the program reports its training loss (`observe_loss`):
+    the goodput model the decision reads then credits the noise floor a batch keeps
+    (`adaptdl.core.floor`). `grad_params` stays the estimator's own.
     """
 
     def __init__(self, name: str = "adaptdl-metrics") -> None:
@@ -28,6 +35,7 @@ class MetricsState(JsonState):
         self.gns: GradientNoiseScale | None = None
         self.progress = 0.0
         self.profiler = Profiler()
+        self.floor: LossFloor | None = None
         self._credited_step: int | None = None  # not saved: step counts restart with the process
 
     def ensure_gns(self, init_batch_size: int, num_groups: int = 1) -> GradientNoiseScale:
@@ -53,19 +61,36 @@ class MetricsState(JsonState):
         self.progress += gain
 
     def grad_params(self) -> GradParams | None:
+        """The estimator's statistics (None before its first update)."""
         return self.gns.grad_params() if self.gns is not None else None
+
+    def observe_loss(
+        self, loss: float, rates: Sequence[float], batch_size: float, target_loss: float = 0.0
+    ) -> float:
+        """Fold one step's training ``loss`` into the floor (`LossFloor.observe`, made
+        at the first call) and return its share."""
+        if self.floor is None:
+            self.floor = LossFloor()
+        return self.floor.observe(loss, rates, self.gns, batch_size, target_loss)
+
+    def _credited(self, params: GradParams | None) -> GradParams | None:
+        share = self.floor.share if self.floor is not None else 0.0
+        return params if params is None or share == 0.0 else shared_params(params, share)
 
     # -- the goodput model these metrics make ------------------------------------------
     def goodput_fn(self, init_batch_size: int) -> GoodputFunction | None:
-        """The goodput model fitted so far, or None before enough has been profiled."""
-        return self.profiler.goodput_fn(self.grad_params(), init_batch_size)
+        """The goodput model fitted so far, or None before enough has been profiled.
+
+        Its noise scale credits the floor's share, if any (`shared_params`).
+        """
+        return self.profiler.goodput_fn(self._credited(self.grad_params()), init_batch_size)
 
     def bound_goodput_fn(self, z: float, init_batch_size: int) -> GoodputFunction | None:
         """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors).
 
         None where `goodput_fn` is None or there is no noise estimate yet.
         """
-        bound = self.gns.grad_params_bound(z) if self.gns is not None else None
+        bound = self._credited(self.gns.grad_params_bound(z) if self.gns is not None else None)
         return None if bound is None else self.profiler.goodput_fn(bound, init_batch_size)
 
     def estimate_samples(self) -> float:
@@ -82,6 +107,7 @@ class MetricsState(JsonState):
             "gns": self.gns.to_json() if self.gns is not None else None,
             "progress": self.progress,
             "profiler": self.profiler.to_json(),
+            "floor": self.floor.to_json() if self.floor is not None else None,
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
@@ -96,3 +122,7 @@ class MetricsState(JsonState):
         self.gns = GradientNoiseScale.from_json(gns) if gns is not None else None
         self.progress = check_float("progress", progress, min=0.0)
         self.profiler = Profiler.from_json(data["profiler"])
+        # Absent in a checkpoint written before the floor was kept, or by a program
+        # that reports no loss.
+        floor = data.get("floor")
+        self.floor = LossFloor.from_json(floor) if floor is not None else None

@@ -12,7 +12,8 @@ gradients summing in ``.grad`` without a reduction; on the step they are divided
 by the number of micro-batches, so the optimiser always sees the mean gradient of
 the whole batch. ``optimizer.step()`` asks core for the step's `StepDecision`,
 multiplies each group's learning rate by its factor for that step only, then
-commits the step's gain to the job's progress.
+commits the step's gain to the job's progress. Losses the program reports
+(`AdaptiveSteps.report_loss`) are folded there into core's noise floor.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from adaptdl.core._validate import check_float
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.step import PairedNorms, StepMeasurement, StepStatistics
+from adaptdl.torch._loss import check_floor_optimizer, check_loss, floor_rates, mean_loss
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
 
 __all__ = ["AdaptiveSteps", "check_arguments", "register_grad_hooks"]
@@ -202,6 +205,9 @@ class AdaptiveSteps:
         self.last_lr_factor = 1.0
         self.last_gain = 1.0
         self._plain = False
+        # Losses reported since the last step (`report_loss`) and the target stated.
+        self._losses: list[torch.Tensor | float] = []
+        self._target_loss = 0.0
 
     # -- backward hooks ----------------------------------------------------------------
     def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -489,7 +495,31 @@ class AdaptiveSteps:
         self._steps.commit(decision, step=job.boundaries)
         self.last_lr_factor = decision.lr_factors[0]
         self.last_gain = decision.gain
+        if self._losses:
+            losses, self._losses = self._losses, []
+            rates = floor_rates(self.adaptdl_optimizer, base)
+            job.metrics.observe_loss(
+                mean_loss(losses), rates, loader.current_batch_size, self._target_loss
+            )
         return result
+
+    def report_loss(self, loss: torch.Tensor | float, *, target_loss: float = 0.0) -> None:
+        """Report this micro-batch's training loss (the mean over its samples, whose
+        gradient the step takes), opt-in: the batch-size decision then credits the
+        noise floor a batch keeps (`adaptdl.core.floor`).
+
+        Call it once per micro-batch, before or after ``optimizer.step()``; the losses
+        since the last step are averaged into it at the next step. A tensor's value is
+        read there. ``target_loss`` is the training loss aimed at, if known (0: none
+        stated, the most cautious credit); the last one given counts. Only for
+        ``torch.optim.SGD`` (no Nesterov) under `AdaScale`: ValueError otherwise, and
+        for a loss that is not one number.
+        """
+        value = check_loss(loss)
+        target = check_float("target_loss", target_loss)
+        check_floor_optimizer(self.adaptdl_optimizer, self.scaling_rule)
+        self._losses.append(value)
+        self._target_loss = target
 
     def _patch_scaler(self, scaler: Any) -> None:
         for method in ("unscale_", "step", "update"):
@@ -538,6 +568,9 @@ class AdaptiveSteps:
         if gns is not None and gns.has_estimate:
             writer.add_scalar(f"{prefix}Gradient/sqr", gns.sqr, global_step)
             writer.add_scalar(f"{prefix}Gradient/var", gns.var, global_step)
+        floor = self._job.metrics.floor
+        if floor is not None:
+            writer.add_scalar(f"{prefix}Gradient/floor_share", floor.share, global_step)
         goodput = self.goodput()
         if goodput is not None:
             writer.add_scalar(f"{prefix}Performance/goodput", goodput, global_step)

@@ -1,0 +1,60 @@
+"""What `AdaptiveSteps.report_loss` checks and reads of torch objects: the loss's value
+and the optimiser's rates for core's noise floor (`adaptdl.core.floor`)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from adaptdl.core.floor import sgd_rate
+from adaptdl.torch.scaling_rules import AdaScale, ScalingRuleBase
+
+
+def check_loss(loss: Any) -> torch.Tensor | float:
+    """``loss`` kept for the step: a float, or a one-element tensor detached (its value
+    is read at the optimiser step, where the step's statistics already wait for the
+    device). TypeError or ValueError names anything else."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(
+                "loss must be the batch's mean loss, a tensor of one element, got a tensor "
+                f"of shape {tuple(loss.shape)}"
+            )
+        return loss.detach()
+    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+        raise TypeError(f"loss must be a tensor or a real number, got {loss!r}")
+    return float(loss)
+
+
+def check_floor_optimizer(optimizer: torch.optim.Optimizer, rule: ScalingRuleBase) -> None:
+    """ValueError unless the noise floor is defined for ``optimizer`` under ``rule``:
+    torch.optim.SGD (without Nesterov) under AdaScale."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(
+            "report_loss credits SGD's noise floor, which is defined for torch.optim.SGD "
+            f"only, got {type(optimizer).__name__}: under Adam the noise's weight in the "
+            "update is the preconditioner, not a rate (do not report the loss there)"
+        )
+    if any(group.get("nesterov", False) for group in optimizer.param_groups):
+        raise ValueError("report_loss needs SGD without Nesterov momentum, got nesterov=True")
+    if not isinstance(rule, AdaScale):
+        raise ValueError(
+            "report_loss needs the AdaScale scaling rule (the floor at a batch is the "
+            f"initial batch's times its efficiency only under AdaScale), got {rule!r}"
+        )
+
+
+def floor_rates(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[float]:
+    """Per parameter group, SGD's rate (`sgd_rate`) at the base learning rates ``lrs``."""
+    return [
+        sgd_rate(lr, group.get("momentum", 0.0), group.get("dampening", 0.0))
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True)
+    ]
+
+
+def mean_loss(losses: Sequence[torch.Tensor | float]) -> float:
+    """The mean of the losses reported since the last step (its micro-batches')."""
+    values = [float(x) for x in losses]
+    return sum(values) / len(values)

@@ -1,0 +1,212 @@
+"""`adaptdl.core.floor`: SGD's noise floor, its share of the loss left, and the credit
+the batch-size decision reads through `MetricsState`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptdl.core.floor import (
+    LossFloor,
+    floor_level,
+    floor_share,
+    sgd_rate,
+    shared_params,
+)
+from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.core.metrics import MetricsState
+
+PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(1e-3, 10.0),
+    st.floats(1e-3, 1e3),  # with noise: without, there is no floor to credit
+    st.sampled_from([8, 16, 64]),
+    st.floats(1.0, 4096.0),
+    st.floats(0.0, 0.999),
+)
+def test_the_shared_params_are_pollux_at_the_floor_shares_time_to_target(
+    sqr: float, var: float, m0: int, batch: float, share: float
+) -> None:
+    # Time to the target at batch M goes as (1 - f + f E) / (throughput E): the
+    # efficiency that multiplies throughput is E / (1 - f + f E), Pollux's at B'.
+    params = GradParams(sqr=sqr, var=var)
+    e = GoodputFunction(PERF, params, m0).efficiency(batch)
+    shared = shared_params(params, share)
+    assert shared.sqr == params.sqr and shared.var >= params.var
+    expected = e / (1.0 - share + share * e)
+    assert GoodputFunction(PERF, shared, m0).efficiency(batch) == pytest.approx(expected, rel=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-3, 10.0), st.floats(1e-3, 1e3), st.floats(0.0, 0.9))
+def test_a_floor_share_never_shrinks_the_decisions_optimum(
+    sqr: float, var: float, share: float
+) -> None:
+    # The property the decision leans on: crediting the floor moves the optimum to a
+    # batch at least as large, never a smaller one.
+    base = GoodputFunction(PERF, GradParams(sqr=sqr, var=var), 16)
+    credited = GoodputFunction(PERF, shared_params(base.grad_params, share), 16)
+    _, local, _ = base.optimize(1, 2, max_batch_size=4096, atomic_bsz_range=(1, 2048))
+    _, credited_local, _ = credited.optimize(1, 2, max_batch_size=4096, atomic_bsz_range=(1, 2048))
+    assert credited_local >= local
+
+
+def test_shared_params_keep_statistics_without_noise_or_share_and_refuse_a_share_outside() -> None:
+    params = GradParams(sqr=2.0, var=6.0)
+    assert shared_params(params, 0.0) is params
+    # Noise scale 16 * 6 / 2 = 48 at M0 = 16; at share 0.5: (48 + 8) / 0.5 = 112.
+    assert shared_params(params, 0.5).var * 16 / 2.0 == pytest.approx(112.0)
+    for still in (GradParams(sqr=2.0, var=0.0), GradParams(sqr=0.0, var=6.0)):
+        assert shared_params(still, 0.5) is still
+    for bad in (-0.1, 1.0, math.nan):
+        with pytest.raises(ValueError, match="share must be in"):
+            shared_params(params, bad)
+
+
+def test_the_floor_level_and_sgds_rate_and_their_refusals_name_the_argument() -> None:
+    # lr / (1 - momentum) * tr(Sigma) / (4 M): 0.01 / 0.1 * 120 / 64.
+    assert floor_level(sgd_rate(0.01, 0.9), 120.0, 16.0) == pytest.approx(0.1875)
+    assert sgd_rate(0.01, 0.9, dampening=0.5) == pytest.approx(0.05)
+    assert floor_level(sgd_rate(0.01), 120.0, 256.0) == pytest.approx(0.01 * 120 / 1024)
+    for call, name in [
+        (lambda: sgd_rate(-0.1), "lr"),
+        (lambda: sgd_rate(0.1, 1.0), "momentum"),
+        (lambda: sgd_rate(0.1, -0.5), "momentum"),
+        (lambda: sgd_rate(0.1, 0.5, 2.0), "dampening"),
+        (lambda: sgd_rate(math.inf), "lr"),
+        (lambda: floor_level(0.1, -1.0, 16.0), "var"),
+        (lambda: floor_level(0.1, 1.0, 0.0), "batch"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            call()
+
+
+def test_the_floor_share_of_the_loss_left_to_the_target() -> None:
+    # Loss 0.6 at E = 0.5 with floor0 0.2: drift 0.5; left to 0.35 at the initial
+    # batch's noise: 0.5 - 0.35 + 0.2 = 0.35, of which the floor 0.2.
+    assert floor_share(0.2, 0.6, 0.5, 0.35) == pytest.approx(0.2 / 0.35)
+    assert floor_share(0.2, 0.6, 0.5, 0.35, cap=0.5) == 0.5
+    # Without a target: the least share the loss allows, 0.2 / (0.5 + 0.2).
+    assert floor_share(0.2, 0.6, 0.5) == pytest.approx(0.2 / 0.7)
+    # The floor all that is left (or more): the cap.
+    assert floor_share(0.2, 0.45, 1.0, 0.3) == 0.9
+    # No floor, or a loss not finite: no share.
+    assert floor_share(0.0, 0.6, 1.0, 0.35) == 0.0
+    assert floor_share(0.2, math.nan, 1.0, 0.35) == 0.0
+    with pytest.raises(ValueError, match="cap must be in"):
+        floor_share(0.2, 0.6, 1.0, 0.35, cap=1.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 5.0),
+    st.floats(0.0, 5.0),
+    st.floats(1e-3, 1.0),
+    st.floats(-1.0, 1.0),
+)
+def test_the_floor_share_is_within_its_cap_and_falls_as_the_loss_left_grows(
+    floor0: float, loss: float, more: float, efficiency: float, target: float
+) -> None:
+    share = floor_share(floor0, loss, efficiency, target)
+    assert 0.0 <= share <= 0.9
+    # More loss left (a higher loss, or a lower target) never raises the floor's share.
+    assert floor_share(floor0, loss + more, efficiency, target) <= share
+    assert floor_share(floor0, loss, efficiency, target - more) <= share
+
+
+def _estimator(groups: int = 1, steps: int = 4) -> GradientNoiseScale:
+    est = GradientNoiseScale(init_batch_size=16, num_groups=groups)
+    for sqr_local, total in [(40.0, 15.0), (42.0, 15.5), (38.0, 14.5), (41.0, 15.2)][:steps]:
+        est.update([sqr_local / groups] * groups, [total / groups] * groups, 2, 8)
+    return est
+
+
+def test_observe_sets_the_share_from_the_loss_average_after_its_minimum() -> None:
+    est = _estimator()
+    floor = LossFloor(min_steps=3)
+    rate = sgd_rate(0.01, 0.9)
+    assert floor.observe(0.5, [rate], est, 32, target_loss=0.1) == 0.0
+    assert floor.observe(math.nan, [rate], est, 32, target_loss=0.1) == 0.0  # skipped, counted
+    share = floor.observe(0.7, [rate], est, 32, target_loss=0.1)
+    # The bias-corrected average of 0.5 and 0.7 (memory 0.99).
+    average = (0.99 * 0.5 + 0.7) / 1.99
+    assert floor.average == pytest.approx(average)
+    floor0 = floor_level(rate, est.var, 16.0)
+    assert floor.floor0 == pytest.approx(floor0)
+    now = est.gain(2.0) / 2.0
+    assert share == floor.share == pytest.approx(floor_share(floor0, average, now, 0.1))
+    assert share > 0.0
+
+
+def test_observe_sums_the_groups_floors_and_waits_for_a_resolved_gradient() -> None:
+    two = _estimator(groups=2)
+    floor = LossFloor(min_steps=1)
+    floor.observe(0.6, [0.1, 0.3], two, 16)
+    expected = floor_level(0.1, two.group_var[0], 16) + floor_level(0.3, two.group_var[1], 16)
+    assert floor.floor0 == pytest.approx(expected)
+    with pytest.raises(ValueError, match=r"rates must have one value per parameter group \(2\)"):
+        floor.observe(0.6, [0.1], two, 16)
+    # No estimator yet, or one that resolves no gradient: the loss is folded, no share.
+    fresh = LossFloor(min_steps=1)
+    assert fresh.observe(0.6, [0.1], None, 16) == 0.0 and fresh.average == pytest.approx(0.6)
+    lost = GradientNoiseScale(init_batch_size=16)
+    lost.update(40.0, 8.0, 2, 8)  # |G|^2 estimated below 0: (2 * 8 - 40 / 2) / 1
+    assert not lost.resolved
+    assert fresh.observe(0.6, [0.1], lost, 16) == 0.0
+    with pytest.raises(ValueError, match="target_loss must be finite"):
+        fresh.observe(0.6, [0.1], lost, 16, target_loss=math.inf)
+
+
+def test_the_floor_round_trips_as_data_and_refuses_bad_state() -> None:
+    floor = LossFloor(min_steps=1)
+    floor.observe(0.6, [0.1], _estimator(), 16)
+    again = LossFloor.from_json(json.loads(json.dumps(floor.to_json())))
+    assert again.to_json() == floor.to_json()
+    data = floor.to_json()
+    with pytest.raises(ValueError, match=r"schema must be 'adaptdl\.floor/1'"):
+        LossFloor.from_json({**data, "schema": "adaptdl.floor/0"})
+    with pytest.raises(ValueError, match=r"missing \['share'\]"):
+        LossFloor.from_json({k: v for k, v in data.items() if k != "share"})
+    with pytest.raises(ValueError, match="share must be in"):
+        LossFloor.from_json({**data, "share": 0.95})
+    with pytest.raises(ValueError, match="memory must be in"):
+        LossFloor(memory=1.0)
+
+
+def test_metrics_credit_the_share_in_the_goodput_models_and_checkpoint_it() -> None:
+    metrics = MetricsState()
+    metrics.gns = _estimator()
+    for _ in range(4):
+        metrics.profiler.record(1, 1, 16, accum_step=False, step_time=0.02)
+    raw = metrics.grad_params()
+    fn = metrics.goodput_fn(16)
+    bound = metrics.bound_goodput_fn(1.0, 16)
+    assert raw is not None and fn is not None and bound is not None
+    assert fn.grad_params == raw and metrics.floor is None
+    metrics.floor = LossFloor(min_steps=1)
+    metrics.observe_loss(0.02, [sgd_rate(0.05, 0.9)], 16)
+    share = metrics.floor.share
+    assert 0.0 < share <= 0.9
+    credited = metrics.goodput_fn(16)
+    assert credited is not None and credited.grad_params == shared_params(raw, share)
+    assert metrics.grad_params() == raw  # the estimator's own, for programs and logs
+    credited_bound = metrics.bound_goodput_fn(1.0, 16)
+    assert credited_bound is not None
+    assert credited_bound.grad_params == shared_params(bound.grad_params, share)
+    restored = MetricsState()
+    restored.from_bytes(metrics.to_bytes())
+    assert restored.floor is not None and restored.floor.to_json() == metrics.floor.to_json()
+    # A checkpoint written before the floor was kept (or without losses) has none.
+    old = json.loads(metrics.to_bytes())
+    del old["floor"]
+    restored.load_json(old)
+    assert restored.floor is None

@@ -1,0 +1,132 @@
+"""`AdaptiveSteps.report_loss`: the training loss reaches core's noise floor (opt-in)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import TensorDataset
+
+import adaptdl.torch as adl
+import torch
+from adaptdl.core.boundary import Preempted
+from adaptdl.core.floor import floor_level, sgd_rate
+from adaptdl.torch import _context
+from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.scaling_rules import AdamScale, LinearScale
+
+N = 64
+
+
+def data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 3, generator=gen)
+    # Label noise: the gradient keeps a noise floor to credit.
+    y = x.sum(1, keepdim=True) + 0.5 * torch.randn(N, 1, generator=gen)
+    return TensorDataset(x, y)
+
+
+def sgd(lr: float = 0.05, **options: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=lr, **options)
+
+
+def test_report_loss_refuses_what_the_floor_does_not_cover() -> None:
+    model = torch.nn.Linear(3, 1)
+    adam = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match=r"defined for torch\.optim\.SGD only, got Adam"):
+        AdaptiveDataParallel(model, adam, scaling_rule=AdamScale()).report_loss(0.5)
+    _context._reset()
+    model, opt = sgd(momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="without Nesterov momentum"):
+        AdaptiveDataParallel(model, opt).report_loss(0.5)
+    _context._reset()
+    model, opt = sgd()
+    with pytest.raises(ValueError, match=r"needs the AdaScale scaling rule.*LinearScale"):
+        AdaptiveDataParallel(model, opt, scaling_rule=LinearScale()).report_loss(0.5)
+    _context._reset()
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt)
+    with pytest.raises(ValueError, match=r"a tensor of one element, got a tensor of shape \(2,\)"):
+        adp.report_loss(torch.ones(2))
+    with pytest.raises(TypeError, match="loss must be a tensor or a real number, got 'x'"):
+        adp.report_loss("x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="target_loss must be finite"):
+        adp.report_loss(0.5, target_loss=math.inf)
+    assert adp._losses == []  # nothing refused was kept
+
+
+def _train(adp: Any, opt: torch.optim.Optimizer, loader: Any, epochs: int) -> list[float]:
+    """Train, reporting each step's loss (a tensor) after the step; the losses."""
+    losses = []
+    for _ in adl.remaining_epochs_until(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(adp(x), y)
+            loss.backward()
+            opt.step()
+            adp.report_loss(loss)
+            losses.append(loss.item())
+    return losses
+
+
+def test_the_reported_losses_set_the_floor_share_at_the_base_rate(writer: Any) -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    model, opt = sgd(momentum=0.9)
+    adp = AdaptiveDataParallel(model, opt)
+    losses = _train(adp, opt, loader, 8)  # 128 steps, past the floor's 100
+    floor = adp._job.metrics.floor
+    assert floor is not None
+    # A loss reported after its step is folded at the next one: all but the last.
+    assert floor.steps == len(losses) - 1 and adp._losses
+    expected = 0.0
+    weight = 0.0
+    for loss in losses[:-1]:
+        expected = 0.99 * expected + 0.01 * loss
+        weight = 0.99 * weight + 0.01
+    assert floor.average == pytest.approx(expected / weight, rel=1e-6)
+    gns = adp.gns
+    assert gns is not None and gns.resolved
+    # The base rate (the initial batch's), not the one scaled for the step.
+    assert floor.floor0 == pytest.approx(floor_level(sgd_rate(0.05, 0.9), gns.var, 4))
+    assert 0.0 < floor.share <= 0.9
+    fn = adp._job.goodput_fn()
+    raw = adp._job.metrics.grad_params()
+    assert fn is not None and raw is not None and fn.grad_params.var > raw.var
+    adp.to_tensorboard(writer, 1)
+    assert writer.scalars["Gradient/floor_share"] == (floor.share, 1)
+
+
+def test_the_floor_survives_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+
+    def build() -> tuple[Any, ...]:
+        adl.init_process_group("gloo")
+        loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+        loader.train()
+        model, opt = sgd(momentum=0.9)
+        return loader, opt, AdaptiveDataParallel(model, opt)
+
+    loader, opt, adp = build()
+    steps = 0
+    with pytest.raises(Preempted):
+        for _ in adl.remaining_epochs_until(2):
+            for step, (x, y) in enumerate(loader):
+                steps += 1
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(adp(x), y)
+                adp.report_loss(loss)  # before the step: folded at this one
+                loss.backward()
+                opt.step()
+                if step == 5:
+                    _context.current_job().request_stop()
+    saved = copy.deepcopy(adp._job.metrics.floor.to_json())
+    assert saved["steps"] == steps > 6  # one per step, each reported before it
+    _context._reset()
+    _, _, adp = build()
+    assert adp._job.metrics.floor.to_json() == saved
