@@ -81,16 +81,22 @@ import numpy.typing as npt
 
 from adaptdl.core._validate import (
     ArgumentTypeError,
-    as_real_array,
     check_float,
     check_int,
     check_state,
 )
+from adaptdl.core.gnsnorms import group_values, squared_norm, step_estimates
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.scaling import adascale_gain
 
-# What the squared norms must be, in error messages.
-_REALS = "an array of real numbers"
+# `squared_norm` and `step_estimates` live in `gnsnorms`; users import them from here.
+__all__ = [
+    "GNS_SCHEMA",
+    "GNS_SCHEMA_WITHOUT_SPREAD",
+    "GradientNoiseScale",
+    "squared_norm",
+    "step_estimates",
+]
 
 #: Schema tag of :meth:`GradientNoiseScale.to_json`.
 GNS_SCHEMA = "adaptdl.gns/3"
@@ -119,77 +125,6 @@ _JSON_KEYS_V2 = (
 )
 
 _JSON_KEYS = (*_JSON_KEYS_V2, *_SPREAD_KEYS)
-
-
-def squared_norm(grad: npt.ArrayLike, precond: npt.ArrayLike | None = None) -> float:
-    """Return ``sum((grad / precond) ** 2)`` in float64 (``precond`` None: ``sum(grad ** 2)``).
-
-    The reference definition of the squared norms :class:`GradientNoiseScale`
-    takes; ``precond`` broadcasts against ``grad`` and must be positive.
-    """
-    g = as_real_array("grad", grad, expected=_REALS)
-    if precond is not None:
-        p = as_real_array("precond", precond, expected=_REALS)
-        bad = ~(np.isfinite(p) & (p > 0))
-        if bad.any():
-            raise ValueError(
-                f"precond must be finite and > 0, got {np.asarray(p)[bad].flat[0].item()!r}"
-            )
-        g = g / p
-    value = float(np.sum(np.square(g)))
-    if not math.isfinite(value):
-        raise ValueError(f"grad must be finite, got a squared norm of {value!r}")
-    return value
-
-
-def step_estimates(
-    local_sqr: float, total_sqr: float, count: int, batch_size: int
-) -> tuple[float, float]:
-    """One step's unbiased estimates (|G|^2, tr(Sigma)) from its squared norms.
-
-    ``local_sqr`` sums the squared norms of the step's ``count >= 2`` micro-batch
-    gradients (``batch_size`` samples each), ``total_sqr`` is the squared norm of
-    their mean: the estimators of the module docstring, what
-    :meth:`GradientNoiseScale.update` folds in per parameter group.
-    """
-    if count < 2:
-        raise ValueError(f"count must be >= 2 micro-batches, got {count!r}")
-    sqr = (count * total_sqr - local_sqr / count) / (count - 1)
-    var = (local_sqr / count - total_sqr) * (batch_size * count / (count - 1))
-    return sqr, var
-
-
-def _group_values(name: str, value: Any, num_groups: int) -> tuple[float, ...]:
-    """Return one finite, non-negative float per group, or raise naming ``name``."""
-    # The common case, checked without numpy (it runs at every optimiser step): a tuple
-    # of floats, as `adaptdl.core.step.StepMeasurement` holds them.
-    if (
-        type(value) is tuple
-        and len(value) == num_groups
-        and all(type(v) is float and 0.0 <= v < math.inf for v in value)
-    ):
-        return value
-    if isinstance(value, (str, bytes)):
-        raise ArgumentTypeError(f"{name} must be a number or a sequence of numbers, got {value!r}")
-    array = as_real_array(name, value, expected=_REALS)
-    if array.ndim == 0:
-        if num_groups != 1:
-            raise ValueError(
-                f"{name} must have one value per parameter group ({num_groups}), got a scalar"
-            )
-        array = array.reshape(1)
-    if array.shape != (num_groups,):
-        raise ValueError(
-            f"{name} must have shape ({num_groups},), one value per parameter group, "
-            f"got shape {array.shape}"
-        )
-    bad = ~np.isfinite(array) | (array < 0)
-    if bad.any():
-        raise ValueError(
-            f"{name} must be finite and >= 0, got {array[bad][0].item()!r} "
-            f"(group {int(np.flatnonzero(bad)[0])})"
-        )
-    return tuple(float(v) for v in array)
 
 
 def _init_batch_size(value: Any) -> int:
@@ -472,8 +407,8 @@ class GradientNoiseScale:
                 "noise estimate on its own; use update_differenced() with the previous step"
             )
         b = check_int("batch_size", batch_size, min=1)
-        local = _group_values("local_sqr", local_sqr, self.num_groups)
-        total = _group_values("total_sqr", total_sqr, self.num_groups)
+        local = group_values("local_sqr", local_sqr, self.num_groups)
+        total = group_values("total_sqr", total_sqr, self.num_groups)
         pairs = [step_estimates(lo, t, count, b) for lo, t in zip(local, total, strict=True)]
         sqr = tuple(sq for sq, _ in pairs)
         var = tuple(v for _, v in pairs)
@@ -507,9 +442,9 @@ class GradientNoiseScale:
         b_p = b_c
         if prev_batch_size is not None:
             b_p = check_int("prev_batch_size", prev_batch_size, min=1)
-        prev = _group_values("prev_sqr", prev_sqr, self.num_groups)
-        cur = _group_values("cur_sqr", cur_sqr, self.num_groups)
-        mixed = _group_values("mixed_sqr", mixed_sqr, self.num_groups)
+        prev = group_values("prev_sqr", prev_sqr, self.num_groups)
+        cur = group_values("cur_sqr", cur_sqr, self.num_groups)
+        mixed = group_values("mixed_sqr", mixed_sqr, self.num_groups)
         # g_p . g_c and |g_p - g_c|^2 from the three squared norms.
         dot = tuple(2.0 * m - 0.5 * (p + c) for p, c, m in zip(prev, cur, mixed, strict=True))
         weight = 1.0 / b_p + 1.0 / b_c
