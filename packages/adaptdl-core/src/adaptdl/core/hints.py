@@ -45,7 +45,7 @@ def hints(
 
     * ``schema``: ``"adaptdl.hints/1"``;
     * ``perf_params``: ``PerfParams.to_dict()`` of the current fit, or null before
-      a configuration holds `profiler.FIT_AFTER` optimiser steps;
+      a configuration holds `timings.FIT_AFTER` optimiser steps;
     * ``grad_params``: ``GradParams.to_dict()`` (variance at the initial batch
       size), or null before any estimate;
     * ``init_batch_size``: int >= 1;

@@ -25,7 +25,8 @@ from adaptdl.core.batchsize import (
 )
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.hints import hints
-from adaptdl.core.profiler import FIT_AFTER, Profiler
+from adaptdl.core.profiler import Profiler
+from adaptdl.core.timings import FIT_AFTER
 from adaptdl.sim.apps import ApplicationModel, Placement, normalize_placement
 from adaptdl.sim.workload import JobSpec
 
