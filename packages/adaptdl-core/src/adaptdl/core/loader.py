@@ -25,6 +25,7 @@ from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import maximum
 from adaptdl.core.loaderjob import LoaderJob
 from adaptdl.core.loaderstate import LoaderState, check_local_bsz_bounds
+from adaptdl.core.loaderview import LoaderView
 from adaptdl.core.passbatches import BatchesFn, IssuedSizes
 
 __all__ = ["LoaderHelper"]
@@ -35,7 +36,7 @@ _NEVER = 2**63  # the batch number of a decision that is not coming
 T = TypeVar("T")
 
 
-class LoaderHelper:
+class LoaderHelper(LoaderView):
     """Fine-grained control over one adaptive loader of a job (the seed's helper)."""
 
     def __init__(
@@ -70,88 +71,6 @@ class LoaderHelper:
         self._changes: deque[tuple[int, int, int]] = deque()
         self._loop_epoch: int | None = None  # the epoch keying the running loop's passes
         self._resume_epoch: int | None = None  # set by load_position: keys the next loop
-
-    @property
-    def name(self) -> str:
-        return self._state.name
-
-    # -- properties of the seed API -------------------------------------------------
-    @property
-    def current_index(self) -> int | None:
-        """Samples processed by all replicas in the current loop; None outside a loop."""
-        return self._state.current_index if self.job.current_loader is self else None
-
-    @current_index.setter
-    def current_index(self, value: int) -> None:
-        self._state.current_index = check_int("current_index", value, min=0)
-
-    @property
-    def end_index(self) -> int:
-        """A user-defined end index that survives restarts."""
-        return self._state.end_index
-
-    @end_index.setter
-    def end_index(self, value: int) -> None:
-        self._state.end_index = check_int("end_index", value, min=0)
-
-    @property
-    def max_batch_size(self) -> int | None:
-        """Maximum total batch size; None when adaptive batch size is off."""
-        return self._max_batch_size
-
-    @property
-    def local_bsz_bounds(self) -> tuple[int | None, int | None] | None:
-        """(min_local_bsz, max_local_bsz) on each replica, or None."""
-        return self._local_bsz_bounds
-
-    @property
-    def gradient_accumulation(self) -> bool:
-        return self._gradient_accumulation
-
-    @property
-    def current_local_bsz(self) -> int:
-        """The logical local batch size of one micro-batch on each replica.
-
-        Inside a pass, the size of the batch in hand: batches issued ahead before a
-        decision (DataLoader workers' prefetch) arrive at the size they were issued
-        with, and the gradient's scaling and noise estimate must read that size.
-        """
-        arrived = self._arrived_bsz
-        return self._state.current_local_bsz if arrived is None else arrived
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Micro-batches accumulated before the one that takes the optimiser step.
-
-        Inside a pass, the count in force for the batch in hand: it changes together
-        with `current_local_bsz`, at the first batch issued at the new size.
-        """
-        accum = self._arrived_accum
-        return self._state.accumulation_steps if accum is None else accum
-
-    @property
-    def current_batch_size(self) -> int:
-        """Total samples per optimiser step over all replicas and micro-batches."""
-        replicas = self.job.topology.num_replicas
-        return self.current_local_bsz * (self.accumulation_steps + 1) * replicas
-
-    @property
-    def training(self) -> bool:
-        """Whether this is the job's training loader."""
-        return self.job.training_loader is self
-
-    def is_accum_step(self) -> bool:
-        """Whether the current micro-batch's gradient is accumulated (no optimiser step).
-
-        The one definition of it: the job's `accumulating`, the model wrappers and the
-        loop itself ask here.
-        """
-        accum = self._arrived_accum
-        return self._accum_count < (self._state.accumulation_steps if accum is None else accum)
-
-    def is_optim_step(self) -> bool:
-        """Whether the optimiser step is taken after the current micro-batch."""
-        return not self.is_accum_step()
 
     # -- configuration --------------------------------------------------------------
     def train(self) -> None:
