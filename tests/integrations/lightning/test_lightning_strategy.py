@@ -27,6 +27,7 @@ from adaptdl.torch.lightning import (
     check_eval_loader,
     check_train_loader,
     check_trainer,
+    step_loss,
 )
 
 N = 24
@@ -141,6 +142,14 @@ def test_bad_strategy_arguments_are_refused() -> None:
         AdaptiveStrategy(scaling_rule="adascale")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="name must be a non-empty str"):
         AdaptiveStrategy(name="")
+    with pytest.raises(TypeError, match="report_loss must be a bool"):
+        AdaptiveStrategy(report_loss="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"target_loss=0\.3 needs report_loss=True"):
+        AdaptiveStrategy(target_loss=0.3)
+    loss = torch.tensor(0.5)
+    assert step_loss(loss) is loss and step_loss({"loss": loss, "acc": 1}) is loss
+    with pytest.raises(ValueError, match=r"needs training_step to return the loss.*got None"):
+        step_loss(None)
 
 
 def test_lightning_sees_a_sized_loader_whose_length_is_never_reached() -> None:
@@ -217,6 +226,40 @@ def test_a_step_scheduler_with_frequency_counts_optimiser_steps(accumulation: in
     assert adl.global_step() == micro // accumulation
     # Halved once per 2 optimiser steps: after optimiser steps 2, 4, ...
     assert model.lrs == [0.1 * 0.5 ** ((i // accumulation) // 2) for i in range(micro)]
+
+
+def test_report_loss_reaches_the_noise_floor_once_per_optimiser_step() -> None:
+    def make() -> adl.AdaptiveDataLoader:
+        loader = adl.AdaptiveDataLoader(dataset(), batch_size=4)
+        loader.autoscale_batch_size(8, (2, 4), gradient_accumulation=True)
+        _context.current_job().batch_size_decision = lambda query: (2, 1)  # 2 micro-batches
+        return loader
+
+    wrapped: list[Any] = []  # the AdaptiveDataParallel (not a submodule of the model)
+
+    class Seen(Model):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            wrapped[:] = [self.trainer.strategy.model]
+            return super().training_step(batch, batch_idx)
+
+    model = Seen()
+    strategy = AdaptiveStrategy(report_loss=True, target_loss=0.01)
+    trainer(max_epochs=2, strategy=strategy).fit(model, datamodule=Data(make))
+    floor = _context.current_job().metrics.floor
+    # Each micro-batch is reported after its step call, so each optimiser step folds
+    # the losses reported since the last one (the first step, its first micro-batch's);
+    # the last micro-batch's waits for a next step.
+    assert floor is not None and floor.steps == adl.global_step() > 0
+    assert len(wrapped[0]._losses) == 1 and wrapped[0]._target_loss == 0.01
+
+
+def test_report_loss_refuses_an_optimiser_without_a_noise_floor() -> None:
+    class AdamModel(Model):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    with pytest.raises(ValueError, match=r"defined for torch\.optim\.SGD only, got Adam"):
+        trainer(strategy=AdaptiveStrategy(report_loss=True)).fit(AdamModel(), datamodule=Data())
 
 
 @pytest.mark.parametrize("setting", [{"accumulate_grad_batches": 2}, {"max_steps": 3}])

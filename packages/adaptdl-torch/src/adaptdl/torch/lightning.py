@@ -53,6 +53,12 @@ each accumulation micro-batch), ``reload_dataloaders_every_n_epochs``, and an
 so every replica evaluates the whole of it unless it brings its own sampler).
 ``trainer.global_step`` counts Lightning's optimiser calls, one per
 micro-batch; `adaptdl.torch.global_step` counts optimiser steps.
+
+``AdaptiveStrategy(report_loss=True)`` reports each training step's loss (what
+``training_step`` returns: the loss, or a dict holding it under ``"loss"``) to
+`AdaptiveDataParallel.report_loss`, so that the batch-size decision credits SGD's
+noise floor (``target_loss`` is passed on); only for ``torch.optim.SGD`` under
+AdaScale, refused by name when the ``Trainer`` starts otherwise.
 """
 
 from __future__ import annotations
@@ -62,8 +68,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from adaptdl.core._validate import check_bool, check_float
 from adaptdl.torch import _signals
 from adaptdl.torch._context import current_job, init_process_group, is_initialized
+from adaptdl.torch._loss import check_floor_optimizer
 from adaptdl.torch.data import AdaptiveDataLoader
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import ScalingRuleBase
@@ -258,6 +266,18 @@ class _TrainerState:
         self.strategy.restored = dict(state_dict)
 
 
+def step_loss(outputs: Any) -> Any:
+    """The loss in what ``training_step`` returned (a tensor, or a dict's ``"loss"``);
+    ValueError naming what came instead."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "AdaptiveStrategy(report_loss=True) needs training_step to return the loss, "
+            f"a tensor or a dict with it under 'loss', got {outputs!r}"
+        )
+    return loss
+
+
 class _Hooks(pl.Callback):  # type: ignore[misc,unused-ignore]
     """The strategy's per-batch and end-of-training work (a strategy has no such hooks)."""
 
@@ -276,6 +296,10 @@ class _Hooks(pl.Callback):  # type: ignore[misc,unused-ignore]
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.strategy.report_loss:
+            self.strategy.model.report_loss(
+                step_loss(outputs), target_loss=self.strategy.target_loss
+            )
         loader = self.strategy.train_loader
         iterator = loader.iterator if loader is not None else None
         if iterator is not None and not iterator.advance():
@@ -298,12 +322,17 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
     go to ``DDPStrategy`` (``process_group_backend``, ``timeout``, DDP's own).
     Launch with torchrun; the job starts (`adaptdl.torch.init_process_group`) when
     the Trainer sets up its environment, unless the program started it before.
+    ``report_loss`` (with ``target_loss``): report each training step's loss to
+    `AdaptiveDataParallel.report_loss` (SGD under AdaScale only).
     """
 
     def __init__(
         self,
         scaling_rule: ScalingRuleBase | None = None,
         name: str = "adaptdl-lightning",
+        *,
+        report_loss: bool = False,
+        target_loss: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if scaling_rule is not None and not isinstance(scaling_rule, ScalingRuleBase):
@@ -313,6 +342,10 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
             )
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
+        self.report_loss = check_bool("report_loss", report_loss)
+        self.target_loss = check_float("target_loss", target_loss)
+        if target_loss != 0.0 and not report_loss:
+            raise ValueError(f"target_loss={target_loss!r} needs report_loss=True")
         super().__init__(**kwargs)
         self.scaling_rule = scaling_rule
         self.name = name
@@ -416,6 +449,8 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
             device_ids=self.determine_ddp_device_ids(),
             **self._ddp_kwargs,
         )
+        if self.report_loss:
+            check_floor_optimizer(self.optimizers[0], self.model.scaling_rule)
         _optimizers_to_device(self.optimizers, self.root_device)
         _step_schedulers_per_optimizer_step(self.lightning_module, self.lr_scheduler_configs)
 
