@@ -110,9 +110,13 @@ def train_gns() -> None:
     for _ in adl.remaining_epochs_until(2):
         for _idx, x, y in loader:
             optimizer.zero_grad()
-            torch.nn.functional.mse_loss(wrapped(x).float(), y).backward()
+            loss = torch.nn.functional.mse_loss(wrapped(x).float(), y)
+            loss.backward()
             optimizer.step()
+            if not adam:  # SGD's noise floor: the loss reaches it alike in both wrappers
+                wrapped.report_loss(loss)
     gns = wrapped.gns
+    floor = wrapped._job.metrics.floor
     write(
         {
             "sqr": list(gns.group_sqr),
@@ -120,6 +124,8 @@ def train_gns() -> None:
             "updates": gns.num_updates,
             "progress": wrapped.progress,
             "params": [full(p) for p in net.parameters()],
+            "floor": floor.to_json() if floor is not None else None,
+            "steps": adl.global_step(),
         }
     )
 

@@ -352,6 +352,14 @@ def test_noise_statistics_under_fsdp2_equal_those_under_ddp(tmp_path: Path, adam
     for a, b in zip(fsdp["params"], ddp["params"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
     assert results(tmp_path, "fsdp", 1)["sqr"] == fsdp["sqr"]
+    if adam:
+        assert fsdp["floor"] is None and ddp["floor"] is None  # no loss reported
+    else:
+        # report_loss folds the losses alike under both wrappers: each optimiser step
+        # those reported since the last one (every micro-batch is reported after its
+        # step call, so the first step folds its first micro-batch's).
+        assert fsdp["floor"]["steps"] == ddp["floor"]["steps"] == fsdp["steps"] > 0
+        assert fsdp["floor"]["loss_sum"] == pytest.approx(ddp["floor"]["loss_sum"], rel=1e-5)
 
 
 @pytest.mark.e2e

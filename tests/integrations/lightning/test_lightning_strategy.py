@@ -191,15 +191,17 @@ def test_an_int_val_check_interval_of_one_validates_after_every_batch() -> None:
     assert every.validations == N // 4  # one per batch of 4 (the float 1.0: one per epoch)
 
 
-def test_accumulation_steps_once_per_batch_and_so_does_a_step_scheduler() -> None:
-    def make() -> adl.AdaptiveDataLoader:
-        loader = adl.AdaptiveDataLoader(dataset(), batch_size=4)
-        loader.autoscale_batch_size(8, (2, 4), gradient_accumulation=True)
-        _context.current_job().batch_size_decision = lambda query: (2, 1)  # 2 micro-batches
-        return loader
+def two_micro_batches() -> adl.AdaptiveDataLoader:
+    """A loader whose job decides 2 micro-batches of 2 per optimiser step."""
+    loader = adl.AdaptiveDataLoader(dataset(), batch_size=4)
+    loader.autoscale_batch_size(8, (2, 4), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (2, 1)
+    return loader
 
+
+def test_accumulation_steps_once_per_batch_and_so_does_a_step_scheduler() -> None:
     model = Model(interval="step")
-    trainer(max_epochs=1).fit(model, datamodule=Data(make))
+    trainer(max_epochs=1).fit(model, datamodule=Data(two_micro_batches))
     micro = N // 2
     assert len(model.seen) == micro
     assert adl.global_step() == micro // 2  # one optimiser step per 2 micro-batches
@@ -229,12 +231,6 @@ def test_a_step_scheduler_with_frequency_counts_optimiser_steps(accumulation: in
 
 
 def test_report_loss_reaches_the_noise_floor_once_per_optimiser_step() -> None:
-    def make() -> adl.AdaptiveDataLoader:
-        loader = adl.AdaptiveDataLoader(dataset(), batch_size=4)
-        loader.autoscale_batch_size(8, (2, 4), gradient_accumulation=True)
-        _context.current_job().batch_size_decision = lambda query: (2, 1)  # 2 micro-batches
-        return loader
-
     wrapped: list[Any] = []  # the AdaptiveDataParallel (not a submodule of the model)
 
     class Seen(Model):
@@ -244,7 +240,7 @@ def test_report_loss_reaches_the_noise_floor_once_per_optimiser_step() -> None:
 
     model = Seen()
     strategy = AdaptiveStrategy(report_loss=True, target_loss=0.01)
-    trainer(max_epochs=2, strategy=strategy).fit(model, datamodule=Data(make))
+    trainer(max_epochs=2, strategy=strategy).fit(model, datamodule=Data(two_micro_batches))
     floor = _context.current_job().metrics.floor
     # Each micro-batch is reported after its step call, so each optimiser step folds
     # the losses reported since the last one (the first step, its first micro-batch's);
