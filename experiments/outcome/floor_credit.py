@@ -3,10 +3,11 @@
     python -m experiments.outcome.floor_credit LOGS [--pool]     # target_table
     python -m experiments.outcome.floor_credit LOGS --gaps P,... # floor_gap_table
 
-`target_table` compares the adaptive runs of each decision (core's rule, and the two
-of `noise_floor`: ``time_to_target --floor-credit`` and ``--floor-target-loss``)
-with the fixed sizes in the logs; `floor_gap_table` sets the fixed runs' training
-loss gaps to fixed 16 beside what `adaptdl.core.floor.floor_level` predicts. `check_options`
+`target_table` compares the adaptive runs of each decision (core's rule, the per-step
+credit of `noise_floor`, ``time_to_target --floor-credit``, and core's floor share
+through ``report_loss``, ``--floor-target-loss``) with the fixed sizes in the logs;
+`floor_gap_table` sets the fixed runs' training loss gaps to fixed 16 beside what
+`adaptdl.core.floor.floor_level` predicts. `check_options`
 holds ``time_to_target``'s refusals of the floor options.
 """
 
@@ -29,8 +30,9 @@ def check_options(args: argparse.Namespace, problems: dict[str, Any]) -> str | N
     """What is wrong with ``time_to_target``'s floor options in ``args``, or None.
 
     They select adaptive runs to make under one decision: not with ``--from-log``,
-    fixed runs, each other, or another estimator option (whose estimator the floor's
-    would replace); ``--floor-target-loss`` finite; SGD problems only.
+    fixed runs or each other; ``--floor-credit`` not with another estimator option
+    (whose estimator its own would replace); ``--floor-target-loss`` finite; SGD
+    problems only.
     """
     given = [
         option
@@ -56,7 +58,7 @@ def check_options(args: argparse.Namespace, problems: dict[str, Any]) -> str | N
     others = [option for option, value in estimators if value is not None]
     if args.preconditioned:
         others.append("--preconditioned")
-    if others:
+    if others and args.floor_credit:
         return f"{name} replaces the estimator {', '.join(others)} would set: give one"
     if args.floor_target_loss is not None and not math.isfinite(args.floor_target_loss):
         return f"--floor-target-loss must be finite, got {args.floor_target_loss}"

@@ -183,6 +183,8 @@ def train(
             samples += len(idx) * job.topology.num_replicas
             if helper.is_accum_step():
                 optimizer.step()  # skipped by the adapter until the batch's last micro-batch
+                if report_target is not None:  # every micro-batch's, averaged at the step
+                    adp.report_loss(loss, target_loss=report_target)
                 continue
             fraction = min(adp.progress / target, 1.0)
             for group in optimizer.param_groups:
@@ -200,9 +202,9 @@ def train(
             if report_target is not None:
                 # Each replica reports its own; rank 0's decision (broadcast) reads its.
                 adp.report_loss(step_loss, target_loss=report_target)
-                shared = job.metrics.floor
-                if shared is not None and shared.share > 0.0 and len(steps) % 8 == 0:
-                    floor.append([adp.progress, shared.average, shared.floor0, shared.share])
+                shared, share = job.metrics.floor, job.metrics.floor_share()
+                if shared is not None and share > 0.0 and len(steps) % 8 == 0:
+                    floor.append([adp.progress, shared.average, shared.floor0, share])
             if meter is not None:
                 lr = cosine_lr(cfg, fraction) * adp.last_lr_factor
                 meter.after_step(params, lr, adp.gns.var, helper.current_batch_size)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.floor import (
+    LAPSE_STEPS,
     LossFloor,
     floor_level,
     floor_share,
@@ -67,7 +68,7 @@ def test_shared_params_keep_statistics_without_noise_or_share_and_refuse_a_share
     for still in (GradParams(sqr=2.0, var=0.0), GradParams(sqr=0.0, var=6.0)):
         assert shared_params(still, 0.5) is still
     for bad in (-0.1, 1.0, math.nan):
-        with pytest.raises(ValueError, match="share must be in"):
+        with pytest.raises(ValueError, match=r"share must be (in|finite)"):
             shared_params(params, bad)
 
 
@@ -75,11 +76,12 @@ def test_the_floor_level_and_sgds_rate_and_their_refusals_name_the_argument() ->
     # lr / (1 - momentum) * tr(Sigma) / (4 M): 0.01 / 0.1 * 120 / 64.
     assert floor_level(sgd_rate(0.01, 0.9), 120.0, 16.0) == pytest.approx(0.1875)
     assert sgd_rate(0.01, 0.9, dampening=0.5) == pytest.approx(0.05)
+    assert sgd_rate(0.01, 0.0, dampening=0.5) == 0.01  # torch dampens momentum only
     assert floor_level(sgd_rate(0.01), 120.0, 256.0) == pytest.approx(0.01 * 120 / 1024)
     for call, name in [
         (lambda: sgd_rate(-0.1), "lr"),
         (lambda: sgd_rate(0.1, 1.0), "momentum"),
-        (lambda: sgd_rate(0.1, -0.5), "momentum"),
+        (lambda: sgd_rate(0.1, -0.5), "momentum"),  # in [0, 1)
         (lambda: sgd_rate(0.1, 0.5, 2.0), "dampening"),
         (lambda: sgd_rate(math.inf), "lr"),
         (lambda: floor_level(0.1, -1.0, 16.0), "var"),
@@ -134,17 +136,59 @@ def test_observe_sets_the_share_from_the_loss_average_after_its_minimum() -> Non
     est = _estimator()
     floor = LossFloor(min_steps=3)
     rate = sgd_rate(0.01, 0.9)
-    assert floor.observe(0.5, [rate], est, 32, target_loss=0.1) == 0.0
-    assert floor.observe(math.nan, [rate], est, 32, target_loss=0.1) == 0.0  # skipped, counted
-    share = floor.observe(0.7, [rate], est, 32, target_loss=0.1)
+    point = est.grad_params()
+    floor.observe(0.5, [rate], est, 32, target_loss=0.1)
+    floor.observe(math.nan, [rate], est, 32, target_loss=0.1)  # skipped, yet counted
+    assert not floor.active and floor.share_at(point) == 0.0 and floor.steps == 2
+    floor.observe(0.7, [rate], est, 32, target_loss=0.1)
+    assert floor.active
     # The bias-corrected average of 0.5 and 0.7 (memory 0.99).
     average = (0.99 * 0.5 + 0.7) / 1.99
     assert floor.average == pytest.approx(average)
     floor0 = floor_level(rate, est.var, 16.0)
     assert floor.floor0 == pytest.approx(floor0)
     now = est.gain(2.0) / 2.0
-    assert share == floor.share == pytest.approx(floor_share(floor0, average, now, 0.1))
-    assert share > 0.0
+    share = floor.share_at(point)
+    assert share == pytest.approx(floor_share(floor0, average, now, 0.1)) and share > 0.0
+    assert floor.credit(point) == shared_params(point, share)
+
+
+def test_the_bound_has_the_floor_of_its_own_noise_and_no_jump_at_none() -> None:
+    est = _estimator()
+    floor = LossFloor(min_steps=1)
+    floor.observe(5.0, [sgd_rate(0.05, 0.9)], est, 16)  # the floor 0.63 of it
+    point = est.grad_params()
+    assert point is not None
+    # Less noise at the bound: a lower floor (in proportion), a smaller share.
+    for fraction in (0.5, 0.1, 1e-3, 1e-9):
+        less = GradParams(sqr=point.sqr, var=point.var * fraction)
+        expected = floor_share(floor.floor0 * fraction, 5.0, 1.0, 0.0)
+        assert floor.share_at(less) == pytest.approx(expected)
+        assert floor.share_at(less) < floor.share_at(point)
+    # Continuous at no noise: the credited noise scale tends to 0 with the bound's.
+    tiny = floor.credit(GradParams(sqr=point.sqr, var=point.var * 1e-9))
+    assert tiny is not None and tiny.var < point.var * 1e-6
+    assert floor.credit(GradParams(sqr=point.sqr, var=0.0)) == GradParams(sqr=point.sqr, var=0.0)
+
+
+def test_the_credit_lapses_without_losses_and_waits_for_one_after_a_restart() -> None:
+    est = _estimator()
+    floor = LossFloor(min_steps=1)
+    floor.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
+    point = est.grad_params()
+    assert floor.share_at(point) > 0.0
+    for _ in range(LAPSE_STEPS):
+        floor.idle_step()
+    assert floor.active
+    floor.idle_step()  # LAPSE_STEPS + 1 optimiser steps without a loss
+    assert not floor.active and floor.share_at(point) == 0.0 and floor.credit(point) == point
+    floor.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
+    assert floor.active
+    # Restored, the average is kept and the credit waits for the next loss folded.
+    restored = LossFloor.from_json(floor.to_json())
+    assert restored.average == floor.average and not restored.active
+    restored.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
+    assert restored.share_at(point) > 0.0
 
 
 def test_observe_sums_the_groups_floors_and_waits_for_a_resolved_gradient() -> None:
@@ -157,13 +201,19 @@ def test_observe_sums_the_groups_floors_and_waits_for_a_resolved_gradient() -> N
         floor.observe(0.6, [0.1], two, 16)
     # No estimator yet, or one that resolves no gradient: the loss is folded, no share.
     fresh = LossFloor(min_steps=1)
-    assert fresh.observe(0.6, [0.1], None, 16) == 0.0 and fresh.average == pytest.approx(0.6)
+    fresh.observe(0.6, [0.1], None, 16)
+    assert not fresh.active and fresh.average == pytest.approx(0.6)
     lost = GradientNoiseScale(init_batch_size=16)
     lost.update(40.0, 8.0, 2, 8)  # |G|^2 estimated below 0: (2 * 8 - 40 / 2) / 1
     assert not lost.resolved
-    assert fresh.observe(0.6, [0.1], lost, 16) == 0.0
+    fresh.observe(0.6, [0.1], lost, 16)
+    assert not fresh.active
+    fresh.observe(True, [0.1], None, 16)  # type: ignore[arg-type]  # not a loss: skipped
+    assert fresh.average == pytest.approx(0.6)
     with pytest.raises(ValueError, match="target_loss must be finite"):
         fresh.observe(0.6, [0.1], lost, 16, target_loss=math.inf)
+    with pytest.raises(ValueError, match=r"batch_size must be > 0\.0, got 0\.0"):
+        fresh.observe(0.6, [0.1], lost, 0)
 
 
 def test_the_floor_round_trips_as_data_and_refuses_bad_state() -> None:
@@ -174,12 +224,13 @@ def test_the_floor_round_trips_as_data_and_refuses_bad_state() -> None:
     data = floor.to_json()
     with pytest.raises(ValueError, match=r"schema must be 'adaptdl\.floor/1'"):
         LossFloor.from_json({**data, "schema": "adaptdl.floor/0"})
-    with pytest.raises(ValueError, match=r"missing \['share'\]"):
-        LossFloor.from_json({k: v for k, v in data.items() if k != "share"})
-    with pytest.raises(ValueError, match="share must be in"):
-        LossFloor.from_json({**data, "share": 0.95})
-    with pytest.raises(ValueError, match="memory must be in"):
-        LossFloor(memory=1.0)
+    with pytest.raises(ValueError, match=r"missing \['loss_sum'\]"):
+        LossFloor.from_json({k: v for k, v in data.items() if k != "loss_sum"})
+    with pytest.raises(ValueError, match=r"loss_weight must be in \[0\.0, 1\.0\]"):
+        LossFloor.from_json({**data, "loss_weight": 2.0})
+    for bad in ({"memory": 1.0}, {"cap": -0.1}, {"min_steps": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            LossFloor(**bad)
 
 
 def test_metrics_credit_the_share_in_the_goodput_models_and_checkpoint_it() -> None:
@@ -191,22 +242,39 @@ def test_metrics_credit_the_share_in_the_goodput_models_and_checkpoint_it() -> N
     fn = metrics.goodput_fn(16)
     bound = metrics.bound_goodput_fn(1.0, 16)
     assert raw is not None and fn is not None and bound is not None
-    assert fn.grad_params == raw and metrics.floor is None
+    assert fn.grad_params == raw and metrics.floor is None and metrics.floor_share() == 0.0
     metrics.floor = LossFloor(min_steps=1)
     metrics.observe_loss(0.02, [sgd_rate(0.05, 0.9)], 16)
-    share = metrics.floor.share
+    share = metrics.floor_share()
     assert 0.0 < share <= 0.9
     credited = metrics.goodput_fn(16)
     assert credited is not None and credited.grad_params == shared_params(raw, share)
     assert metrics.grad_params() == raw  # the estimator's own, for programs and logs
     credited_bound = metrics.bound_goodput_fn(1.0, 16)
     assert credited_bound is not None
-    assert credited_bound.grad_params == shared_params(bound.grad_params, share)
+    assert credited_bound.grad_params == metrics.floor.credit(bound.grad_params)
+    assert credited_bound.grad_params.var > bound.grad_params.var
+    # Each optimiser step counts toward the lapse; a loss folded restarts it.
+    for _ in range(LAPSE_STEPS + 1):
+        metrics.add_progress(1.0)
+    assert metrics.goodput_fn(16).grad_params == raw  # type: ignore[union-attr]
+    metrics.observe_loss(0.02, [sgd_rate(0.05, 0.9)], 16)
     restored = MetricsState()
     restored.from_bytes(metrics.to_bytes())
     assert restored.floor is not None and restored.floor.to_json() == metrics.floor.to_json()
+    assert restored.goodput_fn(16).grad_params == raw  # type: ignore[union-attr]
     # A checkpoint written before the floor was kept (or without losses) has none.
     old = json.loads(metrics.to_bytes())
     del old["floor"]
     restored.load_json(old)
     assert restored.floor is None
+    with pytest.raises(ValueError, match="the metrics state's floor: schema must be"):
+        restored.load_json({**old, "floor": {"schema": "x"}})
+
+
+def test_one_model_per_job_reports_the_loss() -> None:
+    metrics = MetricsState()
+    metrics.claim_loss("generator")
+    metrics.claim_loss("generator")
+    with pytest.raises(ValueError, match=r"'discriminator' reports .* but 'generator' already"):
+        metrics.claim_loss("discriminator")

@@ -144,6 +144,18 @@ def test_the_floor_options_reach_the_runs_and_are_refused_where_undefined(
         with pytest.raises(SystemExit):
             time_to_target.main([*argv, "--out", str(tmp_path)])
         assert message in capsys.readouterr().err
+    # Core's floor share keeps core's estimator: another estimator option goes with it.
+    share = argparse.Namespace(
+        floor_credit=False,
+        floor_target_loss=0.3,
+        from_log=None,
+        kinds="adaptive",
+        problems="shapes",
+        smoothing=0.9,
+        signal_memory=None,
+        preconditioned=False,
+    )
+    assert floor_credit.check_options(share, time_to_target.PROBLEMS) is None
 
 
 def test_time_to_target_refuses_to_summarise_floor_runs_and_floor_credit_does(

@@ -108,6 +108,36 @@ def test_accumulated_micro_batches_take_one_full_batch_step() -> None:
     assert optimizer.param_groups[0]["lr"] == 0.1  # the scaled LR applies during step only
 
 
+def test_a_loop_left_after_its_first_micro_batch_leaves_nothing_in_the_next_runs_step() -> None:
+    # The next run of the same loader starts at index 0 too: the stale micro-batch's
+    # gradient (and loss) must still be told apart from the new run's first one.
+    dataset = data()
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=8)
+    loader.autoscale_batch_size(8, (1, 8), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches
+    model, optimizer, adp = setup(scaling_rule=LinearScale())
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batch: list[torch.Tensor] = []
+    for epoch in adl.remaining_epochs_until(2):
+        for i, (idx, x, y) in enumerate(loader):
+            if epoch == 0:
+                optimizer.zero_grad()
+                (1000.0 * torch.nn.functional.mse_loss(adp(x), y)).backward()
+                optimizer.step()  # accumulates only
+                break
+            batch.append(idx)
+            train_step(adp, optimizer, x, y)
+            if i == 1:
+                break
+    whole = torch.cat(batch)
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(reference(dataset[whole][1]), dataset[whole][2]).backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
 def test_single_micro_batch_steps_use_the_differenced_estimator_and_progress() -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=4)
     loader.train()

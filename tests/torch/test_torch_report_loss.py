@@ -58,6 +58,32 @@ def test_report_loss_refuses_what_the_floor_does_not_cover() -> None:
     with pytest.raises(ValueError, match="target_loss must be finite"):
         adp.report_loss(0.5, target_loss=math.inf)
     assert adp._losses == []  # nothing refused was kept
+    with pytest.raises(ValueError, match=r"inside the training loop .*got no loop"):
+        adp.report_loss(0.5)
+
+
+def test_report_loss_refuses_a_validation_loop_and_a_second_model() -> None:
+    train = adl.AdaptiveDataLoader(data(), batch_size=4)
+    train.train()
+    valid = adl.AdaptiveDataLoader(data(), batch_size=8)
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt)
+    other, other_opt = sgd()
+    second = AdaptiveDataParallel(other, other_opt, name="second")
+    for _ in adl.remaining_epochs_until(1):
+        for x, y in train:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(adp(x), y)
+            loss.backward()
+            opt.step()
+            adp.report_loss(loss)
+            with pytest.raises(ValueError, match=r"'second' reports .* already does"):
+                second.report_loss(loss)
+        with torch.no_grad():
+            for x, y in valid:
+                with pytest.raises(ValueError, match=r"inside the training loop .*got adaptdl"):
+                    adp.report_loss(torch.nn.functional.mse_loss(adp(x), y))
+                break
 
 
 def _train(adp: Any, opt: torch.optim.Optimizer, loader: Any, epochs: int) -> list[float]:
@@ -76,10 +102,12 @@ def _train(adp: Any, opt: torch.optim.Optimizer, loader: Any, epochs: int) -> li
 
 def test_the_reported_losses_set_the_floor_share_at_the_base_rate(writer: Any) -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=4)
-    loader.train()
+    # Total 8 on one replica: AdaScale scales the rate by its gain (> 1) for each step.
+    loader.autoscale_batch_size(8, (1, 8))
+    _context.current_job().batch_size_decision = lambda query: (8, 0)
     model, opt = sgd(momentum=0.9)
     adp = AdaptiveDataParallel(model, opt)
-    losses = _train(adp, opt, loader, 8)  # 128 steps, past the floor's 100
+    losses = _train(adp, opt, loader, 16)  # 128 steps, past the floor's 100
     floor = adp._job.metrics.floor
     assert floor is not None
     # A loss reported after its step is folded at the next one: all but the last.
@@ -91,15 +119,41 @@ def test_the_reported_losses_set_the_floor_share_at_the_base_rate(writer: Any) -
         weight = 0.99 * weight + 0.01
     assert floor.average == pytest.approx(expected / weight, rel=1e-6)
     gns = adp.gns
-    assert gns is not None and gns.resolved
+    assert gns is not None and gns.resolved and adp.last_lr_factor > 1.05
     # The base rate (the initial batch's), not the one scaled for the step.
-    assert floor.floor0 == pytest.approx(floor_level(sgd_rate(0.05, 0.9), gns.var, 4))
-    assert 0.0 < floor.share <= 0.9
+    base = floor_level(sgd_rate(0.05, 0.9), gns.var, 4)
+    assert floor.floor0 == pytest.approx(base, rel=1e-6)
+    assert floor.floor0 != pytest.approx(base * adp.last_lr_factor, rel=1e-3)
+    share = adp._job.metrics.floor_share()
+    assert 0.0 < share <= 0.9
     fn = adp._job.goodput_fn()
     raw = adp._job.metrics.grad_params()
     assert fn is not None and raw is not None and fn.grad_params.var > raw.var
     adp.to_tensorboard(writer, 1)
-    assert writer.scalars["Gradient/floor_share"] == (floor.share, 1)
+    assert writer.scalars["Gradient/floor_share"] == (share, 1)
+
+
+def test_the_losses_of_a_steps_micro_batches_are_averaged_into_it() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches of 4
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt)
+    reported: list[float] = []
+    for _ in adl.remaining_epochs_until(1):
+        for i, (x, _y) in enumerate(loader):
+            opt.zero_grad()
+            adp(x).sum().backward()
+            adp.report_loss(torch.tensor(float(i)))  # before the step: folded at this one
+            reported.append(float(i))
+            opt.step()
+    floor = adp._job.metrics.floor
+    assert floor is not None and floor.steps == len(reported) // 2 > 1
+    means = [(a + b) / 2 for a, b in zip(reported[::2], reported[1::2], strict=True)]
+    total = weight = 0.0
+    for mean in means:
+        total, weight = 0.99 * total + 0.01 * mean, 0.99 * weight + 0.01
+    assert floor.average == pytest.approx(total / weight)
 
 
 def test_the_floor_survives_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,4 +183,26 @@ def test_the_floor_survives_a_restart(tmp_path: Path, monkeypatch: pytest.Monkey
     assert saved["steps"] == steps > 6  # one per step, each reported before it
     _context._reset()
     _, _, adp = build()
-    assert adp._job.metrics.floor.to_json() == saved
+    floor = adp._job.metrics.floor
+    assert floor.to_json() == saved
+    assert not floor.active  # until a loss is folded again in this run
+
+
+def test_the_losses_of_micro_batches_left_unstepped_are_dropped_with_their_gradients() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches of 4
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt)
+    for epoch in adl.remaining_epochs_until(2):
+        for i, (x, _y) in enumerate(loader):
+            opt.zero_grad()
+            adp(x).sum().backward()
+            adp.report_loss(100.0 if epoch == 0 else 1.0)
+            opt.step()
+            if epoch == 0:
+                break  # one micro-batch accumulated, never stepped
+            if i == 1:
+                break  # one optimiser step in the new loop
+    floor = adp._job.metrics.floor
+    assert floor is not None and floor.steps == 1 and floor.average == pytest.approx(1.0)

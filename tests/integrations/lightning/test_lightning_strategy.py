@@ -148,8 +148,9 @@ def test_bad_strategy_arguments_are_refused() -> None:
         AdaptiveStrategy(target_loss=0.3)
     loss = torch.tensor(0.5)
     assert step_loss(loss) is loss and step_loss({"loss": loss, "acc": 1}) is loss
-    with pytest.raises(ValueError, match=r"needs training_step to return the loss.*got None"):
-        step_loss(None)
+    assert step_loss(None) is None and step_loss({}) is None  # a batch skipped
+    with pytest.raises(ValueError, match=r"needs training_step to return the loss.*got 0\.5"):
+        step_loss(0.5)
 
 
 def test_lightning_sees_a_sized_loader_whose_length_is_never_reached() -> None:

@@ -30,9 +30,13 @@ sizes 256 and 16, with no fitted constant; deciding on the share brought the
 adaptive run from 0.79-0.89 of fixed 256's speed to the target to about level.
 
 `LossFloor` keeps the training loss's moving average (a job-level state in the
-checkpoint, schema ``adaptdl.floor/1``) and the share it last set. SGD-type
-optimisers under AdaScale only: under Adam the noise's weight in the update is the
-preconditioner, not a number (the torch adapter refuses the rest).
+checkpoint, schema ``adaptdl.floor/1``) and, from the last loss folded, what the
+share is computed from: the decision reads it at the statistics it weighs, so the
+confidence bound's lower noise also has a lower floor and a smaller share. The
+credit holds only while losses keep coming: it starts with the first loss folded
+after a (re)start and lapses `LAPSE_STEPS` optimiser steps after the last one.
+SGD-type optimisers under AdaScale only: under Adam the noise's weight in the
+update is the preconditioner, not a number (the torch adapter refuses the rest).
 """
 
 from __future__ import annotations
@@ -50,21 +54,34 @@ from adaptdl.core.goodput import GradParams
 
 FLOOR_SCHEMA = "adaptdl.floor/1"
 
-_JSON_KEYS = ("schema", "memory", "min_steps", "cap", "steps", "loss_sum", "loss_weight", "share")
+#: Optimiser steps without a loss folded after which the credit lapses: the loss's
+#: average (memory 0.99 a step) has then forgotten most of what it held.
+LAPSE_STEPS = 100
+
+_JSON_KEYS = ("schema", "memory", "min_steps", "cap", "steps", "loss_sum", "loss_weight")
+
+
+def _fraction(name: str, value: Any) -> float:
+    """``value`` as a float in [0, 1), or ValueError naming ``name``."""
+    result = check_float(name, value)
+    if not 0.0 <= result < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {result!r}")
+    return result
 
 
 def sgd_rate(lr: float, momentum: float = 0.0, dampening: float = 0.0) -> float:
-    """The rate at which SGD with ``momentum`` and ``dampening`` moves along a steady
-    gradient, ``lr * (1 - dampening) / (1 - momentum)``: the rate its floor scales with.
+    """The rate at which torch's SGD moves along a steady gradient: ``lr * (1 -
+    dampening) / (1 - momentum)``, the rate its floor scales with (torch applies
+    ``dampening`` only with momentum, so without momentum it is ``lr``).
 
     ValueError names an argument out of range (``lr >= 0``, ``momentum`` in [0, 1),
     ``dampening`` in [0, 1]).
     """
     lr = check_float("lr", lr, min=0.0)
     dampening = check_float("dampening", dampening, min=0.0, max=1.0)
-    momentum = check_float("momentum", momentum, min=0.0)
-    if momentum >= 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    momentum = _fraction("momentum", momentum)
+    if momentum == 0.0:
+        return lr
     return lr * (1.0 - dampening) / (1.0 - momentum)
 
 
@@ -86,12 +103,12 @@ def floor_share(
     ``loss`` is the training loss now, at a batch of statistical ``efficiency`` (whose
     floor is ``floor0 * efficiency``). Left at the initial batch: the drift ``loss -
     floor0 * efficiency`` less the target, plus ``floor0``. Where the floor is all
-    that is left, ``cap``; 0 without a floor or a finite loss.
+    that is left (or more), ``cap``. 0 where ``floor0`` is 0 or less, and where any
+    input is not finite (nothing to credit).
     """
-    if not 0.0 <= cap < 1.0:
-        raise ValueError(f"cap must be in [0, 1), got {cap!r}")
+    cap = _fraction("cap", cap)
     left = loss - floor0 * efficiency - target_loss + floor0
-    if not (math.isfinite(left) and math.isfinite(floor0)) or floor0 <= 0.0:
+    if not math.isfinite(left) or not math.isfinite(floor0) or floor0 <= 0.0:
         return 0.0
     if left <= floor0:
         return cap
@@ -105,50 +122,83 @@ def shared_params(params: GradParams, share: float) -> GradParams:
     (1 - f)``. Statistics without noise or without signal are returned as they are:
     no noise keeps no floor, and a lost gradient is already credited in full.
     """
-    if not 0.0 <= share < 1.0:
-        raise ValueError(f"share must be in [0, 1), got {share!r}")
+    share = _fraction("share", share)
     if share == 0.0 or params.sqr <= 0.0 or params.var <= 0.0:
         return params
     return GradParams(sqr=params.sqr, var=(params.var + share * params.sqr) / (1.0 - share))
 
 
+# attrs converters (named, for mypy's attrs plugin), each naming its field.
+def _memory(value: Any) -> float:
+    return _fraction("memory", value)
+
+
+def _min_steps(value: Any) -> int:
+    return check_int("min_steps", value, min=1)
+
+
+def _cap(value: Any) -> float:
+    return _fraction("cap", value)
+
+
+def _steps(value: Any) -> int:
+    return check_int("steps", value, min=0)
+
+
+def _loss_sum(value: Any) -> float:
+    return check_float("loss_sum", value)
+
+
+def _loss_weight(value: Any) -> float:
+    return check_float("loss_weight", value, min=0.0, max=1.0)
+
+
+@attrs.frozen
+class _Basis:
+    """What the last loss folded sets the share from (not saved: the next one sets it)."""
+
+    average: float  # the loss's average
+    floor0: float  # the initial batch's floor at the estimator's tr(Sigma)
+    floor_per_var: float  # the initial batch's floor per unit of per-sample tr(Sigma)
+    init_batch_size: float
+    scale: float  # the step's total batch over the initial one, at least 1
+    target_loss: float
+
+
 @attrs.define(eq=False)
 class LossFloor:
-    """The training loss's moving average and the floor share it sets.
+    """The training loss's moving average, and the floor's share of the loss left.
 
-    ``memory`` (per step), ``min_steps`` (steps folded before a share is set) and
-    ``cap`` (the share's largest value) are configuration; the rest is state.
+    ``memory`` (per step), ``min_steps`` (losses folded before any credit) and
+    ``cap`` (the share's largest value) are configuration; ``steps``, ``loss_sum``
+    and ``loss_weight`` are the checkpointed state.
     """
 
-    memory: float = attrs.field(default=0.99)
-    min_steps: int = attrs.field(default=100)
-    cap: float = attrs.field(default=0.9)
-    steps: int = attrs.field(default=0)
-    loss_sum: float = attrs.field(default=0.0)
-    loss_weight: float = attrs.field(default=0.0)
-    share: float = attrs.field(default=0.0)
-    #: The initial batch's floor at the last `observe` (not saved: the next one sets it).
-    floor0: float = attrs.field(default=math.nan, eq=False)
+    memory: float = attrs.field(default=0.99, converter=_memory)
+    min_steps: int = attrs.field(default=100, converter=_min_steps)
+    cap: float = attrs.field(default=0.9, converter=_cap)
+    steps: int = attrs.field(default=0, converter=_steps)
+    loss_sum: float = attrs.field(default=0.0, converter=_loss_sum)
+    loss_weight: float = attrs.field(default=0.0, converter=_loss_weight)
+    _basis: _Basis | None = attrs.field(default=None, init=False)
+    _idle: int = attrs.field(default=0, init=False)  # optimiser steps since the last fold
 
     SCHEMA: ClassVar[str] = FLOOR_SCHEMA
-
-    def __attrs_post_init__(self) -> None:
-        self.memory = check_float("memory", self.memory, min=0.0)
-        if self.memory >= 1.0:
-            raise ValueError(f"memory must be in [0, 1), got {self.memory!r}")
-        self.min_steps = check_int("min_steps", self.min_steps, min=1)
-        self.cap = check_float("cap", self.cap, min=0.0)
-        if self.cap >= 1.0:
-            raise ValueError(f"cap must be in [0, 1), got {self.cap!r}")
-        self.steps = check_int("steps", self.steps, min=0)
-        self.loss_sum = check_float("loss_sum", self.loss_sum)
-        self.loss_weight = check_float("loss_weight", self.loss_weight, min=0.0, max=1.0)
-        self.share = check_float("share", self.share, min=0.0, max=self.cap)
 
     @property
     def average(self) -> float | None:
         """The training loss's bias-corrected moving average (None before a finite one)."""
         return self.loss_sum / self.loss_weight if self.loss_weight > 0.0 else None
+
+    @property
+    def active(self) -> bool:
+        """Whether the decision credits the floor now: a share was set since the (re)start
+        and a loss was folded within the last `LAPSE_STEPS` optimiser steps."""
+        return self._basis is not None and self._idle <= LAPSE_STEPS
+
+    def idle_step(self) -> None:
+        """Count one optimiser step (folded or not) toward the credit's lapse."""
+        self._idle += 1
 
     def observe(
         self,
@@ -157,9 +207,10 @@ class LossFloor:
         gns: GradientNoiseScale | None,
         batch_size: float,
         target_loss: float = 0.0,
-    ) -> float:
-        """Fold one step's training ``loss`` (one not finite is skipped) and return the
-        share, set once ``min_steps`` steps are in and the estimate resolves a gradient.
+    ) -> None:
+        """Fold one step's training ``loss`` (one not finite is skipped, yet counted)
+        and, once ``min_steps`` are in and the estimate resolves a gradient, set what
+        the share is computed from.
 
         ``rates`` are the step's `sgd_rate` per parameter group at the base rate (the
         initial batch's), ``gns`` the job's estimator (its groups match ``rates``),
@@ -167,27 +218,60 @@ class LossFloor:
         aimed at (0: none stated).
         """
         target_loss = check_float("target_loss", target_loss)
+        batch_size = check_float("batch_size", batch_size, min=0.0, min_exclusive=True)
         self.steps += 1
-        if isinstance(loss, numbers.Real) and math.isfinite(loss):
+        self._idle = 0
+        if isinstance(loss, numbers.Real) and not isinstance(loss, bool) and math.isfinite(loss):
             self.loss_sum = self.memory * self.loss_sum + (1.0 - self.memory) * float(loss)
             self.loss_weight = self.memory * self.loss_weight + (1.0 - self.memory)
         average = self.average
         if gns is None or self.steps < self.min_steps or average is None or not gns.resolved:
-            return self.share
+            return
         if len(rates) != gns.num_groups:
             raise ValueError(
                 f"rates must have one value per parameter group ({gns.num_groups}), "
                 f"got {len(rates)}"
             )
         m0 = float(gns.init_batch_size)
-        self.floor0 = math.fsum(
+        floor0 = math.fsum(
             floor_level(rate, var, m0) for rate, var in zip(rates, gns.group_var, strict=True)
         )
-        scale = max(float(batch_size) / m0, 1.0)
-        self.share = floor_share(
-            self.floor0, average, gns.gain(scale) / scale, target_loss, self.cap
+        var = gns.var
+        self._basis = _Basis(
+            average=average,
+            floor0=floor0,
+            floor_per_var=floor0 / var if var > 0.0 else 0.0,
+            init_batch_size=m0,
+            scale=max(batch_size / m0, 1.0),
+            target_loss=target_loss,
         )
-        return self.share
+
+    def share_at(self, params: GradParams | None) -> float:
+        """The floor's share at the statistics ``params`` (`GradParams`, variance at the
+        initial batch): their tr(Sigma) sets the floor, their efficiency at the last
+        step's batch the part of it already shed. 0 while not `active`."""
+        basis = self._basis
+        if not self.active or basis is None or params is None:
+            return 0.0
+        var = params.var * basis.init_batch_size  # per sample
+        efficiency = (params.var + params.sqr) / (params.var + params.sqr * basis.scale)
+        if not math.isfinite(efficiency):
+            return 0.0
+        floor0 = basis.floor_per_var * var
+        return floor_share(floor0, basis.average, efficiency, basis.target_loss, self.cap)
+
+    def credit(self, params: GradParams | None) -> GradParams | None:
+        """``params`` at the noise scale that credits the floor's share at them."""
+        if params is None:
+            return None
+        return shared_params(params, self.share_at(params))
+
+    @property
+    def floor0(self) -> float:
+        """The initial batch's floor at the estimator's tr(Sigma) when the share was last
+        set (NaN before)."""
+        basis = self._basis
+        return math.nan if basis is None else basis.floor0
 
     def to_json(self) -> dict[str, Any]:
         """The state as JSON-ready data."""
@@ -199,7 +283,6 @@ class LossFloor:
             "steps": self.steps,
             "loss_sum": self.loss_sum,
             "loss_weight": self.loss_weight,
-            "share": self.share,
         }
 
     @classmethod

@@ -100,6 +100,7 @@ class Job(JobLoops):
         self._uncommitted: tuple[Checkpoint, float] | None = None
         self.current_loader: LoaderHelper | None = None
         self.training_loader: LoaderHelper | None = None
+        self.loop_runs = 0
         self._sync_time = 0.0
         self._stop_requested = False
         self._stop_code = EXIT_CODE_PREEMPTED

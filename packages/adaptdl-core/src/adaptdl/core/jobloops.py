@@ -31,6 +31,9 @@ class JobLoops:
     metrics: MetricsState
     current_loader: LoaderHelper | None
     training_loader: LoaderHelper | None
+    #: Loop runs entered so far in this process: a run's identity, where the index
+    #: alone repeats (every run of a loader starts at 0).
+    loop_runs: int
     _replaying: bool
     _on_resume: list[Callable[[], None]]
     _sync_time: float
@@ -68,6 +71,7 @@ class JobLoops:
                 "iterated: only one dataloader loop may run at a time"
             )
         self.current_loader = loader
+        self.loop_runs += 1
 
     def exit_loader(self, loader: LoaderHelper) -> None:
         if self.current_loader is loader:

@@ -8,7 +8,7 @@ from typing import Any
 
 from adaptdl.core._validate import check_float
 from adaptdl.core.checkpoint import JsonState
-from adaptdl.core.floor import LossFloor, shared_params
+from adaptdl.core.floor import LossFloor
 from adaptdl.core.gns import GNS_SCHEMA_WITHOUT_SPREAD, GradientNoiseScale
 from adaptdl.core.goodput import GoodputFunction, GradParams
 from adaptdl.core.profiler import Profiler
@@ -27,7 +27,8 @@ class MetricsState(JsonState):
 
     ``floor`` exists once the program reports its training loss (`observe_loss`):
     the goodput model the decision reads then credits the noise floor a batch keeps
-    (`adaptdl.core.floor`). `grad_params` stays the estimator's own.
+    (`adaptdl.core.floor`) while the losses keep coming. `grad_params` stays the
+    estimator's own.
     """
 
     def __init__(self, name: str = "adaptdl-metrics") -> None:
@@ -36,6 +37,7 @@ class MetricsState(JsonState):
         self.progress = 0.0
         self.profiler = Profiler()
         self.floor: LossFloor | None = None
+        self._loss_reporter: str | None = None  # not saved: claimed anew after a restart
         self._credited_step: int | None = None  # not saved: step counts restart with the process
 
     def ensure_gns(self, init_batch_size: int, num_groups: int = 1) -> GradientNoiseScale:
@@ -59,23 +61,39 @@ class MetricsState(JsonState):
                 return
             self._credited_step = step
         self.progress += gain
+        if self.floor is not None:
+            self.floor.idle_step()
 
     def grad_params(self) -> GradParams | None:
         """The estimator's statistics (None before its first update)."""
         return self.gns.grad_params() if self.gns is not None else None
 
+    def claim_loss(self, reporter: str) -> None:
+        """Let ``reporter`` (a model's name) report the job's training loss: one per job,
+        since the floor is the job's (a second, e.g. a GAN's other model, is a
+        ValueError naming both)."""
+        if self._loss_reporter not in (None, reporter):
+            raise ValueError(
+                f"{reporter!r} reports its training loss, but {self._loss_reporter!r} "
+                "already does: the noise floor is the job's, report one model's loss"
+            )
+        self._loss_reporter = reporter
+
     def observe_loss(
         self, loss: float, rates: Sequence[float], batch_size: float, target_loss: float = 0.0
-    ) -> float:
+    ) -> None:
         """Fold one step's training ``loss`` into the floor (`LossFloor.observe`, made
-        at the first call) and return its share."""
+        at the first call)."""
         if self.floor is None:
             self.floor = LossFloor()
-        return self.floor.observe(loss, rates, self.gns, batch_size, target_loss)
+        self.floor.observe(loss, rates, self.gns, batch_size, target_loss)
+
+    def floor_share(self) -> float:
+        """The floor's share the decision credits at the estimate now (0 without one)."""
+        return self.floor.share_at(self.grad_params()) if self.floor is not None else 0.0
 
     def _credited(self, params: GradParams | None) -> GradParams | None:
-        share = self.floor.share if self.floor is not None else 0.0
-        return params if params is None or share == 0.0 else shared_params(params, share)
+        return params if self.floor is None else self.floor.credit(params)
 
     # -- the goodput model these metrics make ------------------------------------------
     def goodput_fn(self, init_batch_size: int) -> GoodputFunction | None:
@@ -125,4 +143,7 @@ class MetricsState(JsonState):
         # Absent in a checkpoint written before the floor was kept, or by a program
         # that reports no loss.
         floor = data.get("floor")
-        self.floor = LossFloor.from_json(floor) if floor is not None else None
+        try:
+            self.floor = LossFloor.from_json(floor) if floor is not None else None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the metrics state's floor: {err}") from err

@@ -46,15 +46,22 @@ def check_floor_optimizer(optimizer: torch.optim.Optimizer, rule: ScalingRuleBas
         )
 
 
-def floor_rates(optimizer: torch.optim.Optimizer, lrs: Sequence[float]) -> list[float]:
-    """Per parameter group, SGD's rate (`sgd_rate`) at the base learning rates ``lrs``."""
+def floor_rates(optimizer: torch.optim.Optimizer, lrs: Sequence[Any] | None = None) -> list[float]:
+    """Per parameter group, SGD's rate (`sgd_rate`) at the base learning rates ``lrs``
+    (default: the groups' own; a tensor rate is read as a number)."""
+    groups = optimizer.param_groups
+    rates = [group["lr"] for group in groups] if lrs is None else lrs
     return [
-        sgd_rate(lr, group.get("momentum", 0.0), group.get("dampening", 0.0))
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True)
+        sgd_rate(float(lr), float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0)))
+        for group, lr in zip(groups, rates, strict=True)
     ]
 
 
 def mean_loss(losses: Sequence[torch.Tensor | float]) -> float:
-    """The mean of the losses reported since the last step (its micro-batches')."""
-    values = [float(x) for x in losses]
-    return sum(values) / len(values)
+    """The mean of the losses reported since the last step (its micro-batches'), with
+    one read from the device for all the tensors among them."""
+    tensors = [x.reshape(()).float() for x in losses if isinstance(x, torch.Tensor)]
+    total = sum(float(x) for x in losses if not isinstance(x, torch.Tensor))
+    if tensors:
+        total += float(torch.stack(tensors).sum()) if len(tensors) > 1 else float(tensors[0])
+    return total / len(losses)

@@ -98,7 +98,7 @@ class AdaptiveFSDP(AdaptiveSteps):
                 f"got {type(model).__name__}; for a replicated model use AdaptiveDataParallel"
             )
         job = current_job()
-        self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule)
+        self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule, name)
         self._sync = True
         in_optimizer = {
             id(p): index

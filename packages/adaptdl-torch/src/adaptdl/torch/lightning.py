@@ -266,10 +266,13 @@ class _TrainerState:
         self.strategy.restored = dict(state_dict)
 
 
-def step_loss(outputs: Any) -> Any:
+def step_loss(outputs: Any) -> torch.Tensor | None:
     """The loss in what ``training_step`` returned (a tensor, or a dict's ``"loss"``);
-    ValueError naming what came instead."""
+    None for a batch it skipped (None, which Lightning passes on as ``{}``);
+    ValueError naming anything else."""
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if loss is None:
+        return None
     if not isinstance(loss, torch.Tensor):
         raise ValueError(
             "AdaptiveStrategy(report_loss=True) needs training_step to return the loss, "
@@ -296,10 +299,9 @@ class _Hooks(pl.Callback):  # type: ignore[misc,unused-ignore]
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.strategy.report_loss:
-            self.strategy.model.report_loss(
-                step_loss(outputs), target_loss=self.strategy.target_loss
-            )
+        loss = step_loss(outputs) if self.strategy.report_loss else None
+        if loss is not None:
+            self.strategy.model.report_loss(loss, target_loss=self.strategy.target_loss)
         loader = self.strategy.train_loader
         iterator = loader.iterator if loader is not None else None
         if iterator is not None and not iterator.advance():

@@ -46,7 +46,7 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
         check_arguments(optimizer, scaling_rule, mp_scaler)
         job = current_job()
         super().__init__(model, **kwargs)
-        self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule)
+        self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule, name)
         self._state = StateDictState(
             name,
             {

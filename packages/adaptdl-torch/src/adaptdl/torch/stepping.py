@@ -178,9 +178,12 @@ class AdaptiveSteps:
         lr_scheduler: Any,
         mp_scaler: Any,
         scaling_rule: ScalingRuleBase | None,
+        name: str,
     ) -> None:
-        """Set up the step statistics (after the wrapper's own ``__init__``)."""
+        """Set up the step statistics (after the wrapper's own ``__init__``); ``name``
+        is the wrapper's, under which it is checkpointed."""
         self._job = job
+        self._adaptdl_name = name
         self.adaptdl_optimizer = optimizer
         self.adaptdl_lr_scheduler = lr_scheduler
         self.adaptdl_mp_scaler = mp_scaler
@@ -193,7 +196,8 @@ class AdaptiveSteps:
         # Loop positions of the micro-batches accumulated in .grad since the last step:
         # several backward passes on one micro-batch add up, they are not averaged.
         self._micro: set[int] = set()
-        self._accum_loader: LoaderHelper | None = None
+        # The loop run (`Job.loop_runs`) and index of the last micro-batch accumulated.
+        self._accum_run = 0
         self._accum_index = 0
         self._loader: LoaderHelper | None = None
         self._sync_start = 0.0
@@ -205,9 +209,11 @@ class AdaptiveSteps:
         self.last_lr_factor = 1.0
         self.last_gain = 1.0
         self._plain = False
-        # Losses reported since the last step (`report_loss`) and the target stated.
+        # Losses reported since the last step (`report_loss`), the target stated, and
+        # the optimiser's rates checked at the first report (None: not yet).
         self._losses: list[torch.Tensor | float] = []
         self._target_loss = 0.0
+        self._floor_checked = False
 
     # -- backward hooks ----------------------------------------------------------------
     def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -273,7 +279,7 @@ class AdaptiveSteps:
         assert loader is not None
         self._micro.add(loader.current_index or 0)
         if not self._will_sync():
-            self._accum_loader = loader
+            self._accum_run = self._job.loop_runs
             self._accum_index = loader.current_index or 0
             return
         self._sync_start = self._job.clock()
@@ -409,15 +415,17 @@ class AdaptiveSteps:
         return float(scaler.get_scale())
 
     def _drop_stale_accumulation(self) -> None:
-        # Gradients accumulated by a loop that ended before its step belong to no step.
+        # Gradients accumulated by a loop that ended before its step belong to no step:
+        # another run (even of the same loader, which starts at index 0 again), or none.
         if not self._micro:
             return
-        loader = self._job.current_loader
+        job = self._job
+        loader = job.current_loader
         index = loader.current_index if loader is not None else None
-        if loader is not self._accum_loader or index is None or index < self._accum_index:
+        if job.loop_runs != self._accum_run or index is None or index < self._accum_index:
+            self._losses = []  # reported for the dropped micro-batches
             self._micro = set()
             self._local_parts = [[] for _ in range(self._num_groups)]
-            self._accum_loader = None
             self.adaptdl_optimizer.zero_grad(set_to_none=True)
             self._drop_local_gradients()
 
@@ -497,9 +505,11 @@ class AdaptiveSteps:
         self.last_gain = decision.gain
         if self._losses:
             losses, self._losses = self._losses, []
-            rates = floor_rates(self.adaptdl_optimizer, base)
             job.metrics.observe_loss(
-                mean_loss(losses), rates, loader.current_batch_size, self._target_loss
+                mean_loss(losses),
+                floor_rates(self.adaptdl_optimizer, base),
+                loader.current_batch_size,
+                self._target_loss,
             )
         return result
 
@@ -508,16 +518,31 @@ class AdaptiveSteps:
         gradient the step takes), opt-in: the batch-size decision then credits the
         noise floor a batch keeps (`adaptdl.core.floor`).
 
-        Call it once per micro-batch, before or after ``optimizer.step()``; the losses
-        since the last step are averaged into it at the next step. A tensor's value is
-        read there. ``target_loss`` is the training loss aimed at, if known (0: none
-        stated, the most cautious credit); the last one given counts. Only for
-        ``torch.optim.SGD`` (no Nesterov) under `AdaScale`: ValueError otherwise, and
-        for a loss that is not one number.
+        Call it inside the training loop, once per micro-batch, before or after
+        ``optimizer.step()``; the losses since the last step are averaged into the next
+        step. A tensor's value is read there. ``target_loss`` is the training loss
+        aimed at, if known (0: none stated, the smallest credit); the last one given
+        counts. The credit lapses 100 optimiser steps after the last loss reported.
+        One model per job reports. ValueError for an optimiser other than
+        ``torch.optim.SGD`` (or SGD with Nesterov), a rule other than `AdaScale`, a
+        call outside the training loop, a second model reporting, or a tensor that is
+        not one number; TypeError for a loss that is not a tensor or a number.
         """
         value = check_loss(loss)
         target = check_float("target_loss", target_loss)
-        check_floor_optimizer(self.adaptdl_optimizer, self.scaling_rule)
+        job = self._job
+        if not self._floor_checked:
+            # Checked before any step uses them: nothing in the step may raise.
+            check_floor_optimizer(self.adaptdl_optimizer, self.scaling_rule)
+            floor_rates(self.adaptdl_optimizer)
+            job.metrics.claim_loss(self._adaptdl_name)
+            self._floor_checked = True
+        current = job.current_loader
+        if current is None or current is not (job.training_loader or current):
+            raise ValueError(
+                "report_loss must be called inside the training loop (the training "
+                f"loader's), got {'no loop' if current is None else current.name}"
+            )
         self._losses.append(value)
         self._target_loss = target
 
@@ -568,9 +593,9 @@ class AdaptiveSteps:
         if gns is not None and gns.has_estimate:
             writer.add_scalar(f"{prefix}Gradient/sqr", gns.sqr, global_step)
             writer.add_scalar(f"{prefix}Gradient/var", gns.var, global_step)
-        floor = self._job.metrics.floor
-        if floor is not None:
-            writer.add_scalar(f"{prefix}Gradient/floor_share", floor.share, global_step)
+        if self._job.metrics.floor is not None:
+            share = self._job.metrics.floor_share()
+            writer.add_scalar(f"{prefix}Gradient/floor_share", share, global_step)
         goodput = self.goodput()
         if goodput is not None:
             writer.add_scalar(f"{prefix}Performance/goodput", goodput, global_step)
