@@ -171,7 +171,7 @@ def test_the_bound_has_the_floor_of_its_own_noise_and_no_jump_at_none() -> None:
     assert floor.credit(GradParams(sqr=point.sqr, var=0.0)) == GradParams(sqr=point.sqr, var=0.0)
 
 
-def test_the_credit_lapses_without_losses_and_waits_for_one_after_a_restart() -> None:
+def test_the_credit_lapses_without_finite_losses_and_a_restart_resumes_it() -> None:
     est = _estimator()
     floor = LossFloor(min_steps=1)
     floor.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
@@ -179,16 +179,34 @@ def test_the_credit_lapses_without_losses_and_waits_for_one_after_a_restart() ->
     assert floor.share_at(point) > 0.0
     for _ in range(LAPSE_STEPS):
         floor.idle_step()
+        floor.observe(math.nan, [sgd_rate(0.05, 0.9)], est, 16)  # not a loss to go on
     assert floor.active
-    floor.idle_step()  # LAPSE_STEPS + 1 optimiser steps without a loss
+    floor.idle_step()  # LAPSE_STEPS + 1 optimiser steps without a finite loss
     assert not floor.active and floor.share_at(point) == 0.0 and floor.credit(point) == point
     floor.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
     assert floor.active
-    # Restored, the average is kept and the credit waits for the next loss folded.
-    restored = LossFloor.from_json(floor.to_json())
-    assert restored.average == floor.average and not restored.active
-    restored.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
-    assert restored.share_at(point) > 0.0
+    # Restored, the first decision is credited as the last one was, and the lapse
+    # goes on counting.
+    restored = LossFloor.from_json(json.loads(json.dumps(floor.to_json())))
+    assert restored.share_at(point) == floor.share_at(point) > 0.0
+    for _ in range(LAPSE_STEPS + 1):
+        restored.idle_step()
+    assert not restored.active
+
+
+def test_an_estimate_that_stops_resolving_a_gradient_stops_the_credit() -> None:
+    est = _estimator()
+    floor = LossFloor(min_steps=1)
+    floor.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
+    assert floor.active
+    lost = GradientNoiseScale(init_batch_size=16)
+    lost.update(40.0, 8.0, 2, 8)  # |G|^2 estimated below 0
+    floor.observe(0.02, [sgd_rate(0.05, 0.9)], lost, 16)
+    assert not floor.active and floor.share_at(est.grad_params()) == 0.0
+    # Statistics with no signal or no noise get no share (and no division by 0).
+    floor.observe(0.02, [sgd_rate(0.05, 0.9)], est, 16)
+    for params in (GradParams(sqr=0.0, var=0.0), GradParams(sqr=0.0, var=1.0)):
+        assert floor.share_at(params) == 0.0
 
 
 def test_observe_sums_the_groups_floors_and_waits_for_a_resolved_gradient() -> None:
@@ -228,6 +246,11 @@ def test_the_floor_round_trips_as_data_and_refuses_bad_state() -> None:
         LossFloor.from_json({k: v for k, v in data.items() if k != "loss_sum"})
     with pytest.raises(ValueError, match=r"loss_weight must be in \[0\.0, 1\.0\]"):
         LossFloor.from_json({**data, "loss_weight": 2.0})
+    assert data["basis"] is not None
+    with pytest.raises(ValueError, match=r"scale must be >= 1\.0"):
+        LossFloor.from_json({**data, "basis": {**data["basis"], "scale": 0.5}})
+    with pytest.raises(ValueError, match=r"LossFloor basis needs exactly the keys"):
+        LossFloor.from_json({**data, "basis": {"average": 1.0}})
     for bad in ({"memory": 1.0}, {"cap": -0.1}, {"min_steps": 0}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
             LossFloor(**bad)
@@ -262,7 +285,7 @@ def test_metrics_credit_the_share_in_the_goodput_models_and_checkpoint_it() -> N
     restored = MetricsState()
     restored.from_bytes(metrics.to_bytes())
     assert restored.floor is not None and restored.floor.to_json() == metrics.floor.to_json()
-    assert restored.goodput_fn(16).grad_params == raw  # type: ignore[union-attr]
+    assert restored.goodput_fn(16).grad_params == credited.grad_params
     # A checkpoint written before the floor was kept (or without losses) has none.
     old = json.loads(metrics.to_bytes())
     del old["floor"]

@@ -185,7 +185,7 @@ def test_the_floor_survives_a_restart(tmp_path: Path, monkeypatch: pytest.Monkey
     _, _, adp = build()
     floor = adp._job.metrics.floor
     assert floor.to_json() == saved
-    assert not floor.active  # until a loss is folded again in this run
+    assert not floor.active  # fewer than 100 losses: no share yet
 
 
 def test_the_losses_of_micro_batches_left_unstepped_are_dropped_with_their_gradients() -> None:
@@ -206,3 +206,22 @@ def test_the_losses_of_micro_batches_left_unstepped_are_dropped_with_their_gradi
                 break  # one optimiser step in the new loop
     floor = adp._job.metrics.floor
     assert floor is not None and floor.steps == 1 and floor.average == pytest.approx(1.0)
+
+
+def test_a_loss_reported_before_backward_survives_the_drop_of_a_stale_micro_batch() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches of 4
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt)
+    for epoch in adl.remaining_epochs_until(2):
+        for i, (x, _y) in enumerate(loader):
+            out = adp(x).sum()
+            adp.report_loss(100.0 if epoch == 0 else 10.0 + i)  # before backward
+            out.backward()
+            opt.step()
+            opt.zero_grad()
+            if epoch == 0 or i == 1:
+                break  # epoch 0: one micro-batch, never stepped; epoch 1: one step
+    floor = adp._job.metrics.floor
+    assert floor is not None and floor.steps == 1 and floor.average == pytest.approx(10.5)

@@ -31,10 +31,12 @@ adaptive run from 0.79-0.89 of fixed 256's speed to the target to about level.
 
 `LossFloor` keeps the training loss's moving average (a job-level state in the
 checkpoint, schema ``adaptdl.floor/1``) and, from the last loss folded, what the
-share is computed from: the decision reads it at the statistics it weighs, so the
-confidence bound's lower noise also has a lower floor and a smaller share. The
-credit holds only while losses keep coming: it starts with the first loss folded
-after a (re)start and lapses `LAPSE_STEPS` optimiser steps after the last one.
+share is computed from (both checkpointed, so a restarted job's first decision is
+credited as its last was): the decision reads it at the statistics it weighs, so
+the confidence bound's lower noise also has a lower floor and a smaller share. The
+credit holds only while finite losses keep coming: it lapses `LAPSE_STEPS`
+optimiser steps after the last one folded, and while the estimate resolves no
+gradient.
 SGD-type optimisers under AdaScale only: under Adam the noise's weight in the
 update is the preconditioner, not a number (the torch adapter refuses the rest).
 """
@@ -48,17 +50,30 @@ from typing import Any, ClassVar
 
 import attrs
 
-from adaptdl.core._validate import check_float, check_int, check_state
+from adaptdl.core._validate import check_float, check_int, check_keys, check_state
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GradParams
+from adaptdl.core.scaling import adascale_gain
 
 FLOOR_SCHEMA = "adaptdl.floor/1"
 
-#: Optimiser steps without a loss folded after which the credit lapses: the loss's
-#: average (memory 0.99 a step) has then forgotten most of what it held.
+#: Optimiser steps without a finite loss folded after which the credit lapses: at
+#: the default memory (0.99 a step) the loss's average has then forgotten most of
+#: what it held.
 LAPSE_STEPS = 100
 
-_JSON_KEYS = ("schema", "memory", "min_steps", "cap", "steps", "loss_sum", "loss_weight")
+_JSON_KEYS = (
+    "schema",
+    "memory",
+    "min_steps",
+    "cap",
+    "steps",
+    "loss_sum",
+    "loss_weight",
+    "idle",
+    "basis",
+)
+_BASIS_KEYS = ("average", "floor0", "floor_per_var", "init_batch_size", "scale", "target_loss")
 
 
 def _fraction(name: str, value: Any) -> float:
@@ -155,7 +170,7 @@ def _loss_weight(value: Any) -> float:
 
 @attrs.frozen
 class _Basis:
-    """What the last loss folded sets the share from (not saved: the next one sets it)."""
+    """What the last loss folded sets the share from."""
 
     average: float  # the loss's average
     floor0: float  # the initial batch's floor at the estimator's tr(Sigma)
@@ -164,14 +179,27 @@ class _Basis:
     scale: float  # the step's total batch over the initial one, at least 1
     target_loss: float
 
+    def to_json(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in _BASIS_KEYS}
+
+    @classmethod
+    def from_json(cls, data: Any) -> _Basis:
+        data = check_keys("LossFloor basis", data, _BASIS_KEYS)
+        values = {k: check_float(k, data[k]) for k in _BASIS_KEYS}
+        for name in ("floor0", "floor_per_var"):
+            check_float(name, values[name], min=0.0)
+        check_float("init_batch_size", values["init_batch_size"], min=1.0)
+        check_float("scale", values["scale"], min=1.0)
+        return cls(**values)
+
 
 @attrs.define(eq=False)
 class LossFloor:
     """The training loss's moving average, and the floor's share of the loss left.
 
     ``memory`` (per step), ``min_steps`` (losses folded before any credit) and
-    ``cap`` (the share's largest value) are configuration; ``steps``, ``loss_sum``
-    and ``loss_weight`` are the checkpointed state.
+    ``cap`` (the share's largest value) are configuration; the rest is state, all
+    of it checkpointed.
     """
 
     memory: float = attrs.field(default=0.99, converter=_memory)
@@ -180,8 +208,9 @@ class LossFloor:
     steps: int = attrs.field(default=0, converter=_steps)
     loss_sum: float = attrs.field(default=0.0, converter=_loss_sum)
     loss_weight: float = attrs.field(default=0.0, converter=_loss_weight)
-    _basis: _Basis | None = attrs.field(default=None, init=False)
-    _idle: int = attrs.field(default=0, init=False)  # optimiser steps since the last fold
+    #: Optimiser steps since the last finite loss was folded.
+    idle: int = attrs.field(default=0, converter=_steps)
+    _basis: _Basis | None = attrs.field(default=None, alias="basis")
 
     SCHEMA: ClassVar[str] = FLOOR_SCHEMA
 
@@ -192,13 +221,13 @@ class LossFloor:
 
     @property
     def active(self) -> bool:
-        """Whether the decision credits the floor now: a share was set since the (re)start
-        and a loss was folded within the last `LAPSE_STEPS` optimiser steps."""
-        return self._basis is not None and self._idle <= LAPSE_STEPS
+        """Whether the decision credits the floor now: a share is set and a finite loss
+        was folded within the last `LAPSE_STEPS` optimiser steps."""
+        return self._basis is not None and self.idle <= LAPSE_STEPS
 
     def idle_step(self) -> None:
         """Count one optimiser step (folded or not) toward the credit's lapse."""
-        self._idle += 1
+        self.idle += 1
 
     def observe(
         self,
@@ -209,8 +238,8 @@ class LossFloor:
         target_loss: float = 0.0,
     ) -> None:
         """Fold one step's training ``loss`` (one not finite is skipped, yet counted)
-        and, once ``min_steps`` are in and the estimate resolves a gradient, set what
-        the share is computed from.
+        and, once ``min_steps`` are in, set what the share is computed from (nothing,
+        while the estimate resolves no gradient).
 
         ``rates`` are the step's `sgd_rate` per parameter group at the base rate (the
         initial batch's), ``gns`` the job's estimator (its groups match ``rates``),
@@ -220,12 +249,15 @@ class LossFloor:
         target_loss = check_float("target_loss", target_loss)
         batch_size = check_float("batch_size", batch_size, min=0.0, min_exclusive=True)
         self.steps += 1
-        self._idle = 0
         if isinstance(loss, numbers.Real) and not isinstance(loss, bool) and math.isfinite(loss):
             self.loss_sum = self.memory * self.loss_sum + (1.0 - self.memory) * float(loss)
             self.loss_weight = self.memory * self.loss_weight + (1.0 - self.memory)
+            self.idle = 0
         average = self.average
-        if gns is None or self.steps < self.min_steps or average is None or not gns.resolved:
+        if gns is None or self.steps < self.min_steps or average is None:
+            return
+        if not gns.resolved:
+            self._basis = None  # a gradient lost in the noise: no floor to tell apart
             return
         if len(rates) != gns.num_groups:
             raise ValueError(
@@ -233,9 +265,8 @@ class LossFloor:
                 f"got {len(rates)}"
             )
         m0 = float(gns.init_batch_size)
-        floor0 = math.fsum(
-            floor_level(rate, var, m0) for rate, var in zip(rates, gns.group_var, strict=True)
-        )
+        # `floor_level` summed over the groups (the rates were checked by `sgd_rate`).
+        floor0 = math.fsum(r * v for r, v in zip(rates, gns.group_var, strict=True)) / (4.0 * m0)
         var = gns.var
         self._basis = _Basis(
             average=average,
@@ -253,11 +284,10 @@ class LossFloor:
         basis = self._basis
         if not self.active or basis is None or params is None:
             return 0.0
-        var = params.var * basis.init_batch_size  # per sample
-        efficiency = (params.var + params.sqr) / (params.var + params.sqr * basis.scale)
-        if not math.isfinite(efficiency):
-            return 0.0
-        floor0 = basis.floor_per_var * var
+        if params.sqr <= 0.0 or params.var <= 0.0:
+            return 0.0  # no noise keeps no floor; a lost gradient is credited in full
+        efficiency = adascale_gain(params.sqr, params.var, basis.scale) / basis.scale
+        floor0 = basis.floor_per_var * params.var * basis.init_batch_size  # per-sample var
         return floor_share(floor0, basis.average, efficiency, basis.target_loss, self.cap)
 
     def credit(self, params: GradParams | None) -> GradParams | None:
@@ -283,10 +313,14 @@ class LossFloor:
             "steps": self.steps,
             "loss_sum": self.loss_sum,
             "loss_weight": self.loss_weight,
+            "idle": self.idle,
+            "basis": self._basis.to_json() if self._basis is not None else None,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LossFloor:
         """Rebuild from `to_json`'s output; raise ValueError on any other shape."""
         data = check_state("LossFloor state", data, cls.SCHEMA, _JSON_KEYS)
-        return cls(**{k: data[k] for k in _JSON_KEYS if k != "schema"})
+        basis = data["basis"]
+        values = {k: data[k] for k in _JSON_KEYS if k not in ("schema", "basis")}
+        return cls(**values, basis=_Basis.from_json(basis) if basis is not None else None)

@@ -73,6 +73,12 @@ class JobLoops:
         self.current_loader = loader
         self.loop_runs += 1
 
+    def in_training_loop(self) -> bool:
+        """Whether a loop runs and it is the training loader's (any loop, before one is
+        marked for training)."""
+        current = self.current_loader
+        return current is not None and current is (self.training_loader or current)
+
     def exit_loader(self, loader: LoaderHelper) -> None:
         if self.current_loader is loader:
             self.current_loader = None

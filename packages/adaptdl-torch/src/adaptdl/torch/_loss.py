@@ -3,6 +3,7 @@ and the optimiser's rates for core's noise floor (`adaptdl.core.floor`)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -14,8 +15,8 @@ from adaptdl.torch.scaling_rules import AdaScale, ScalingRuleBase
 
 def check_loss(loss: Any) -> torch.Tensor | float:
     """``loss`` kept for the step: a float, or a one-element tensor detached (its value
-    is read at the optimiser step, where the step's statistics already wait for the
-    device). TypeError or ValueError names anything else."""
+    is read at the optimiser step, before the update, once the step's statistics have
+    waited for the device). TypeError or ValueError names anything else."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() != 1:
             raise ValueError(
@@ -58,10 +59,11 @@ def floor_rates(optimizer: torch.optim.Optimizer, lrs: Sequence[Any] | None = No
 
 
 def mean_loss(losses: Sequence[torch.Tensor | float]) -> float:
-    """The mean of the losses reported since the last step (its micro-batches'), with
-    one read from the device for all the tensors among them."""
-    tensors = [x.reshape(()).float() for x in losses if isinstance(x, torch.Tensor)]
-    total = sum(float(x) for x in losses if not isinstance(x, torch.Tensor))
+    """The mean of the finite losses reported since the last step (its micro-batches');
+    NaN if none is. One read from the device for all the tensors among them."""
+    tensors = [x.detach().reshape(()).float() for x in losses if isinstance(x, torch.Tensor)]
+    values = [float(x) for x in losses if not isinstance(x, torch.Tensor)]
     if tensors:
-        total += float(torch.stack(tensors).sum()) if len(tensors) > 1 else float(tensors[0])
-    return total / len(losses)
+        values += torch.stack(tensors).tolist() if len(tensors) > 1 else [float(tensors[0])]
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan

@@ -492,6 +492,16 @@ class AdaptiveSteps:
         decision = self._steps.decide(loader.current_batch_size, rule, len(groups))
         assert decision is not None
         base = [group["lr"] for group in groups]
+        if self._losses:
+            # Folded before the update: the losses are ready (the step's statistics
+            # already waited for the device), and nothing after the update may raise.
+            losses, self._losses = self._losses, []
+            job.metrics.observe_loss(
+                mean_loss(losses),
+                floor_rates(self.adaptdl_optimizer, base),
+                loader.current_batch_size,
+                self._target_loss,
+            )
         for group, lr, factor in zip(groups, base, decision.lr_factors, strict=True):
             group["lr"] = lr * factor
         try:
@@ -503,14 +513,6 @@ class AdaptiveSteps:
         self._steps.commit(decision, step=job.boundaries)
         self.last_lr_factor = decision.lr_factors[0]
         self.last_gain = decision.gain
-        if self._losses:
-            losses, self._losses = self._losses, []
-            job.metrics.observe_loss(
-                mean_loss(losses),
-                floor_rates(self.adaptdl_optimizer, base),
-                loader.current_batch_size,
-                self._target_loss,
-            )
         return result
 
     def report_loss(self, loss: torch.Tensor | float, *, target_loss: float = 0.0) -> None:
@@ -537,12 +539,15 @@ class AdaptiveSteps:
             floor_rates(self.adaptdl_optimizer)
             job.metrics.claim_loss(self._adaptdl_name)
             self._floor_checked = True
-        current = job.current_loader
-        if current is None or current is not (job.training_loader or current):
+        if not job.in_training_loop():
+            current = job.current_loader
             raise ValueError(
                 "report_loss must be called inside the training loop (the training "
                 f"loader's), got {'no loop' if current is None else current.name}"
             )
+        # A micro-batch left unstepped by an earlier run is dropped now, with its
+        # losses, before this run's loss joins them.
+        self._drop_stale_accumulation()
         self._losses.append(value)
         self._target_loss = target
 
