@@ -210,7 +210,7 @@ class AdaptiveSteps:
         self.last_gain = 1.0
         self._plain = False
         # Losses reported since the last step (`report_loss`), the target stated, and
-        # the optimiser's rates checked at the first report (None: not yet).
+        # whether the first report checked the optimiser, its rates and the reporter.
         self._losses: list[torch.Tensor | float] = []
         self._target_loss = 0.0
         self._floor_checked = False
@@ -524,7 +524,7 @@ class AdaptiveSteps:
         ``optimizer.step()``; the losses since the last step are averaged into the next
         step. A tensor's value is read there. ``target_loss`` is the training loss
         aimed at, if known (0: none stated, the smallest credit); the last one given
-        counts. The credit lapses 100 optimiser steps after the last loss reported.
+        counts. The credit lapses 100 optimiser steps after the last finite loss.
         One model per job reports. ValueError for an optimiser other than
         ``torch.optim.SGD`` (or SGD with Nesterov), a rule other than `AdaScale`, a
         call outside the training loop, a second model reporting, or a tensor that is
@@ -534,7 +534,7 @@ class AdaptiveSteps:
         target = check_float("target_loss", target_loss)
         job = self._job
         if not self._floor_checked:
-            # Checked before any step uses them: nothing in the step may raise.
+            # Checked once, before any step uses them.
             check_floor_optimizer(self.adaptdl_optimizer, self.scaling_rule)
             floor_rates(self.adaptdl_optimizer)
             job.metrics.claim_loss(self._adaptdl_name)
