@@ -225,3 +225,50 @@ def test_a_loss_reported_before_backward_survives_the_drop_of_a_stale_micro_batc
                 break  # epoch 0: one micro-batch, never stepped; epoch 1: one step
     floor = adp._job.metrics.floor
     assert floor is not None and floor.steps == 1 and floor.average == pytest.approx(10.5)
+
+
+def test_the_losses_of_a_step_the_grad_scaler_skips_join_the_next_step() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    loader.train()
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt, mp_scaler=scaler)
+    for _ in adl.remaining_epochs_until(1):
+        for i, (x, y) in enumerate(loader):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(adp(x), y)
+            scaled = loss * float("inf") if i == 1 else loss
+            adp.report_loss(10.0 * (i + 1))  # before the step: folded at its own
+            scaler.scale(scaled).backward()
+            scaler.step(opt)  # step 1 is skipped: its loss waits for step 2
+            scaler.update()
+            if i == 2:
+                break
+    floor = adp._job.metrics.floor
+    assert floor is not None and floor.steps == 2  # steps 0 and 2 ran the optimiser
+    # Step 0 folded 10; step 2 the mean of 20 (the skipped step's) and 30.
+    expected = (0.99 * 0.01 * 10.0 + 0.01 * 25.0) / (0.99 * 0.01 + 0.01)
+    assert floor.average == pytest.approx(expected)
+
+
+def test_a_job_with_two_models_counts_the_lapse_once_per_batch() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    loader.train()
+    model, opt = sgd()
+    adp = AdaptiveDataParallel(model, opt)
+    other, other_opt = sgd()
+    second = AdaptiveDataParallel(other, other_opt, name="second")  # a GAN's other model
+    for _ in adl.remaining_epochs_until(1):
+        for i, (x, y) in enumerate(loader):
+            for net, optimizer in ((adp, opt), (second, other_opt)):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                loss.backward()
+                optimizer.step()
+            if i == 0:
+                adp.report_loss(1.0)  # folded at batch 1's first step
+            if i == 2:
+                break
+    floor = adp._job.metrics.floor
+    # Batches 1 and 2 count one optimiser step each toward the lapse, not two.
+    assert floor is not None and floor.steps == 1 and floor.idle == 2
