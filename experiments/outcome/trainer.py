@@ -204,7 +204,8 @@ def train(
                 adp.report_loss(step_loss, target_loss=report_target)
                 shared, share = job.metrics.floor, job.metrics.floor_share()
                 if shared is not None and share > 0.0 and len(steps) % 8 == 0:
-                    floor.append([adp.progress, shared.average, shared.floor0, share])
+                    floor0 = shared.floor0_at(job.metrics.grad_params())
+                    floor.append([adp.progress, shared.average, floor0, share])
             if meter is not None:
                 lr = cosine_lr(cfg, fraction) * adp.last_lr_factor
                 meter.after_step(params, lr, adp.gns.var, helper.current_batch_size)

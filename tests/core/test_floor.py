@@ -146,7 +146,7 @@ def test_observe_sets_the_share_from_the_loss_average_after_its_minimum() -> Non
     average = (0.99 * 0.5 + 0.7) / 1.99
     assert floor.average == pytest.approx(average)
     floor0 = floor_level(rate, est.var, 16.0)
-    assert floor.floor0 == pytest.approx(floor0)
+    assert floor.floor0_at(point) == pytest.approx(floor0)
     now = est.gain(2.0) / 2.0
     share = floor.share_at(point)
     assert share == pytest.approx(floor_share(floor0, average, now, 0.1)) and share > 0.0
@@ -162,7 +162,7 @@ def test_the_bound_has_the_floor_of_its_own_noise_and_no_jump_at_none() -> None:
     # Less noise at the bound: a lower floor (in proportion), a smaller share.
     for fraction in (0.5, 0.1, 1e-3, 1e-9):
         less = GradParams(sqr=point.sqr, var=point.var * fraction)
-        expected = floor_share(floor.floor0 * fraction, 5.0, 1.0, 0.0)
+        expected = floor_share(floor.floor0_at(point) * fraction, 5.0, 1.0, 0.0)
         assert floor.share_at(less) == pytest.approx(expected)
         assert floor.share_at(less) < floor.share_at(point)
     # Continuous at no noise: the credited noise scale tends to 0 with the bound's.
@@ -214,7 +214,7 @@ def test_observe_sums_the_groups_floors_and_waits_for_a_resolved_gradient() -> N
     floor = LossFloor(min_steps=1)
     floor.observe(0.6, [0.1, 0.3], two, 16)
     expected = floor_level(0.1, two.group_var[0], 16) + floor_level(0.3, two.group_var[1], 16)
-    assert floor.floor0 == pytest.approx(expected)
+    assert floor.floor0_at(two.grad_params()) == pytest.approx(expected)
     with pytest.raises(ValueError, match=r"rates must have one value per parameter group \(2\)"):
         floor.observe(0.6, [0.1], two, 16)
     # No estimator yet, or one that resolves no gradient: the loss is folded, no share.

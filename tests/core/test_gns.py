@@ -410,8 +410,8 @@ def test_from_json_rejects_missing_keys_and_non_mappings() -> None:
         ({"init_batch_size": 0}, "init_batch_size must be >= 1"),
         ({"init_batch_size": 2.5}, "init_batch_size must be an int"),
         ({"init_batch_size": 8, "num_groups": 0}, "num_groups must be >= 1"),
-        ({"init_batch_size": 8, "smoothing": 0.0}, r"smoothing must be in \(0, 1\)"),
-        ({"init_batch_size": 8, "smoothing": 1.0}, r"smoothing must be in \(0, 1\)"),
+        ({"init_batch_size": 8, "smoothing": 0.0}, r"smoothing must be in \(0\.0, 1\.0\), got"),
+        ({"init_batch_size": 8, "smoothing": 1.0}, r"smoothing must be in \(0\.0, 1\.0\), got"),
         ({"init_batch_size": 8, "smoothing": float("nan")}, "smoothing must be finite"),
     ],
 )

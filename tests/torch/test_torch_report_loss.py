@@ -122,8 +122,9 @@ def test_the_reported_losses_set_the_floor_share_at_the_base_rate(writer: Any) -
     assert gns is not None and gns.resolved and adp.last_lr_factor > 1.05
     # The base rate (the initial batch's), not the one scaled for the step.
     base = floor_level(sgd_rate(0.05, 0.9), gns.var, 4)
-    assert floor.floor0 == pytest.approx(base, rel=1e-6)
-    assert floor.floor0 != pytest.approx(base * adp.last_lr_factor, rel=1e-3)
+    floor0 = floor.floor0_at(adp._job.metrics.grad_params())
+    assert floor0 == pytest.approx(base, rel=1e-6)
+    assert floor0 != pytest.approx(base * adp.last_lr_factor, rel=1e-3)
     share = adp._job.metrics.floor_share()
     assert 0.0 < share <= 0.9
     fn = adp._job.goodput_fn()

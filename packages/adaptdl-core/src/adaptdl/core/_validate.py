@@ -70,8 +70,10 @@ def check_float(
     min: float | None = None,
     max: float | None = None,
     min_exclusive: bool = False,
+    max_exclusive: bool = False,
 ) -> float:
-    """Return ``value`` as a finite float, or raise naming ``name``, the value and the range."""
+    """Return ``value`` as a finite float, or raise naming ``name``, the value and the range
+    (``min_exclusive``/``max_exclusive``: an open end)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
             f"{name} must be a real number, got {value!r} ({type(value).__name__})"
@@ -79,19 +81,29 @@ def check_float(
     result = float(value)
     if not math.isfinite(result):
         raise ValueError(f"{name} must be finite, got {result!r}")
-    if min_exclusive and min is not None and result <= min:
-        raise ValueError(f"{name} must be > {min}, got {result!r}")
-    _check_range(name, result, min, max)
+    _check_range(name, result, min, max, min_exclusive, max_exclusive)
     return result
 
 
-def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
-    if lo is not None and value < lo:
-        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    if hi is not None and value > hi:
-        allowed = f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+def _check_range(
+    name: str,
+    value: float,
+    lo: float | None,
+    hi: float | None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    above = hi is not None and (value >= hi if hi_open else value > hi)
+    if not (below or above):
+        return
+    if lo is not None and hi is not None:
+        allowed = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    elif lo is not None:
+        allowed = f"{'>' if lo_open else '>='} {lo}"
+    else:
+        allowed = f"{'<' if hi_open else '<='} {hi}"
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def as_real_array(

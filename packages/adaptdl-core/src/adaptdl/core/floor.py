@@ -73,15 +73,12 @@ _JSON_KEYS = (
     "idle",
     "basis",
 )
-_BASIS_KEYS = ("average", "floor0", "floor_per_var", "init_batch_size", "scale", "target_loss")
+_BASIS_KEYS = ("average", "floor_per_var", "scale", "target_loss")
 
 
 def _fraction(name: str, value: Any) -> float:
     """``value`` as a float in [0, 1), or ValueError naming ``name``."""
-    result = check_float(name, value)
-    if not 0.0 <= result < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {result!r}")
-    return result
+    return check_float(name, value, min=0.0, max=1.0, max_exclusive=True)
 
 
 def sgd_rate(lr: float, momentum: float = 0.0, dampening: float = 0.0) -> float:
@@ -173,9 +170,9 @@ class _Basis:
     """What the last loss folded sets the share from."""
 
     average: float  # the loss's average
-    floor0: float  # the initial batch's floor at the estimator's tr(Sigma)
-    floor_per_var: float  # the initial batch's floor per unit of per-sample tr(Sigma)
-    init_batch_size: float
+    #: The initial batch's floor per unit of `GradParams.var` (an initial-batch
+    #: gradient's variance): the rates' share of the floor, whatever the noise.
+    floor_per_var: float
     scale: float  # the step's total batch over the initial one, at least 1
     target_loss: float
 
@@ -186,9 +183,7 @@ class _Basis:
     def from_json(cls, data: Any) -> _Basis:
         data = check_keys("LossFloor basis", data, _BASIS_KEYS)
         values = {k: check_float(k, data[k]) for k in _BASIS_KEYS}
-        for name in ("floor0", "floor_per_var"):
-            check_float(name, values[name], min=0.0)
-        check_float("init_batch_size", values["init_batch_size"], min=1.0)
+        check_float("floor_per_var", values["floor_per_var"], min=0.0)
         check_float("scale", values["scale"], min=1.0)
         return cls(**values)
 
@@ -265,14 +260,12 @@ class LossFloor:
                 f"got {len(rates)}"
             )
         m0 = float(gns.init_batch_size)
-        # `floor_level` summed over the groups (the rates were checked by `sgd_rate`).
-        floor0 = math.fsum(r * v for r, v in zip(rates, gns.group_var, strict=True)) / (4.0 * m0)
-        var = gns.var
+        # The groups' floors summed: the floor of the rate-weighted noise.
+        weighted = math.fsum(r * v for r, v in zip(rates, gns.group_var, strict=True))
+        var = gns.var / m0  # `GradParams.var`
         self._basis = _Basis(
             average=average,
-            floor0=floor0,
-            floor_per_var=floor0 / var if var > 0.0 else 0.0,
-            init_batch_size=m0,
+            floor_per_var=floor_level(1.0, weighted, m0) / var if var > 0.0 else 0.0,
             scale=max(batch_size / m0, 1.0),
             target_loss=target_loss,
         )
@@ -287,7 +280,7 @@ class LossFloor:
         if params.sqr <= 0.0 or params.var <= 0.0:
             return 0.0  # no noise keeps no floor; a lost gradient is credited in full
         efficiency = adascale_gain(params.sqr, params.var, basis.scale) / basis.scale
-        floor0 = basis.floor_per_var * params.var * basis.init_batch_size  # per-sample var
+        floor0 = self.floor0_at(params)
         return floor_share(floor0, basis.average, efficiency, basis.target_loss, self.cap)
 
     def credit(self, params: GradParams | None) -> GradParams | None:
@@ -296,12 +289,11 @@ class LossFloor:
             return None
         return shared_params(params, self.share_at(params))
 
-    @property
-    def floor0(self) -> float:
-        """The initial batch's floor at the estimator's tr(Sigma) when the share was last
-        set (NaN before)."""
+    def floor0_at(self, params: GradParams) -> float:
+        """The initial batch's floor at the base rates of the last loss folded and the
+        noise of ``params`` (NaN before a share is set)."""
         basis = self._basis
-        return math.nan if basis is None else basis.floor0
+        return math.nan if basis is None else basis.floor_per_var * params.var
 
     def to_json(self) -> dict[str, Any]:
         """The state as JSON-ready data."""

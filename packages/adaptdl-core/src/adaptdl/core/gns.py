@@ -136,10 +136,9 @@ def _num_groups(value: Any) -> int:
 
 
 def _smoothing(value: Any) -> float:
-    smoothing = check_float("smoothing", value, min=0.0, max=1.0)
-    if not 0.0 < smoothing < 1.0:
-        raise ValueError(f"smoothing must be in (0, 1), got {smoothing!r}")
-    return smoothing
+    return check_float(
+        "smoothing", value, min=0.0, max=1.0, min_exclusive=True, max_exclusive=True
+    )
 
 
 def _float_tuple(name: str, value: Any) -> tuple[float, ...]:

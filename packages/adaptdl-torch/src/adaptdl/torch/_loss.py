@@ -61,9 +61,9 @@ def floor_rates(optimizer: torch.optim.Optimizer, lrs: Sequence[Any] | None = No
 def mean_loss(losses: Sequence[torch.Tensor | float]) -> float:
     """The mean of the finite losses reported since the last step (its micro-batches');
     NaN if none is. One read from the device for all the tensors among them."""
-    tensors = [x.detach().reshape(()).float() for x in losses if isinstance(x, torch.Tensor)]
+    tensors = [x.reshape(()).float() for x in losses if isinstance(x, torch.Tensor)]
     values = [float(x) for x in losses if not isinstance(x, torch.Tensor)]
     if tensors:
-        values += torch.stack(tensors).tolist() if len(tensors) > 1 else [float(tensors[0])]
+        values += torch.stack(tensors).tolist()
     finite = [v for v in values if math.isfinite(v)]
     return sum(finite) / len(finite) if finite else math.nan
