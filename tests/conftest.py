@@ -1,5 +1,6 @@
 """Shared test configuration: hypothesis profiles, the repository root on sys.path."""
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -25,10 +26,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 @pytest.fixture
 def fresh_torch_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A fresh default torch job in an environment without launcher variables."""
-    from adaptdl.torch import _context  # torch only for the tests that ask
+    import torch.distributed as dist  # torch only for the tests that ask
+
+    from adaptdl.torch import _context
 
     for name in ENV_VARS:  # every variable the library reads, torchrun's among them
         monkeypatch.delenv(name, raising=False)
     _context._reset()
     yield
+    had_group = dist.is_initialized()
     _context._reset()
+    if had_group:
+        # A destroyed group in a reference cycle keeps its threads until collected:
+        # collected here, no later test runs (or forks) beside a test's leftovers.
+        gc.collect()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from pathlib import Path
@@ -350,3 +351,35 @@ def test_a_batch_size_change_mid_pass_keeps_the_workers_and_every_sample_once(
 def test_in_order_false_is_refused() -> None:
     with pytest.raises(ValueError, match="in_order=True"):
         AdaptiveDataLoader(indexed(8), batch_size=4, num_workers=1, in_order=False)
+
+
+def _collect_garbage(worker_id: int) -> None:
+    """A worker_init_fn that runs a full garbage collection in the worker."""
+    gc.collect()
+
+
+@pytest.mark.timeout(120)  # the fault hangs in an unpickling that has no timeout
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_never_collect_a_dead_process_group_of_the_training_process(
+    persistent: bool,
+) -> None:
+    """A destroyed process group left in a reference cycle is garbage the training
+    process has not collected yet. A forked worker that collected it would run its
+    destructor, which waits for threads that exist only in the training process: the
+    worker would hang holding the GIL (CI once hung 600 s so in a test after FSDP's)."""
+    adl.init_process_group("gloo")
+    group = torch.distributed.new_group([0], backend="gloo")
+    cycle: list[Any] = [group]
+    cycle.append(cycle)
+    torch.distributed.destroy_process_group(group)
+    del group, cycle
+    loader = adl.AdaptiveDataLoader(
+        TensorDataset(torch.arange(12)),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=persistent,
+        worker_init_fn=_collect_garbage,
+    )
+    for _ in adl.remaining_epochs_until(2):
+        assert sorted(int(i) for (batch,) in loader for i in batch) == list(range(12))
+    assert gc.collect() > 0  # the group was still garbage here, and is collected here

@@ -9,6 +9,7 @@ wires them into a real ``torch.utils.data.DataLoader``.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import logging
 import random
@@ -259,6 +260,26 @@ class AdaptiveDataLoaderMixin:
         self._elastic.load_position(state_dict)
 
 
+def _iterator(loader: DataLoader[Any]) -> Iterator[Any]:
+    """``DataLoader.__iter__``, with this process's objects frozen for the garbage
+    collector while it forks the workers (`gc.freeze`).
+
+    The workers then never collect what they inherit: a destroyed process group left
+    in a reference cycle, garbage here until the next collection, would run its
+    destructor in the worker and wait there forever, holding the GIL, for threads
+    that exist only in this process. (Frozen, inherited pages are also not written
+    by the workers' collections.) In a program that froze objects itself nothing is
+    frozen or unfrozen here: unfreezing would undo its freezing too.
+    """
+    if loader.num_workers == 0 or gc.get_freeze_count():
+        return DataLoader.__iter__(loader)
+    gc.freeze()
+    try:
+        return DataLoader.__iter__(loader)
+    finally:
+        gc.unfreeze()
+
+
 class _WorkerInit:
     """Seeds ``random`` and numpy in each worker from torch's per-worker seed.
 
@@ -388,7 +409,7 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
             sizes.start(local_bsz)
             if self.generator is not None:
                 self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
-            return _Pass(DataLoader.__iter__(self), sizes)
+            return _Pass(_iterator(self), sizes)
 
         # Outside epoch loops the epoch the program set on the sampler (set_epoch, as
         # for DistributedSampler; 0 by default) keys the order. The loop's own settings
@@ -413,7 +434,7 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):  # type: ignore[t
                 return _Pass(stream.batches(), stream.sizes)
             if self.generator is not None:
                 self.generator.manual_seed(derive_seed(SHUFFLE_SEED, epoch, rank, index))
-            return _Pass(DataLoader.__iter__(self), stream.sizes)
+            return _Pass(_iterator(self), stream.sizes)
 
         return batches
 
