@@ -383,3 +383,22 @@ def test_workers_never_collect_a_dead_process_group_of_the_training_process(
     for _ in adl.remaining_epochs_until(2):
         assert sorted(int(i) for (batch,) in loader for i in batch) == list(range(12))
     assert gc.collect() > 0  # the group was still garbage here, and is collected here
+
+
+@pytest.mark.parametrize("program_froze", [False, True])
+def test_forking_the_workers_leaves_the_programs_own_freezing_as_it_was(
+    program_froze: bool,
+) -> None:
+    """Nothing stays frozen in the training process after the workers fork, and
+    objects the program froze itself stay frozen."""
+    loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=1)
+    if program_froze:
+        gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        for _ in adl.remaining_epochs_until(1):
+            for _batch in loader:
+                assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert (frozen > 0) == program_froze
