@@ -250,6 +250,30 @@ def test_report_loss_reaches_the_noise_floor_once_per_optimiser_step() -> None:
     assert len(wrapped[0]._losses) == 1 and wrapped[0]._target_loss == 0.01
 
 
+def test_report_loss_passes_over_the_batches_training_step_skips() -> None:
+    """A batch whose training_step returns None reports no loss, and the fit goes on:
+    every loss reported is one a step folds."""
+    losses: list[float] = []
+
+    class Skipping(Model):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            loss = super().training_step(batch, batch_idx)
+            if batch_idx % 2:
+                return None  # Lightning skips this batch's backward and step
+            losses.append(float(loss.detach()))
+            return loss
+
+    model = Skipping()
+    strategy = AdaptiveStrategy(report_loss=True)
+    trainer(max_epochs=1, strategy=strategy).fit(model, datamodule=Data())
+    batches = len(model.seen)
+    assert batches > 2 and len(losses) == (batches + 1) // 2  # every other batch skipped
+    floor = _context.current_job().metrics.floor
+    # Every reported loss but the last waits for a step that folds it; a skipped
+    # batch's step folds none.
+    assert floor is not None and len(losses) - 1 <= floor.steps <= len(losses)
+
+
 def test_report_loss_refuses_an_optimiser_without_a_noise_floor() -> None:
     class AdamModel(Model):
         def configure_optimizers(self) -> Any:
