@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -358,47 +359,92 @@ def _collect_garbage(worker_id: int) -> None:
     gc.collect()
 
 
-@pytest.mark.timeout(120)  # the fault hangs in an unpickling that has no timeout
+class _Cell:
+    """A weakly referable holder, to see when a cycle is freed."""
+
+    group: Any
+    self: Any
+
+
+@pytest.mark.timeout(120)  # the fault may hang, in an unpickling that has no timeout
+@pytest.mark.parametrize("program_froze", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_workers_never_collect_a_dead_process_group_of_the_training_process(
-    persistent: bool,
+    persistent: bool, program_froze: bool
 ) -> None:
     """A destroyed process group left in a reference cycle is garbage the training
     process has not collected yet. A forked worker that collected it would run its
     destructor, which waits for threads that exist only in the training process: the
-    worker would hang holding the GIL (CI once hung 600 s so in a test after FSDP's)."""
+    worker would hang holding the GIL (CI once hung 600 s so, in a test after FSDP's)
+    or abort. Also where the program froze objects itself."""
     adl.init_process_group("gloo")
-    group = torch.distributed.new_group([0], backend="gloo")
-    cycle: list[Any] = [group]
-    cycle.append(cycle)
-    torch.distributed.destroy_process_group(group)
-    del group, cycle
-    loader = adl.AdaptiveDataLoader(
-        TensorDataset(torch.arange(12)),
-        batch_size=4,
-        num_workers=2,
-        persistent_workers=persistent,
-        worker_init_fn=_collect_garbage,
-    )
-    for _ in adl.remaining_epochs_until(2):
-        assert sorted(int(i) for (batch,) in loader for i in batch) == list(range(12))
-    assert gc.collect() > 0  # the group was still garbage here, and is collected here
-
-
-@pytest.mark.parametrize("program_froze", [False, True])
-def test_forking_the_workers_leaves_the_programs_own_freezing_as_it_was(
-    program_froze: bool,
-) -> None:
-    """Nothing stays frozen in the training process after the workers fork, and
-    objects the program froze itself stay frozen."""
-    loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=1)
     if program_froze:
         gc.freeze()
+    gc.disable()  # no collection here until the end: every worker forks with the garbage
+    try:
+        cell = _Cell()
+        cell.group = torch.distributed.new_group([0], backend="gloo")
+        cell.self = cell
+        torch.distributed.destroy_process_group(cell.group)
+        garbage = weakref.ref(cell)
+        del cell
+        loader = adl.AdaptiveDataLoader(
+            TensorDataset(torch.arange(12)),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=persistent,
+            worker_init_fn=_collect_garbage,
+        )
+        for _ in adl.remaining_epochs_until(2):
+            assert sorted(int(i) for (batch,) in loader for i in batch) == list(range(12))
+        assert garbage() is not None  # still garbage in this process: the workers had it
+        gc.collect()
+        assert garbage() is None  # and collected here, where the group's threads are
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+@pytest.mark.parametrize("collector", ["enabled", "disabled", "frozen"])
+def test_forking_the_workers_leaves_the_training_process_collector_as_it_was(
+    collector: str,
+) -> None:
+    """After the workers fork, the training process's collector runs as before (or
+    stays off, if the program turned it off), nothing it froze is unfrozen and
+    nothing is frozen."""
+    loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=1)
+    if collector == "frozen":
+        gc.freeze()
+    if collector == "disabled":
+        gc.disable()
     frozen = gc.get_freeze_count()
     try:
         for _ in adl.remaining_epochs_until(1):
             for _batch in loader:
                 assert gc.get_freeze_count() == frozen
+                assert gc.isenabled() == (collector != "disabled")
     finally:
         gc.unfreeze()
-    assert (frozen > 0) == program_froze
+        gc.enable()
+    assert (frozen > 0) == (collector == "frozen")
+
+
+def _collector_state(worker_id: int) -> None:
+    """A worker_init_fn that fails the worker unless its collector runs and holds
+    only objects of its own."""
+    if not gc.isenabled() or gc.get_freeze_count() == 0:
+        raise RuntimeError(
+            f"worker collector: enabled {gc.isenabled()}, frozen {gc.get_freeze_count()}"
+        )
+
+
+def test_a_worker_collects_its_own_garbage() -> None:
+    """Inherited objects are frozen in a worker; its collector runs for its own."""
+    loader = adl.AdaptiveDataLoader(
+        TensorDataset(torch.arange(8)),
+        batch_size=4,
+        num_workers=1,
+        worker_init_fn=_collector_state,
+    )
+    for _ in adl.remaining_epochs_until(1):
+        assert sum(len(batch) for (batch,) in loader) == 8

@@ -9,7 +9,6 @@ wires them into a real ``torch.utils.data.DataLoader``.
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
 import logging
 import random
@@ -24,6 +23,7 @@ from adaptdl.core.passbatches import IssuedSizes
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
+from adaptdl.torch._inherited import WINDOW
 from adaptdl.torch._signals import shield_worker
 from adaptdl.torch.progress import JobScalars
 from adaptdl.torch.shards import ShardedStream
@@ -261,30 +261,21 @@ class AdaptiveDataLoaderMixin:
 
 
 def _iterator(loader: DataLoader[Any]) -> Iterator[Any]:
-    """``DataLoader.__iter__``, with this process's objects frozen for the garbage
-    collector while it forks the workers (`gc.freeze`).
-
-    The workers then never collect what they inherit: a destroyed process group left
-    in a reference cycle, garbage here until the next collection, would run its
-    destructor in the worker and wait there forever, holding the GIL, for threads
-    that exist only in this process. (Frozen, inherited pages are also not written
-    by the workers' collections.) In a program that froze objects itself nothing is
-    frozen or unfrozen here: unfreezing would undo its freezing too.
-    """
-    if loader.num_workers == 0 or gc.get_freeze_count():
+    """``DataLoader.__iter__``, which forks the workers, with the collector off while
+    it does (`adaptdl.torch._inherited`: workers never collect what they inherit)."""
+    if loader.num_workers == 0:
         return DataLoader.__iter__(loader)
-    gc.freeze()
-    try:
+    with WINDOW.forking():
         return DataLoader.__iter__(loader)
-    finally:
-        gc.unfreeze()
 
 
 class _WorkerInit:
     """Seeds ``random`` and numpy in each worker from torch's per-worker seed.
 
-    Also makes the worker survive the SIGTERMs and SIGINTs sent to its process
-    group or to every process (`adaptdl.torch._signals.shield_worker`).
+    First it keeps the worker from collecting what it inherited
+    (`adaptdl.torch._inherited`); it also makes the worker survive the SIGTERMs and
+    SIGINTs sent to its process group or to every process
+    (`adaptdl.torch._signals.shield_worker`).
     """
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
@@ -293,6 +284,7 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> None:
         # torch seeds each worker with base_seed + worker_id; the base seed is drawn
         # from the loader's generator, which the loader seeds deterministically.
+        WINDOW.in_worker()
         shield_worker()
         seed = torch.initial_seed()
         random.seed(seed)
