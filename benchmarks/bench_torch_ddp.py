@@ -12,10 +12,13 @@ the medians, for reference. On a shared, loaded machine the rounds vary by tens 
 percent: read the figure from a quiet one.
 
 A third side trains the adaptive model and reports each step's loss
-(``report_loss``, the opt-in noise floor): its overhead over the adaptive side is
-read from CPU time per step, each replica's best round summed over both, over the
-three build orders (target: at most 1%), since the waits in all-reduce are what
-vary most.
+(``report_loss``, the opt-in noise floor). Its overhead over the adaptive side,
+from CPU time per step (each replica's best round, summed over both; over the
+three build orders) is printed for reference: the jobs differ from each other by
+a few percent, far more than the call costs. The target (at most 1%) is judged on
+the call's own cost: a tiny model in this process, steps with and without
+``report_loss`` in alternating rounds, the difference of the median CPU times per
+step, over one replica's adaptive CPU step of the MLP.
 
     python benchmarks/bench_torch_ddp.py            # launches torchrun itself
     python benchmarks/bench_torch_ddp.py --quick
@@ -138,6 +141,44 @@ def worker(first: str, rounds: int) -> None:
         print("RESULT " + json.dumps({"wall": wall, "cpu": totals}), flush=True)
 
 
+def report_loss_cost(rounds: int = 21, steps: int = 200) -> float:
+    """CPU seconds ``report_loss`` adds to a step: a tiny model (whose step costs
+    little else), alternating rounds with and without it, difference of the medians."""
+    from torch.utils.data import TensorDataset
+
+    import adaptdl.torch as adl
+    import torch
+
+    torch.set_num_threads(1)
+    adl.init_process_group("gloo")
+    n = 64 * steps
+    gen = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(n, 8, generator=gen), torch.randn(n, 1, generator=gen))
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=64)
+    sides: dict[bool, tuple[Any, Any]] = {}
+    for report in (False, True):
+        model = torch.nn.Linear(8, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        name = "report_loss" if report else "adaptive"
+        sides[report] = (adl.AdaptiveDataParallel(model, optimizer, name=name), optimizer)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds + 1):  # round 0 warms up
+        for report in (False, True) if r % 2 else (True, False):
+            adp, optimizer = sides[report]
+            start = time.process_time()
+            for _ in adl.remaining_epochs_until(adl.finished_epochs() + 1):
+                for x, y in loader:
+                    optimizer.zero_grad()
+                    loss = torch.nn.functional.mse_loss(adp(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    if report:
+                        adp.report_loss(loss)
+            if r:
+                times[report].append((time.process_time() - start) / steps)
+    return statistics.median(times[True]) - statistics.median(times[False])
+
+
 def launch(first: str, rounds: int) -> dict[str, Any]:
     """One torchrun job that builds ``first`` first and alternates rounds of the sides."""
     from adaptdl.torch.launch import torchrun_command  # the parent needs no torch until here
@@ -166,6 +207,7 @@ def main() -> None:
         worker(args.worker, rounds)
         return
     ratios, medians, loss_ratios = [], [], []
+    adaptive_cpu: list[float] = []
     for first in SIDES:
         result = launch(first, rounds)
         times = result["wall"]
@@ -177,10 +219,14 @@ def main() -> None:
         ratios.append(min(times["adaptive"]) / min(times["plain"]))
         medians.append(statistics.median(times["adaptive"]) / statistics.median(times["plain"]))
         loss_ratios.append(result["cpu"]["report_loss"] / result["cpu"]["adaptive"])
+        adaptive_cpu.append(result["cpu"]["adaptive"])
     # The geometric mean over the build orders cancels the order's own effect.
     overhead = statistics.geometric_mean(ratios) - 1
     median = statistics.geometric_mean(medians) - 1
     loss_overhead = statistics.geometric_mean(loss_ratios) - 1
+    # One replica's adaptive CPU step (the jobs' figures sum both replicas' bests).
+    step_cpu = statistics.median(adaptive_cpu) / 2
+    cost = report_loss_cost(rounds=5 if args.quick else 21)
     verdict = "meets" if overhead <= TARGET_OVERHEAD else "misses"
     print(
         f"AdaptiveDataParallel step-time overhead over DistributedDataParallel "
@@ -188,11 +234,14 @@ def main() -> None:
         f"three build orders): {overhead * 100:+.1f}% ({verdict} the target "
         f"<= {TARGET_OVERHEAD * 100:.0f}%); from medians {median * 100:+.1f}%"
     )
-    verdict = "meets" if loss_overhead <= TARGET_LOSS_OVERHEAD else "misses"
+    verdict = "meets" if cost / step_cpu <= TARGET_LOSS_OVERHEAD else "misses"
     print(
-        f"report_loss each step, CPU-time overhead over the same adaptive steps without "
-        f"it (both replicas' best rounds, three build orders): {loss_overhead * 100:+.2f}% "
-        f"({verdict} the target <= {TARGET_LOSS_OVERHEAD * 100:.0f}%)"
+        f"report_loss each step: {cost * 1e6:+.0f} us of CPU per step (a tiny model, "
+        f"alternating rounds), {cost / step_cpu * 100:+.2f}% of one replica's adaptive "
+        f"{step_cpu * 1e3:.1f} ms CPU step of the MLP ({verdict} the target <= "
+        f"{TARGET_LOSS_OVERHEAD * 100:.0f}%); the MLP jobs' own CPU-time comparison "
+        f"(both replicas' best rounds, three build orders), for reference: "
+        f"{loss_overhead * 100:+.2f}%"
     )
 
 
