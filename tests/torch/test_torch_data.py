@@ -22,6 +22,7 @@ from adaptdl.core.boundary import Preempted
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
 from adaptdl.torch import _context
+from adaptdl.torch._inherited import WINDOW
 from adaptdl.torch.data import (
     AdaptiveDataLoader,
     AdaptiveDataLoaderHelper,
@@ -367,16 +368,18 @@ class _Cell:
 
 
 @pytest.mark.timeout(120)  # the fault may hang, in an unpickling that has no timeout
+@pytest.mark.parametrize("set_after", [False, True])
 @pytest.mark.parametrize("program_froze", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_workers_never_collect_a_dead_process_group_of_the_training_process(
-    persistent: bool, program_froze: bool
+    persistent: bool, program_froze: bool, set_after: bool
 ) -> None:
     """A destroyed process group left in a reference cycle is garbage the training
     process has not collected yet. A forked worker that collected it would run its
     destructor, which waits for threads that exist only in the training process: the
     worker would hang holding the GIL (CI once hung 600 s so, in a test after FSDP's)
-    or abort. Also where the program froze objects itself."""
+    or abort. Also where the program froze objects itself, or set the loader's
+    worker_init_fn after making it."""
     adl.init_process_group("gloo")
     if program_froze:
         gc.freeze()
@@ -393,8 +396,11 @@ def test_workers_never_collect_a_dead_process_group_of_the_training_process(
             batch_size=4,
             num_workers=2,
             persistent_workers=persistent,
-            worker_init_fn=_collect_garbage,
+            multiprocessing_context="fork",
+            worker_init_fn=None if set_after else _collect_garbage,
         )
+        if set_after:
+            loader.worker_init_fn = _collect_garbage
         for _ in adl.remaining_epochs_until(2):
             assert sorted(int(i) for (batch,) in loader for i in batch) == list(range(12))
         assert garbage() is not None  # still garbage in this process: the workers had it
@@ -429,22 +435,51 @@ def test_forking_the_workers_leaves_the_training_process_collector_as_it_was(
     assert (frozen > 0) == (collector == "frozen")
 
 
-def _collector_state(worker_id: int) -> None:
-    """A worker_init_fn that fails the worker unless its collector runs and holds
-    only objects of its own."""
-    if not gc.isenabled() or gc.get_freeze_count() == 0:
-        raise RuntimeError(
-            f"worker collector: enabled {gc.isenabled()}, frozen {gc.get_freeze_count()}"
-        )
+def _collects_its_own_cycle(worker_id: int) -> None:
+    """A worker_init_fn that fails the worker unless inherited objects are frozen and
+    the collector runs and frees a cycle the worker made."""
+    cell = _Cell()
+    cell.self = cell
+    made = weakref.ref(cell)
+    del cell
+    gc.collect()
+    if not gc.isenabled() or gc.get_freeze_count() == 0 or made() is not None:
+        raise RuntimeError(f"worker collector on {gc.isenabled()}, frozen {gc.get_freeze_count()}")
 
 
-def test_a_worker_collects_its_own_garbage() -> None:
-    """Inherited objects are frozen in a worker; its collector runs for its own."""
+def test_a_worker_collects_a_cycle_of_its_own() -> None:
     loader = adl.AdaptiveDataLoader(
         TensorDataset(torch.arange(8)),
         batch_size=4,
         num_workers=1,
-        worker_init_fn=_collector_state,
+        multiprocessing_context="fork",
+        worker_init_fn=_collects_its_own_cycle,
     )
     for _ in adl.remaining_epochs_until(1):
         assert sum(len(batch) for (batch,) in loader) == 8
+
+
+@pytest.mark.parametrize("collector_was_on", [True, False])
+def test_a_process_forked_in_the_window_freezes_what_it_inherited(collector_was_on: bool) -> None:
+    """The collector is off in the window; a child forked there starts with the
+    inherited objects frozen and the collector as it was before the window; a child
+    forked outside it is left alone. Real forks."""
+
+    def fork_and_check(expect_frozen: bool, expect_on: bool) -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            frozen = gc.get_freeze_count() > 0
+            os._exit(0 if (frozen, gc.isenabled()) == (expect_frozen, expect_on) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+    if not collector_was_on:
+        gc.disable()
+    try:
+        with WINDOW.forking():
+            assert not gc.isenabled()
+            fork_and_check(expect_frozen=True, expect_on=collector_was_on)
+        assert gc.isenabled() == collector_was_on
+        fork_and_check(expect_frozen=False, expect_on=collector_was_on)
+    finally:
+        gc.enable()

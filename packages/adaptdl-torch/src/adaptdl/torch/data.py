@@ -272,10 +272,8 @@ def _iterator(loader: DataLoader[Any]) -> Iterator[Any]:
 class _WorkerInit:
     """Seeds ``random`` and numpy in each worker from torch's per-worker seed.
 
-    First it keeps the worker from collecting what it inherited
-    (`adaptdl.torch._inherited`); it also makes the worker survive the SIGTERMs and
-    SIGINTs sent to its process group or to every process
-    (`adaptdl.torch._signals.shield_worker`).
+    Also makes the worker survive the SIGTERMs and SIGINTs sent to its process
+    group or to every process (`adaptdl.torch._signals.shield_worker`).
     """
 
     def __init__(self, user_fn: Callable[[int], None] | None) -> None:
@@ -284,7 +282,6 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> None:
         # torch seeds each worker with base_seed + worker_id; the base seed is drawn
         # from the loader's generator, which the loader seeds deterministically.
-        WINDOW.in_worker()
         shield_worker()
         seed = torch.initial_seed()
         random.seed(seed)
