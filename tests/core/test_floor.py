@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from adaptdl.core.floor import (
     LAPSE_STEPS,
     LossFloor,
+    check_rule,
     floor_level,
     floor_share,
     sgd_rate,
@@ -21,6 +22,7 @@ from adaptdl.core.floor import (
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.metrics import MetricsState
+from adaptdl.core.scaling import AdamScale, AdaScale, LEGWScale, LinearScale, SqrtScale
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
 
@@ -301,3 +303,10 @@ def test_one_model_per_job_reports_the_loss() -> None:
     metrics.claim_loss("generator")
     with pytest.raises(ValueError, match=r"'discriminator' reports .* but 'generator' already"):
         metrics.claim_loss("discriminator")
+
+
+def test_the_floor_is_credited_under_adascale_only() -> None:
+    check_rule(AdaScale, "AdaScale()")
+    for kind in (AdamScale, LinearScale, SqrtScale, LEGWScale, None):
+        with pytest.raises(ValueError, match=r"needs the AdaScale scaling rule.*got the rule"):
+            check_rule(kind, "the rule")  # type: ignore[arg-type]

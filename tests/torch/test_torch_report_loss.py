@@ -35,6 +35,15 @@ def sgd(lr: float = 0.05, **options: Any) -> tuple[torch.nn.Module, torch.optim.
     return model, torch.optim.SGD(model.parameters(), lr=lr, **options)
 
 
+def accumulating() -> tuple[adl.AdaptiveDataLoader, AdaptiveDataParallel, torch.optim.Optimizer]:
+    """A loader whose decision is 2 micro-batches of 4 a step, and an SGD model."""
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
+    _context.current_job().batch_size_decision = lambda query: (4, 1)
+    model, opt = sgd()
+    return loader, AdaptiveDataParallel(model, opt), opt
+
+
 def test_report_loss_refuses_what_the_floor_does_not_cover() -> None:
     model = torch.nn.Linear(3, 1)
     adam = torch.optim.Adam(model.parameters())
@@ -135,11 +144,7 @@ def test_the_reported_losses_set_the_floor_share_at_the_base_rate(writer: Any) -
 
 
 def test_the_losses_of_a_steps_micro_batches_are_averaged_into_it() -> None:
-    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
-    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
-    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches of 4
-    model, opt = sgd()
-    adp = AdaptiveDataParallel(model, opt)
+    loader, adp, opt = accumulating()
     reported: list[float] = []
     for _ in adl.remaining_epochs_until(1):
         for i, (x, _y) in enumerate(loader):
@@ -190,11 +195,7 @@ def test_the_floor_survives_a_restart(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_the_losses_of_micro_batches_left_unstepped_are_dropped_with_their_gradients() -> None:
-    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
-    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
-    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches of 4
-    model, opt = sgd()
-    adp = AdaptiveDataParallel(model, opt)
+    loader, adp, opt = accumulating()
     for epoch in adl.remaining_epochs_until(2):
         for i, (x, _y) in enumerate(loader):
             opt.zero_grad()
@@ -210,11 +211,7 @@ def test_the_losses_of_micro_batches_left_unstepped_are_dropped_with_their_gradi
 
 
 def test_a_loss_reported_before_backward_survives_the_drop_of_a_stale_micro_batch() -> None:
-    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
-    loader.autoscale_batch_size(8, (1, 4), gradient_accumulation=True)
-    _context.current_job().batch_size_decision = lambda query: (4, 1)  # 2 micro-batches of 4
-    model, opt = sgd()
-    adp = AdaptiveDataParallel(model, opt)
+    loader, adp, opt = accumulating()
     for epoch in adl.remaining_epochs_until(2):
         for i, (x, _y) in enumerate(loader):
             out = adp(x).sum()

@@ -53,7 +53,7 @@ import attrs
 from adaptdl.core._validate import check_float, check_int, check_keys, check_state
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GradParams
-from adaptdl.core.scaling import adascale_gain
+from adaptdl.core.scaling import AdaScale, ScalingRule, adascale_gain
 
 FLOOR_SCHEMA = "adaptdl.floor/1"
 
@@ -95,6 +95,18 @@ def sgd_rate(lr: float, momentum: float = 0.0, dampening: float = 0.0) -> float:
     if momentum == 0.0:
         return lr
     return lr * (1.0 - dampening) / (1.0 - momentum)
+
+
+def check_rule(kind: type[ScalingRule] | None, described: str) -> None:
+    """ValueError unless the floor is credited under a rule of class ``kind``
+    (``described`` names the rule in the message; None: one core does not know):
+    `AdaScale` only, since only there is a batch's floor the initial batch's times
+    its efficiency."""
+    if kind is None or not issubclass(kind, AdaScale):
+        raise ValueError(
+            "report_loss needs the AdaScale scaling rule (the floor at a batch is the "
+            f"initial batch's times its efficiency only under AdaScale), got {described}"
+        )
 
 
 def floor_level(rate: float, var: float, batch: float) -> float:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from adaptdl.core.floor import sgd_rate
-from adaptdl.torch.scaling_rules import AdaScale, ScalingRuleBase
+from adaptdl.core.floor import check_rule, sgd_rate
+from adaptdl.torch.scaling_rules import ScalingRuleBase
 
 
 def check_loss(loss: Any) -> torch.Tensor | float:
@@ -31,7 +31,7 @@ def check_loss(loss: Any) -> torch.Tensor | float:
 
 def check_floor_optimizer(optimizer: torch.optim.Optimizer, rule: ScalingRuleBase) -> None:
     """ValueError unless the noise floor is defined for ``optimizer`` under ``rule``:
-    torch.optim.SGD (without Nesterov) under AdaScale."""
+    torch.optim.SGD (without Nesterov), under a rule core's `check_rule` allows."""
     if not isinstance(optimizer, torch.optim.SGD):
         raise ValueError(
             "report_loss credits SGD's noise floor, which is defined for torch.optim.SGD "
@@ -40,11 +40,7 @@ def check_floor_optimizer(optimizer: torch.optim.Optimizer, rule: ScalingRuleBas
         )
     if any(group.get("nesterov", False) for group in optimizer.param_groups):
         raise ValueError("report_loss needs SGD without Nesterov momentum, got nesterov=True")
-    if not isinstance(rule, AdaScale):
-        raise ValueError(
-            "report_loss needs the AdaScale scaling rule (the floor at a batch is the "
-            f"initial batch's times its efficiency only under AdaScale), got {rule!r}"
-        )
+    check_rule(rule.core_rule_type(), repr(rule))
 
 
 def floor_rates(optimizer: torch.optim.Optimizer, lrs: Sequence[Any] | None = None) -> list[float]:

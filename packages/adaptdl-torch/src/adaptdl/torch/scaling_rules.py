@@ -24,6 +24,11 @@ class ScalingRuleBase:
     #: Core's rule, for rules that need no configuration.
     _core_rule: ClassVar[type[scaling.ScalingRule] | None] = None
 
+    def core_rule_type(self) -> type[scaling.ScalingRule] | None:
+        """The class of core's rule, known before the job's initial batch size (None:
+        a rule core does not know)."""
+        return self._core_rule
+
     def core_rule(self, init_batch_size: int) -> scaling.ScalingRule:
         """Core's rule for a job whose initial batch size is ``init_batch_size``."""
         if self._core_rule is None:
@@ -94,6 +99,9 @@ class LEGWScale(ScalingRuleBase):
     def __init__(self, base_warmup_epochs: float, data_size: int) -> None:
         self.base_warmup_epochs = check_float("base_warmup_epochs", base_warmup_epochs, min=0.0)
         self.data_size = check_int("data_size", data_size, min=1)
+
+    def core_rule_type(self) -> type[scaling.ScalingRule]:
+        return scaling.LEGWScale
 
     def core_rule(self, init_batch_size: int) -> scaling.ScalingRule:
         return scaling.LEGWScale(self.base_warmup_epochs, self.data_size, init_batch_size)
