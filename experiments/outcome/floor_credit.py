@@ -60,7 +60,8 @@ def check_options(args: argparse.Namespace, problems: dict[str, Any]) -> str | N
         others.append("--preconditioned")
     if others and args.floor_credit:
         return f"{name} replaces the estimator {', '.join(others)} would set: give one"
-    if args.floor_target_loss is not None and not math.isfinite(args.floor_target_loss):
+    target = args.floor_target_loss
+    if isinstance(target, float) and not math.isfinite(target):
         return f"--floor-target-loss must be finite, got {args.floor_target_loss}"
     for problem in args.problems.split(","):
         try:
@@ -77,7 +78,10 @@ def kind_of(run: dict[str, Any]) -> str:
 
     cfg = run["config"]
     if cfg.get("floor_target_loss") is not None:
-        return f"adaptive, floor share to loss {cfg['floor_target_loss']:g}"
+        target = cfg["floor_target_loss"]
+        if target == "horizon":
+            return "adaptive, floor share over the horizon"
+        return f"adaptive, floor share to loss {target:g}"
     if cfg.get("floor_credit"):
         return "adaptive, per-step credit"
     if cfg.get("autoscale"):

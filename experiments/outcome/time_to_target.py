@@ -387,6 +387,16 @@ def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in options.items() if value is not None}
 
 
+def floor_target(text: str) -> float | str:
+    """``--floor-target-loss``'s value: a loss, or ``"horizon"`` (no target stated)."""
+    if text == "horizon":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a loss or 'horizon', got {text!r}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run both problems over the seeds, print the tables, write the plot and the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -446,10 +456,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--floor-target-loss",
-        type=float,
+        type=floor_target,
         metavar="LOSS",
         help="the decision credits the initial batch's noise floor with its share of the "
-        "training loss left to LOSS (adaptdl.core.floor, through report_loss)",
+        "training loss left to LOSS (adaptdl.core.floor, through report_loss); 'horizon': "
+        "none stated, the loss shed over as much progress again (report_loss's default)",
     )
     parser.add_argument(
         "--short",

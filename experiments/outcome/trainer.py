@@ -108,11 +108,14 @@ def train(
     # `time_to_target --floor-target-loss LOSS`: core's floor share (adaptdl.core.floor),
     # through the loss the loop reports (`report_loss`), with LOSS its target.
     report_target = cfg.get("floor_target_loss")
-    if cfg.get("floor_credit") or report_target is not None:
+    reporting = report_target is not None
+    if report_target == "horizon":
+        report_target = None  # report_loss's default: no target stated
+    if cfg.get("floor_credit") or reporting:
         from experiments.outcome import noise_floor
 
         noise_floor.check_config(cfg)
-        if cfg.get("floor_credit") and report_target is not None:
+        if cfg.get("floor_credit") and reporting:
             raise ValueError("floor_credit and floor_target_loss are two decisions: one at a time")
     if cfg.get("floor_credit"):
         # `time_to_target --floor-credit` (noise_floor): the per-step credit, a prototype
@@ -183,7 +186,7 @@ def train(
             samples += len(idx) * job.topology.num_replicas
             if helper.is_accum_step():
                 optimizer.step()  # skipped by the adapter until the batch's last micro-batch
-                if report_target is not None:  # every micro-batch's, averaged at the step
+                if reporting:  # every micro-batch's, averaged at the step
                     adp.report_loss(loss, target_loss=report_target)
                 continue
             fraction = min(adp.progress / target, 1.0)
@@ -199,7 +202,7 @@ def train(
             if meter is not None:
                 meter.before_step(params)
             optimizer.step()
-            if report_target is not None:
+            if reporting:
                 # Each replica reports its own; rank 0's decision (broadcast) reads its.
                 adp.report_loss(step_loss, target_loss=report_target)
                 shared, share = job.metrics.floor, job.metrics.floor_share()
@@ -283,7 +286,7 @@ def train(
                 "decisions": getattr(job.batch_size_decision, "records", []),
                 # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).
                 "noise": noise,
-                **({"floor": floor} if meter is not None or report_target is not None else {}),
+                **({"floor": floor} if meter is not None or reporting else {}),
             }
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -242,7 +243,7 @@ def test_the_floor_round_trips_as_data_and_refuses_bad_state() -> None:
     again = LossFloor.from_json(json.loads(json.dumps(floor.to_json())))
     assert again.to_json() == floor.to_json()
     data = floor.to_json()
-    with pytest.raises(ValueError, match=r"schema must be 'adaptdl\.floor/1'"):
+    with pytest.raises(ValueError, match=r"schema must be 'adaptdl\.floor/2'"):
         LossFloor.from_json({**data, "schema": "adaptdl.floor/0"})
     with pytest.raises(ValueError, match=r"missing \['loss_sum'\]"):
         LossFloor.from_json({k: v for k, v in data.items() if k != "loss_sum"})
@@ -310,3 +311,87 @@ def test_the_floor_is_credited_under_adascale_only() -> None:
     for kind in (AdamScale, LinearScale, SqrtScale, LEGWScale, None):
         with pytest.raises(ValueError, match=r"needs the AdaScale scaling rule.*got the rule"):
             check_rule(kind, "the rule")  # type: ignore[arg-type]
+
+
+def _feed(
+    floor: LossFloor,
+    floor0: float,
+    drift: Callable[[float], float],
+    steps: int,
+    target_loss: float | None = None,
+) -> None:
+    """Fold ``steps`` losses, one per unit of progress from 1: the drift at the
+    progress plus the initial batch's floor (batch 16, efficiency 1)."""
+    est, rate = _estimator(), sgd_rate(0.01, 0.9)
+    assert floor_level(rate, est.var, 16.0) == pytest.approx(floor0)
+    for step in range(1, steps + 1):
+        p = float(step)
+        floor.observe(drift(p) + floor0, [rate], est, 16, target_loss=target_loss, progress=p)
+
+
+def test_without_a_target_the_share_is_the_floors_of_the_drift_shed_over_the_horizon() -> None:
+    est = _estimator()
+    point = est.grad_params()
+    floor0 = floor_level(sgd_rate(0.01, 0.9), est.var, 16.0)
+    per_doubling = 0.5 * floor0
+
+    def drift(p: float) -> float:  # 1.0 at the end
+        return 1.0 + per_doubling * (math.log2(20_000) - math.log2(p))
+
+    floor = LossFloor()
+    _feed(floor, floor0, drift, 20_000)
+    # What the last halving of progress shed is taken as what the next doubling
+    # sheds: the loss left is that plus the floor (the loss's average lags ~100 steps).
+    assert floor.share_at(point) == pytest.approx(floor0 / (floor0 + per_doubling), rel=0.02)
+    # Against a stated target of 0 (the least credit), the horizon credits more here.
+    least = LossFloor()
+    _feed(least, floor0, drift, 20_000, target_loss=0.0)
+    assert least.share_at(point) < 0.5 * floor.share_at(point)
+    # A stated target still rules; the drift is recorded all the same, so dropping the
+    # target (None again) reads the horizon at once.
+    least.observe(least.average, [sgd_rate(0.01, 0.9)], est, 16, progress=20_001.0)
+    assert least.share_at(point) == pytest.approx(floor.share_at(point), rel=0.02)
+
+
+def test_a_drift_that_sheds_nothing_leaves_the_floor_all_that_is_left() -> None:
+    est = _estimator()
+    floor0 = floor_level(sgd_rate(0.01, 0.9), est.var, 16.0)
+    flat = LossFloor()
+    _feed(flat, floor0, lambda p: 0.3, 2_000)
+    assert flat.share_at(est.grad_params()) == flat.cap
+    # Before the record reaches back half the progress (or without progress), the
+    # least credit: the share of a target of 0.
+    early = LossFloor(min_steps=1)
+    early.observe(0.3 + floor0, [sgd_rate(0.01, 0.9)], est, 16, progress=0.0)
+    expected = floor_share(floor0, 0.3 + floor0, 1.0, 0.0)
+    assert early.share_at(est.grad_params()) == pytest.approx(expected)
+
+
+def test_the_metrics_fold_the_loss_at_the_jobs_progress() -> None:
+    metrics = MetricsState()
+    metrics.gns = _estimator()
+    for _ in range(5):
+        metrics.add_progress(2.0)
+        metrics.observe_loss(0.5, [sgd_rate(0.01, 0.9)], 16)
+    assert metrics.floor is not None
+    # Back to the last point at or below half the progress.
+    assert [p for p, _ in metrics.floor.drift.points] == [4.0, 6.0, 8.0, 10.0]
+
+
+def test_a_floor_state_written_before_the_drift_was_kept_loads_without_one() -> None:
+    floor = LossFloor(min_steps=1)
+    point = _estimator().grad_params()
+    assert point is not None
+    floor.observe(0.6, [0.1], _estimator(), 16, progress=3.0)
+    data = floor.to_json()
+    kept = floor.floor0_at(point)  # at batch 16, efficiency 1
+    assert data["schema"] == "adaptdl.floor/2"
+    assert data["drift"] == [[3.0, pytest.approx(0.6 - kept)]]
+    old = {k: v for k, v in data.items() if k not in ("drift_sum", "drift_weight", "drift")}
+    loaded = LossFloor.from_json({**old, "schema": "adaptdl.floor/1"})
+    assert loaded.drift.points == () and loaded.drift_weight == 0.0
+    assert loaded.share_at(point) == floor.share_at(point)
+    with pytest.raises(ValueError, match=r"needs exactly the keys"):
+        LossFloor.from_json({**data, "schema": "adaptdl.floor/1"})
+    with pytest.raises(ValueError, match="drift must be finite"):
+        LossFloor.from_json({**data, "drift": [[3.0, math.nan]]})

@@ -21,8 +21,13 @@ by taking a larger batch. With the drift shed linearly in progress the time to t
 target goes as ``(1 - f + f E) / (throughput E)``, and ``E / (1 - f + f E)`` is
 exactly Pollux's efficiency at the noise scale ``B' = (B + f M0) / (1 - f)``. So the
 decision credits the floor by reading that noise scale (`shared_params`), and core's
-exact optimiser, caps and hysteresis take it unchanged. Without a target (0, the
-default) the share is the least the loss now allows, ``F0 / (loss - F0 E + F0)``.
+exact optimiser, caps and hysteresis take it unchanged.
+
+**Without a stated target** (None, the default) the loss left is what the run sheds
+over a horizon: the drift's moving average, recorded over progress
+(`adaptdl.core.drift`), shed since half the progress made, is taken as shed again by
+twice it, so ``X = shed + F0``; until the record reaches back that far, the least
+credit the loss allows (target 0: ``F0 / (loss - F0 E + F0)``).
 
 Measured (``experiments/outcome/RESULTS.md`` item 4, eleventh follow-up): on the
 shapes CNN the floor predicts 0.68-1.01 of the training-loss gap between fixed
@@ -51,18 +56,21 @@ from typing import Any, ClassVar
 import attrs
 
 from adaptdl.core._validate import check_float, check_int, check_keys, check_state
+from adaptdl.core.drift import DriftHistory
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.scaling import AdaScale, ScalingRule, adascale_gain
 
-FLOOR_SCHEMA = "adaptdl.floor/1"
+FLOOR_SCHEMA = "adaptdl.floor/2"
+#: The schema before the drift was kept (read, as a state with no drift recorded).
+FLOOR_SCHEMA_V1 = "adaptdl.floor/1"
 
 #: Optimiser steps without a finite loss folded after which the credit lapses: at
 #: the default memory (0.99 a step) the loss's average has then forgotten most of
 #: what it held.
 LAPSE_STEPS = 100
 
-_JSON_KEYS = (
+_JSON_KEYS_V1 = (
     "schema",
     "memory",
     "min_steps",
@@ -73,6 +81,7 @@ _JSON_KEYS = (
     "idle",
     "basis",
 )
+_JSON_KEYS = (*_JSON_KEYS_V1, "drift_sum", "drift_weight", "drift")
 _BASIS_KEYS = ("average", "floor_per_var", "scale", "target_loss")
 
 
@@ -218,6 +227,12 @@ class LossFloor:
     #: Optimiser steps since the last finite loss was folded.
     idle: int = attrs.field(default=0, converter=_steps)
     _basis: _Basis | None = attrs.field(default=None, alias="basis")
+    #: The drift's moving average (the loss less the floor its step's batch keeps,
+    #: folded where both are known, at ``memory``): it lags as the loss's does, so a
+    #: floor that moves (a larger batch, a lower rate) does not read as drift shed.
+    drift_sum: float = attrs.field(default=0.0, converter=_loss_sum)
+    drift_weight: float = attrs.field(default=0.0, converter=_loss_weight)
+    drift: DriftHistory = attrs.field(factory=DriftHistory)
 
     SCHEMA: ClassVar[str] = FLOOR_SCHEMA
 
@@ -242,7 +257,8 @@ class LossFloor:
         rates: Sequence[float],
         gns: GradientNoiseScale | None,
         batch_size: float,
-        target_loss: float = 0.0,
+        target_loss: float | None = None,
+        progress: float = 0.0,
     ) -> None:
         """Fold one step's training ``loss`` (one not finite is skipped, yet counted)
         and, once ``min_steps`` are in, set what the share is computed from (nothing,
@@ -250,18 +266,24 @@ class LossFloor:
 
         ``rates`` are the step's `sgd_rate` per parameter group at the base rate (the
         initial batch's), ``gns`` the job's estimator (its groups match ``rates``),
-        ``batch_size`` the step's total batch and ``target_loss`` the training loss
-        aimed at (0: none stated).
+        ``batch_size`` the step's total batch, ``target_loss`` the training loss
+        aimed at (None: none stated, the horizon's) and ``progress`` the job's
+        progress before the step (in initial-batch steps; 0: none recorded).
         """
-        target_loss = check_float("target_loss", target_loss)
+        if target_loss is not None:
+            target_loss = check_float("target_loss", target_loss)
         batch_size = check_float("batch_size", batch_size, min=0.0, min_exclusive=True)
+        progress = check_float("progress", progress, min=0.0)
         self.steps += 1
-        if isinstance(loss, numbers.Real) and not isinstance(loss, bool) and math.isfinite(loss):
+        folded = (
+            isinstance(loss, numbers.Real) and not isinstance(loss, bool) and math.isfinite(loss)
+        )
+        if folded:
             self.loss_sum = self.memory * self.loss_sum + (1.0 - self.memory) * float(loss)
             self.loss_weight = self.memory * self.loss_weight + (1.0 - self.memory)
             self.idle = 0
         average = self.average
-        if gns is None or self.steps < self.min_steps or average is None:
+        if gns is None or average is None:
             return
         if not gns.resolved:
             self._basis = None  # a gradient lost in the noise: no floor to tell apart
@@ -275,12 +297,32 @@ class LossFloor:
         # The groups' floors summed: the floor of the rate-weighted noise.
         weighted = math.fsum(r * v for r, v in zip(rates, gns.group_var, strict=True))
         var = gns.var / m0  # `GradParams.var`
+        floor_per_var = floor_level(1.0, weighted, m0) / var if var > 0.0 else 0.0
+        scale = max(batch_size / m0, 1.0)
+        if folded:
+            kept = floor_per_var * var * adascale_gain(max(gns.sqr, 0.0), var, scale) / scale
+            drift = float(loss) - kept
+            self.drift_sum = self.memory * self.drift_sum + (1.0 - self.memory) * drift
+            self.drift_weight = self.memory * self.drift_weight + (1.0 - self.memory)
+            if progress > 0.0:  # recorded whatever the target, so that dropping it works
+                self.drift.record(progress, self.drift_sum / self.drift_weight)
+        if self.steps < self.min_steps:
+            return
+        if target_loss is None:
+            target_loss = self._horizon_target(progress)
         self._basis = _Basis(
-            average=average,
-            floor_per_var=floor_level(1.0, weighted, m0) / var if var > 0.0 else 0.0,
-            scale=max(batch_size / m0, 1.0),
-            target_loss=target_loss,
+            average=average, floor_per_var=floor_per_var, scale=scale, target_loss=target_loss
         )
+
+    def _horizon_target(self, progress: float) -> float:
+        """The loss the run reaches over the horizon (`adaptdl.core.drift`): the
+        drift's average less what it shed since ``progress / HORIZON``; 0 (the least
+        credit) before the record reaches back that far or without progress."""
+        if self.drift_weight <= 0.0 or progress <= 0.0:
+            return 0.0
+        drift = self.drift_sum / self.drift_weight
+        shed = self.drift.shed(progress, drift)
+        return 0.0 if shed is None else drift - shed
 
     def share_at(self, params: GradParams | None) -> float:
         """The floor's share at the statistics ``params`` (`GradParams`, variance at the
@@ -319,12 +361,24 @@ class LossFloor:
             "loss_weight": self.loss_weight,
             "idle": self.idle,
             "basis": self._basis.to_json() if self._basis is not None else None,
+            "drift_sum": self.drift_sum,
+            "drift_weight": self.drift_weight,
+            "drift": self.drift.to_json(),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LossFloor:
         """Rebuild from `to_json`'s output; raise ValueError on any other shape."""
-        data = check_state("LossFloor state", data, cls.SCHEMA, _JSON_KEYS)
+        if isinstance(data, Mapping) and data.get("schema") == FLOOR_SCHEMA_V1:
+            # Written before the drift was kept: none recorded, the horizon starts now.
+            data = check_state("LossFloor state", data, FLOOR_SCHEMA_V1, _JSON_KEYS_V1)
+            data = {**data, "drift_sum": 0.0, "drift_weight": 0.0, "drift": []}
+        else:
+            data = check_state("LossFloor state", data, cls.SCHEMA, _JSON_KEYS)
         basis = data["basis"]
-        values = {k: data[k] for k in _JSON_KEYS if k not in ("schema", "basis")}
-        return cls(**values, basis=_Basis.from_json(basis) if basis is not None else None)
+        values = {k: data[k] for k in _JSON_KEYS if k not in ("schema", "basis", "drift")}
+        return cls(
+            **values,
+            basis=_Basis.from_json(basis) if basis is not None else None,
+            drift=DriftHistory.from_json(data["drift"]),
+        )

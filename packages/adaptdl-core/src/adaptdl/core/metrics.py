@@ -80,13 +80,17 @@ class MetricsState(JsonState):
         self._loss_reporter = reporter
 
     def observe_loss(
-        self, loss: float, rates: Sequence[float], batch_size: float, target_loss: float = 0.0
+        self,
+        loss: float,
+        rates: Sequence[float],
+        batch_size: float,
+        target_loss: float | None = None,
     ) -> None:
         """Fold one step's training ``loss`` into the floor (`LossFloor.observe`, made
-        at the first call)."""
+        at the first call), at the job's progress now (None: no target stated)."""
         if self.floor is None:
             self.floor = LossFloor()
-        self.floor.observe(loss, rates, self.gns, batch_size, target_loss)
+        self.floor.observe(loss, rates, self.gns, batch_size, target_loss, self.progress)
 
     def floor_share(self) -> float:
         """The floor's share the decision credits at the estimate now (0 without one)."""

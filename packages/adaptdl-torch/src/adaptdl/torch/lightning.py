@@ -324,8 +324,8 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
     go to ``DDPStrategy`` (``process_group_backend``, ``timeout``, DDP's own).
     Launch with torchrun; the job starts (`adaptdl.torch.init_process_group`) when
     the Trainer sets up its environment, unless the program started it before.
-    ``report_loss`` (with ``target_loss``): report each training step's loss to
-    `AdaptiveDataParallel.report_loss` (SGD under AdaScale only).
+    ``report_loss`` (with ``target_loss``, None: none stated): report each training
+    step's loss to `AdaptiveDataParallel.report_loss` (SGD under AdaScale only).
     """
 
     def __init__(
@@ -334,7 +334,7 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
         name: str = "adaptdl-lightning",
         *,
         report_loss: bool = False,
-        target_loss: float = 0.0,
+        target_loss: float | None = None,
         **kwargs: Any,
     ) -> None:
         if scaling_rule is not None and not isinstance(scaling_rule, ScalingRuleBase):
@@ -345,8 +345,8 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         self.report_loss = check_bool("report_loss", report_loss)
-        self.target_loss = check_float("target_loss", target_loss)
-        if target_loss != 0.0 and not report_loss:
+        self.target_loss = None if target_loss is None else check_float("target_loss", target_loss)
+        if target_loss is not None and not report_loss:
             raise ValueError(f"target_loss={target_loss!r} needs report_loss=True")
         super().__init__(**kwargs)
         self.scaling_rule = scaling_rule

@@ -212,7 +212,7 @@ class AdaptiveSteps:
         # Losses reported since the last step (`report_loss`), the target stated, and
         # whether the first report checked the optimiser, its rates and the reporter.
         self._losses: list[torch.Tensor | float] = []
-        self._target_loss = 0.0
+        self._target_loss: float | None = None
         self._floor_checked = False
 
     # -- backward hooks ----------------------------------------------------------------
@@ -515,7 +515,7 @@ class AdaptiveSteps:
         self.last_gain = decision.gain
         return result
 
-    def report_loss(self, loss: torch.Tensor | float, *, target_loss: float = 0.0) -> None:
+    def report_loss(self, loss: torch.Tensor | float, *, target_loss: float | None = None) -> None:
         """Report this micro-batch's training loss (the mean over its samples, whose
         gradient the step takes), opt-in: the batch-size decision then credits the
         noise floor a batch keeps (`adaptdl.core.floor`).
@@ -523,15 +523,17 @@ class AdaptiveSteps:
         Call it inside the training loop, once per micro-batch, before or after
         ``optimizer.step()``; the losses since the last step are averaged into the next
         step. A tensor's value is read there. ``target_loss`` is the training loss
-        aimed at, if known (0: none stated, the smallest credit); the last one given
-        counts. The credit lapses 100 optimiser steps after the last finite loss.
+        aimed at, if known (None: the loss the run sheds over as much progress again
+        as it has made, read from the loss's own history; 0: the smallest credit);
+        the last one given counts. The credit lapses 100 optimiser steps after the
+        last finite loss.
         One model per job reports. ValueError for an optimiser other than
         ``torch.optim.SGD`` (or SGD with Nesterov), a rule other than `AdaScale`, a
         call outside the training loop, a second model reporting, or a tensor that is
         not one number; TypeError for a loss that is not a tensor or a number.
         """
         value = check_loss(loss)
-        target = check_float("target_loss", target_loss)
+        target = None if target_loss is None else check_float("target_loss", target_loss)
         job = self._job
         if not self._floor_checked:
             # Checked once, before any step uses them.
