@@ -370,6 +370,7 @@ def test_a_drift_that_sheds_nothing_leaves_the_floor_all_that_is_left() -> None:
 def test_the_metrics_fold_the_loss_at_the_jobs_progress() -> None:
     metrics = MetricsState()
     metrics.gns = _estimator()
+    metrics.floor = LossFloor(min_steps=1)
     for _ in range(5):
         metrics.add_progress(2.0)
         metrics.observe_loss(0.5, [sgd_rate(0.01, 0.9)], 16)
@@ -395,3 +396,15 @@ def test_a_floor_state_written_before_the_drift_was_kept_loads_without_one() -> 
         LossFloor.from_json({**data, "schema": "adaptdl.floor/1"})
     with pytest.raises(ValueError, match="drift must be finite"):
         LossFloor.from_json({**data, "drift": [[3.0, math.nan]]})
+
+
+def test_the_drift_is_recorded_once_the_average_holds_its_memorys_worth() -> None:
+    # Before min_steps losses, the average is about the mean since the start: a loss
+    # falling from the first step would read as a plateau, and the share jump to its cap.
+    est = _estimator()
+    floor0 = floor_level(sgd_rate(0.01, 0.9), est.var, 16.0)
+    floor = LossFloor()
+    _feed(floor, floor0, lambda p: 2.0 - 0.002 * p, 99)
+    assert floor.drift.points == () and not floor.active
+    floor.observe(2.0 - 0.2 + floor0, [sgd_rate(0.01, 0.9)], est, 16, progress=100.0)
+    assert [p for p, _ in floor.drift.points] == [100.0] and floor.active

@@ -304,7 +304,11 @@ class LossFloor:
             drift = float(loss) - kept
             self.drift_sum = self.memory * self.drift_sum + (1.0 - self.memory) * drift
             self.drift_weight = self.memory * self.drift_weight + (1.0 - self.memory)
-            if progress > 0.0:  # recorded whatever the target, so that dropping it works
+            # Recorded whatever the target (so that dropping it works), once the
+            # average holds its memory's worth of losses: before, it is about the mean
+            # since the start, and a loss falling reads as shed late, a plateau's as
+            # none (the share then at its cap).
+            if progress > 0.0 and self.steps >= self.min_steps:
                 self.drift.record(progress, self.drift_sum / self.drift_weight)
         if self.steps < self.min_steps:
             return
