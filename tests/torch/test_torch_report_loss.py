@@ -143,6 +143,28 @@ def test_the_reported_losses_set_the_floor_share_at_the_base_rate(writer: Any) -
     assert writer.scalars["Gradient/floor_share"] == (share, 1)
 
 
+def test_without_a_target_the_share_reads_what_the_drift_shed_over_the_horizon() -> None:
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(8, (1, 8))
+    _context.current_job().batch_size_decision = lambda query: (8, 0)
+    model, opt = sgd(momentum=0.9)
+    adp = AdaptiveDataParallel(model, opt)
+    _train(adp, opt, loader, 48)  # 384 steps: the record reaches back half the progress
+    floor = adp._job.metrics.floor
+    assert floor is not None and floor.active
+    points = floor.drift.points
+    # Recorded at the job's progress, from the 100th loss on, back to half of it.
+    assert points[0][0] <= adp.progress / 2 < points[1][0] and points[-1][0] < adp.progress
+    drift = floor.drift_sum / floor.drift_weight
+    shed = floor.drift.shed(points[-1][0], points[-1][1])
+    assert shed is not None
+    # The target read is the drift less what it shed: not the least credit's 0.
+    target = floor.to_json()["basis"]["target_loss"]
+    assert target != 0.0 and target <= drift + 1e-12
+    share = adp._job.metrics.floor_share()
+    assert 0.0 < share <= 0.9
+
+
 def test_the_losses_of_a_steps_micro_batches_are_averaged_into_it() -> None:
     loader, adp, opt = accumulating()
     reported: list[float] = []
