@@ -4,7 +4,9 @@
 
 writes ``gns_accuracy.png``, ``adascale_scale.png``, ``autoscale_vs_fixed.png``,
 ``time_to_target.png``,
-``tables.md`` (the three tables, as printed) and ``summary.json`` to ``--out``.
+``tables.md`` (the tables, as printed) and ``summary.json`` to ``--out``. Item 4
+adds the shapes CNN's adaptive run reporting its training loss with no target
+stated (`report_loss`, the horizon), at the same seed, against the fixed sizes.
 A target that is missed is reported, with the reason in
 ``experiments/outcome/RESULTS.md``; ``--strict`` makes it the exit status too.
 """
@@ -74,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary[name] = run([*out, *quick4] if name == "time_to_target" else out)
             seconds[name] = time.perf_counter() - start
             print(f"\n({name}: {seconds[name]:.0f} s)")
+        print("\n## 4, reporting the training loss: shapes, no target stated\n")
+        start = time.perf_counter()
+        summary["report_loss"] = report_loss_run(args.out / "report_loss", summary)
+        seconds["report_loss"] = time.perf_counter() - start
+        print(f"\n(report_loss: {seconds['report_loss']:.0f} s)")
         targets = check_targets(summary)
         print("\n## Targets\n")
         for label, met in targets.items():
@@ -88,6 +95,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dumps({"summary": summary, "seconds": seconds, "targets": targets}, indent=1)
     )
     return 1 if args.strict and not all(targets.values()) else 0
+
+
+def report_loss_run(out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Shapes' adaptive run reporting its loss (`report_loss`, no target: the horizon)
+    at item 4's seed; its CPU seconds to the target and the best fixed size's over
+    them (``ratio_best``, None where either missed)."""
+    argv = ["--out", str(out), "--problems", "shapes", "--kinds", "adaptive", "--seeds", "1"]
+    time_to_target.main([*argv, "--floor-target-loss", "horizon"])
+    run = json.loads((out / "time_to_target.json").read_text())[0]
+    cpu = run["reached"]["cpu_seconds"] if run["reached"] is not None else None
+    shapes = summary["time_to_target"].get("shapes", {})
+    label = shapes.get("best_fixed")
+    best = next((r for r in shapes.get("rows", []) if r["label"] == label), None)
+    ratio = None if cpu is None or best is None else best["cpu_median"] / cpu
+    shown = "missed" if ratio is None else f"{ratio:.2f}"
+    print(f"adaptive, report_loss: {cpu} CPU s to the target; best fixed ({label}) / it: {shown}")
+    return {"cpu_seconds": cpu, "best_fixed": label, "ratio_best": ratio}
 
 
 #: The issue's floor on a problem's length: its target takes at least this long (CPU
@@ -130,6 +154,12 @@ def check_targets(summary: dict[str, Any]) -> dict[str, bool]:
         targets[f"{problem}: adaptive at most half the initial size's time (median CPU time)"] = (
             initial is not None and initial >= 2.0
         )
+    if "report_loss" in summary:
+        ratio = summary["report_loss"]["ratio_best"]
+        targets[
+            "shapes: adaptive reporting its training loss (no target) no slower than the "
+            "best fixed"
+        ] = ratio is not None and ratio >= 1.0
     return targets
 
 

@@ -219,3 +219,10 @@ def test_run_all_targets_read_item_4() -> None:
     summary["time_to_target"]["shapes"]["rows"][1]["cpu_median"] = 59.9
     floor = "shapes: the initial size takes at least 60 CPU s (median over the seeds run)"
     assert not run_all.check_targets(summary)[floor]
+    # The run reporting its loss: met at or above 1, not where it (or the sweep) missed.
+    reporting = (
+        "shapes: adaptive reporting its training loss (no target) no slower than the best fixed"
+    )
+    for ratio, met in [(1.02, True), (0.97, False), (None, False)]:
+        summary["report_loss"] = {"ratio_best": ratio}
+        assert run_all.check_targets(summary)[reporting] is met
