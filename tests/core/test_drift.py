@@ -16,7 +16,7 @@ from adaptdl.core.drift import HORIZON, POINTS_PER_DOUBLING, DriftHistory
 @settings(max_examples=100, deadline=None)
 @given(
     st.floats(-5.0, 5.0),  # the drift at progress 1
-    st.floats(0.0, 2.0),  # what it sheds per doubling
+    st.floats(-2.0, 2.0),  # what it sheds per doubling (below 0: it rises)
     st.floats(1.001, 1.5),  # the factor between records
     st.floats(4.0, 1e5),  # where it is read
 )
@@ -43,13 +43,13 @@ def test_the_record_keeps_a_few_points_back_to_the_horizon() -> None:
     assert first <= 19_999 / HORIZON < history.points[1][0] and last <= 19_999
 
 
-def test_nothing_is_read_before_the_record_reaches_back_and_a_rise_sheds_nothing() -> None:
+def test_nothing_is_read_before_the_record_reaches_back_and_a_rise_reads_negative() -> None:
     history = DriftHistory()
     assert history.shed(10.0, 1.0) is None
     history.record(10.0, 1.0)
     assert history.shed(15.0, 0.9) is None  # back to 7.5: before the first point
     assert history.shed(20.0, 0.9) == pytest.approx(0.1)  # back to 10 exactly
-    assert history.shed(20.0, 1.3) == 0.0  # the drift rose: nothing shed
+    assert history.shed(20.0, 1.3) == pytest.approx(-0.3)  # the drift rose
     # Read between two points, linearly in log-progress.
     history.record(40.0, 0.5)
     assert history.shed(40.0, 0.5) == pytest.approx(0.25)  # back to 20: (1.0 + 0.5) / 2 - 0.5

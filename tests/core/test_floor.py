@@ -359,6 +359,14 @@ def test_a_drift_that_sheds_nothing_leaves_the_floor_all_that_is_left() -> None:
     flat = LossFloor()
     _feed(flat, floor0, lambda p: 0.3, 2_000)
     assert flat.share_at(est.grad_params()) == flat.cap
+    # One that rose says nothing of what comes (a rate warming up, a loss diverging):
+    # the share reads how far it moved, so a large rise gets little credit.
+    rising = LossFloor()
+    _feed(rising, floor0, lambda p: 0.3 + 1e-4 * p, 2_000)
+    rise = 1e-4 * 1_000  # over the last halving (the average's lag moves both ends)
+    share = rising.share_at(est.grad_params())
+    assert share == pytest.approx(floor0 / (floor0 + rise), rel=0.02)
+    assert share < 0.7 * rising.cap  # a rise of 0.1 against a floor of about 0.12
     # Before the record reaches back half the progress (or without progress), the
     # least credit: the share of a target of 0.
     early = LossFloor(min_steps=1)
@@ -391,6 +399,15 @@ def test_a_floor_state_written_before_the_drift_was_kept_loads_without_one() -> 
     old = {k: v for k, v in data.items() if k not in ("drift_sum", "drift_weight", "drift")}
     loaded = LossFloor.from_json({**old, "schema": "adaptdl.floor/1"})
     assert loaded.drift.points == () and loaded.drift_weight == 0.0
+    # Its drift starts now: nothing recorded until the average holds enough losses.
+    full = LossFloor()
+    for _ in range(120):
+        full.observe(0.6, [0.1], _estimator(), 16)  # no progress given: none recorded
+    state = {k: v for k, v in full.to_json().items() if k not in ("drift_sum", "drift_weight")}
+    state = {k: v for k, v in state.items() if k != "drift"}
+    resumed = LossFloor.from_json({**state, "schema": "adaptdl.floor/1"})
+    resumed.observe(0.6, [0.1], _estimator(), 16, progress=4.0)
+    assert resumed.drift.points == () and resumed.steps > resumed.min_steps
     assert loaded.share_at(point) == floor.share_at(point)
     with pytest.raises(ValueError, match=r"needs exactly the keys"):
         LossFloor.from_json({**data, "schema": "adaptdl.floor/1"})
@@ -408,3 +425,57 @@ def test_the_drift_is_recorded_once_the_average_holds_its_memorys_worth() -> Non
     assert floor.drift.points == () and not floor.active
     floor.observe(2.0 - 0.2 + floor0, [sgd_rate(0.01, 0.9)], est, 16, progress=100.0)
     assert [p for p, _ in floor.drift.points] == [100.0] and floor.active
+
+
+def test_the_drift_average_starts_anew_after_a_gap_and_records_once_it_holds_enough() -> None:
+    est, rate = _estimator(), sgd_rate(0.01, 0.9)
+    lost = GradientNoiseScale(init_batch_size=16)
+    lost.update(40.0, 8.0, 2, 8)  # |G|^2 estimated below 0
+    floor = LossFloor()
+    # An estimate resolved only from the 150th step: the drift is averaged, and then
+    # recorded, from its own 100th loss, not the floor's.
+    for step in range(1, 150):
+        floor.observe(1.0, [rate], lost, 16, progress=float(step))
+    assert floor.steps >= floor.min_steps and floor.drift_weight == 0.0
+    for step in range(150, 249):
+        floor.observe(1.0, [rate], est, 16, progress=float(step))
+    assert floor.drift.points == ()
+    floor.observe(1.0, [rate], est, 16, progress=249.0)
+    assert [p for p, _ in floor.drift.points] == [249.0]
+    # A gradient lost mid-run forgets the average (the record stays), and so does a
+    # lapse: a stale average would be recorded at a progress far from its losses.
+    floor.observe(1.0, [rate], lost, 16, progress=250.0)
+    assert floor.drift_weight == 0.0 and floor.drift.points
+    for _ in range(LAPSE_STEPS + 1):
+        floor.idle_step()
+    floor.observe(1.0, [rate], est, 16, progress=400.0)
+    assert floor.drift_weight == pytest.approx(0.01)  # one loss since the lapse
+
+
+def test_the_drift_does_not_jump_when_a_larger_batch_lowers_the_floor() -> None:
+    # The floor kept at each step's batch is subtracted: a loss that falls with the
+    # floor when the batch grows (here at once) leaves the drift where it was.
+    est, rate = _estimator(), sgd_rate(0.01, 0.9)
+    floor0 = floor_level(rate, est.var, 16.0)
+    floor = LossFloor()
+    for step in range(1, 1_001):
+        batch = 16 if step <= 500 else 64
+        kept = floor0 * est.gain(batch / 16) / (batch / 16)
+        floor.observe(0.5 + kept, [rate], est, batch, progress=float(step))
+    assert [d for _, d in floor.drift.points] == pytest.approx([0.5] * len(floor.drift.points))
+
+
+def test_observe_checks_the_rates_from_the_first_step() -> None:
+    with pytest.raises(ValueError, match=r"rates must have one value per parameter group \(2\)"):
+        LossFloor().observe(0.6, [0.1], _estimator(groups=2), 16)
+
+
+def test_a_recorded_drift_round_trips_with_the_floor() -> None:
+    est = _estimator()
+    floor = LossFloor()
+    _feed(floor, floor_level(sgd_rate(0.01, 0.9), est.var, 16.0), lambda p: 2.0 / p, 1_000)
+    again = LossFloor.from_json(json.loads(json.dumps(floor.to_json())))
+    assert again.drift.points == floor.drift.points and len(floor.drift.points) > 3
+    assert again.share_at(est.grad_params()) == floor.share_at(est.grad_params())
+    with pytest.raises(ValueError, match="drift_weight must be in"):
+        LossFloor.from_json({**floor.to_json(), "drift_weight": 1.5})

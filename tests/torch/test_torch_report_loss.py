@@ -13,7 +13,8 @@ from torch.utils.data import TensorDataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.boundary import Preempted
-from adaptdl.core.floor import floor_level, sgd_rate
+from adaptdl.core.floor import floor_level, floor_share, sgd_rate
+from adaptdl.core.scaling import adascale_gain
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import AdamScale, LinearScale
@@ -156,13 +157,16 @@ def test_without_a_target_the_share_reads_what_the_drift_shed_over_the_horizon()
     # Recorded at the job's progress, from the 100th loss on, back to half of it.
     assert points[0][0] <= adp.progress / 2 < points[1][0] and points[-1][0] < adp.progress
     drift = floor.drift_sum / floor.drift_weight
-    shed = floor.drift.shed(points[-1][0], points[-1][1])
-    assert shed is not None
-    # The target read is the drift less what it shed: not the least credit's 0.
-    target = floor.to_json()["basis"]["target_loss"]
-    assert target != 0.0 and target <= drift + 1e-12
+    # The target read is the drift less what it shed (not the least credit's 0), and
+    # the share is larger than that of a target of 0.
+    basis = floor.to_json()["basis"]
+    assert basis["target_loss"] != 0.0 and basis["target_loss"] <= drift + 1e-12
     share = adp._job.metrics.floor_share()
-    assert 0.0 < share <= 0.9
+    params = adp._job.metrics.grad_params()
+    assert params is not None
+    efficiency = adascale_gain(params.sqr, params.var, basis["scale"]) / basis["scale"]
+    least = floor_share(floor.floor0_at(params), basis["average"], efficiency, 0.0)
+    assert least < share <= 0.9
 
 
 def test_the_losses_of_a_steps_micro_batches_are_averaged_into_it() -> None:

@@ -6,7 +6,10 @@ floor its batch keeps) at points spaced geometrically in progress, and reads at
 progress ``p`` the drift shed since ``p / HORIZON``, which the share takes as the
 drift the run sheds again by ``p * HORIZON``: exact for a loss that falls by the same
 amount per doubling of progress (log-linear), an overestimate for one flattening
-faster (then the credit is the smaller).
+faster (then the credit is the smaller). A drift that rose says nothing of what the
+run sheds next (a rate warming up, a loss diverging, a floor that fell with a larger
+batch before the loss did); the floor's share reads how far it moved instead, so
+that a large rise gets little credit and a flat drift, however noisy, the most.
 
 ``HORIZON`` is 2: with nothing known of a run's length, a length scale-free in
 progress makes the elapsed progress as likely any fraction of the whole, and the
@@ -75,8 +78,8 @@ class DriftHistory:
 
     def shed(self, progress: float, drift: float) -> float | None:
         """The drift shed from ``progress / HORIZON`` to ``progress`` (where it is
-        ``drift``), at least 0; None while the points do not reach back that far.
-        The drift back there is interpolated linearly in log-progress."""
+        ``drift``), negative where it rose; None while the points do not reach back
+        that far. The drift back there is interpolated linearly in log-progress."""
         progress = check_float("progress", progress, min=0.0, min_exclusive=True)
         drift = check_float("drift", drift)
         back = progress / HORIZON
@@ -86,7 +89,7 @@ class DriftHistory:
         for (p0, d0), (p1, d1) in itertools.pairwise(points):
             if p0 <= back <= p1:
                 t = math.log(back / p0) / math.log(p1 / p0)
-                return max(d0 + t * (d1 - d0) - drift, 0.0)
+                return d0 + t * (d1 - d0) - drift
         return None  # unreachable: back lies in [points[0], progress]
 
     def to_json(self) -> list[list[float]]:

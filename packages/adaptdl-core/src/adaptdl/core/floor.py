@@ -189,6 +189,14 @@ def _loss_weight(value: Any) -> float:
     return check_float("loss_weight", value, min=0.0, max=1.0)
 
 
+def _drift_sum(value: Any) -> float:
+    return check_float("drift_sum", value)
+
+
+def _drift_weight(value: Any) -> float:
+    return check_float("drift_weight", value, min=0.0, max=1.0)
+
+
 @attrs.frozen
 class _Basis:
     """What the last loss folded sets the share from."""
@@ -233,8 +241,8 @@ class LossFloor:
     #: The drift's moving average (the loss less the floor its step's batch keeps,
     #: folded where both are known, at ``memory``): it lags as the loss's does, so a
     #: floor that moves (a larger batch, a lower rate) does not read as drift shed.
-    drift_sum: float = attrs.field(default=0.0, converter=_loss_sum)
-    drift_weight: float = attrs.field(default=0.0, converter=_loss_weight)
+    drift_sum: float = attrs.field(default=0.0, converter=_drift_sum)
+    drift_weight: float = attrs.field(default=0.0, converter=_drift_weight)
     drift: DriftHistory = attrs.field(factory=DriftHistory)
 
     SCHEMA: ClassVar[str] = FLOOR_SCHEMA
@@ -282,6 +290,8 @@ class LossFloor:
             isinstance(loss, numbers.Real) and not isinstance(loss, bool) and math.isfinite(loss)
         )
         if folded:
+            if self.idle > LAPSE_STEPS:
+                self._forget_drift()  # what it held is as old as the lapse
             self.loss_sum = self.memory * self.loss_sum + (1.0 - self.memory) * float(loss)
             self.loss_weight = self.memory * self.loss_weight + (1.0 - self.memory)
             self.idle = 0
@@ -290,6 +300,7 @@ class LossFloor:
             return
         if not gns.resolved:
             self._basis = None  # a gradient lost in the noise: no floor to tell apart
+            self._forget_drift()  # nor a drift: it would come back stale
             return
         if len(rates) != gns.num_groups:
             raise ValueError(
@@ -311,7 +322,7 @@ class LossFloor:
             # average holds its memory's worth of losses: before, it is about the mean
             # since the start, and a loss falling reads as shed late, a plateau's as
             # none (the share then at its cap).
-            if progress > 0.0 and self.steps >= self.min_steps:
+            if progress > 0.0 and self._drift_held():
                 self.drift.record(progress, self.drift_sum / self.drift_weight)
         if self.steps < self.min_steps:
             return
@@ -321,15 +332,26 @@ class LossFloor:
             average=average, floor_per_var=floor_per_var, scale=scale, target_loss=target_loss
         )
 
+    def _drift_held(self) -> bool:
+        """Whether the drift's average holds ``min_steps`` losses' worth of weight
+        (folded since it last started)."""
+        return self.drift_weight >= 1.0 - self.memory**self.min_steps - 1e-12
+
+    def _forget_drift(self) -> None:
+        """Start the drift's average anew (its record, of drifts then, stays)."""
+        self.drift_sum = self.drift_weight = 0.0
+
     def _horizon_target(self, progress: float) -> float:
         """The loss the run reaches over the horizon (`adaptdl.core.drift`): the
-        drift's average less what it shed since ``progress / HORIZON``; 0 (the least
-        credit) before the record reaches back that far or without progress."""
-        if self.drift_weight <= 0.0 or progress <= 0.0:
+        drift's average less what it shed since ``progress / HORIZON`` (where it rose,
+        less the rise: a large one gets little credit, a flat drift the most). 0 (the
+        least credit) while the average holds too few losses, before the record
+        reaches back that far, and without progress."""
+        if not self._drift_held() or progress <= 0.0:
             return 0.0
         drift = self.drift_sum / self.drift_weight
         shed = self.drift.shed(progress, drift)
-        return 0.0 if shed is None else drift - shed
+        return 0.0 if shed is None else drift - abs(shed)
 
     def share_at(self, params: GradParams | None) -> float:
         """The floor's share at the statistics ``params`` (`GradParams`, variance at the

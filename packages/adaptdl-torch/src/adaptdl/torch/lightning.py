@@ -346,7 +346,7 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         self.report_loss = check_bool("report_loss", report_loss)
         self.target_loss = None if target_loss is None else check_float("target_loss", target_loss)
-        if target_loss is not None and not report_loss:
+        if target_loss not in (None, 0.0) and not report_loss:  # 0.0: the old default
             raise ValueError(f"target_loss={target_loss!r} needs report_loss=True")
         super().__init__(**kwargs)
         self.scaling_rule = scaling_rule
