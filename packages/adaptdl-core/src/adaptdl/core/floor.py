@@ -26,15 +26,16 @@ exact optimiser, caps and hysteresis take it unchanged.
 **Without a stated target** (None, the default) the loss left is what the run sheds
 over a horizon: the drift's moving average, recorded over progress
 (`adaptdl.core.drift`), shed since half the progress made, is taken as shed again by
-twice it, so ``X = shed + F0``; until the record reaches back that far, the least
-credit the loss allows (target 0: ``F0 / (loss - F0 E + F0)``).
+twice it: the target is the drift less that, so ``X = shed + F0`` at the point
+estimate (where the drift rose, ``|change| + F0``); until the record reaches back
+that far, the least credit the loss allows (target 0: ``F0 / (loss - F0 E + F0)``).
 
 Measured (``experiments/outcome/RESULTS.md`` item 4, eleventh follow-up): on the
 shapes CNN the floor predicts 0.68-1.01 of the training-loss gap between fixed
 sizes 256 and 16, with no fitted constant; deciding on the share brought the
 adaptive run from 0.79-0.89 of fixed 256's speed to the target to about level.
-With no target, over the horizon (thirteenth follow-up): 1.11 of fixed 256's speed
-pooled over four rounds of 6 seeds, faster than core's rule on 18 of 24 runs.
+With no target, over the horizon (thirteenth follow-up): 1.00-1.11 of fixed 256's
+speed by round of 6 seeds, faster than core's rule on 22 of 30 runs.
 
 `LossFloor` keeps the training loss's moving average (a job-level state in the
 checkpoint, schema ``adaptdl.floor/2``), the drift's, its record over progress and,
