@@ -373,6 +373,10 @@ def test_a_drift_that_sheds_nothing_leaves_the_floor_all_that_is_left() -> None:
     early.observe(0.3 + floor0, [sgd_rate(0.01, 0.9)], est, 16, progress=0.0)
     expected = floor_share(floor0, 0.3 + floor0, 1.0, 0.0)
     assert early.share_at(est.grad_params()) == pytest.approx(expected)
+    for progress in (10.0, 15.0):  # back to 7.5: before the first point, at 10
+        early.observe(0.3 + floor0, [sgd_rate(0.01, 0.9)], est, 16, progress=progress)
+    assert [p for p, _ in early.drift.points] == [10.0, 15.0]
+    assert early.share_at(est.grad_params()) == pytest.approx(expected)
 
 
 def test_the_metrics_fold_the_loss_at_the_jobs_progress() -> None:
@@ -442,14 +446,44 @@ def test_the_drift_average_starts_anew_after_a_gap_and_records_once_it_holds_eno
     assert floor.drift.points == ()
     floor.observe(1.0, [rate], est, 16, progress=249.0)
     assert [p for p, _ in floor.drift.points] == [249.0]
-    # A gradient lost mid-run forgets the average (the record stays), and so does a
-    # lapse: a stale average would be recorded at a progress far from its losses.
-    floor.observe(1.0, [rate], lost, 16, progress=250.0)
-    assert floor.drift_weight == 0.0 and floor.drift.points
+    # A gradient lost mid-run ages the average a step (its value kept): a flicker
+    # leaves it recording; a long stretch leaves it too light to, until it refills.
+    for step in range(250, 400):
+        floor.observe(1.0, [rate], est, 16, progress=float(step))
+    held = floor.drift_weight
+    floor.observe(1.0, [rate], lost, 16, progress=400.0)
+    assert floor.drift_weight == pytest.approx(0.99 * held) and floor.drift.points
+    floor.observe(1.0, [rate], est, 16, progress=440.0)
+    assert floor.drift.points[-1][0] == 440.0
+    for step in range(441, 501):
+        floor.observe(1.0, [rate], lost, 16, progress=float(step))
+    floor.observe(1.0, [rate], est, 16, progress=560.0)
+    assert floor.drift.points[-1][0] == 440.0  # 60 steps lost: too light to record
+    # A lapse forgets it: a stale average would be recorded far from its losses.
+    for step in range(561, 800):
+        floor.observe(1.0, [rate], est, 16, progress=float(step))
+    assert floor.drift_weight > 0.6 and floor.drift.points[-1][0] > 700.0
     for _ in range(LAPSE_STEPS + 1):
         floor.idle_step()
-    floor.observe(1.0, [rate], est, 16, progress=400.0)
+    floor.observe(1.0, [rate], est, 16, progress=1_200.0)
     assert floor.drift_weight == pytest.approx(0.01)  # one loss since the lapse
+    assert floor.drift.points[-1][0] < 1_200.0
+
+
+def test_a_flickering_estimate_leaves_the_horizon_reading() -> None:
+    # |G|^2 near 0 late in training can fall below it now and then: each such step
+    # ages the drift's average, it does not restart it.
+    est, rate = _estimator(), sgd_rate(0.01, 0.9)
+    floor0 = floor_level(rate, est.var, 16.0)
+    lost = GradientNoiseScale(init_batch_size=16)
+    lost.update(40.0, 8.0, 2, 8)
+    floor = LossFloor()
+    for step in range(1, 4_001):
+        gns = lost if step % 50 == 0 else est
+        loss = 1.0 - 0.05 * math.log2(step) + floor0
+        floor.observe(loss, [rate], gns, 16, progress=float(step))
+    floor.observe(1.0 - 0.05 * math.log2(4_001) + floor0, [rate], est, 16, progress=4_001.0)
+    assert floor.share_at(est.grad_params()) == pytest.approx(floor0 / (floor0 + 0.05), rel=0.05)
 
 
 def test_the_drift_does_not_jump_when_a_larger_batch_lowers_the_floor() -> None:

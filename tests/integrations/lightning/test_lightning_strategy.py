@@ -147,6 +147,7 @@ def test_bad_strategy_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match=r"target_loss=0\.3 needs report_loss=True"):
         AdaptiveStrategy(target_loss=0.3)
     assert AdaptiveStrategy(report_loss=True).target_loss is None  # none stated: the horizon
+    assert AdaptiveStrategy(target_loss=0.0).target_loss == 0.0  # the old default, accepted
     loss = torch.tensor(0.5)
     assert step_loss(loss) is loss and step_loss({"loss": loss, "acc": 1}) is loss
     assert step_loss(None) is None and step_loss({}) is None  # a batch skipped
