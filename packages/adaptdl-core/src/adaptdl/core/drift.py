@@ -68,6 +68,8 @@ class DriftHistory:
         forgets the points past it first."""
         progress = check_float("progress", progress, min=0.0, min_exclusive=True)
         drift = check_float("drift", drift)
+        if self.points and self.points[-1][0] <= progress < self.points[-1][0] * _SPACING:
+            return  # the common step: too close to the last point, nothing to forget
         points = [pt for pt in self.points if pt[0] < progress]
         if not points or progress >= points[-1][0] * _SPACING:
             points.append((progress, drift))

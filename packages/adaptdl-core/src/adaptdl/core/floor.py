@@ -292,21 +292,21 @@ class LossFloor:
             isinstance(loss, numbers.Real) and not isinstance(loss, bool) and math.isfinite(loss)
         )
         if folded:
-            if self.idle > LAPSE_STEPS:
-                self._forget_drift()  # what it held is as old as the lapse
-            self.loss_sum = self.memory * self.loss_sum + (1.0 - self.memory) * float(loss)
-            self.loss_weight = self.memory * self.loss_weight + (1.0 - self.memory)
+            # Each optimiser step folds the drift or ages its average (value kept): the
+            # steps since the last fold without a loss are aged here, one whose
+            # estimate resolves no gradient below. A long stretch of either leaves it
+            # too light to record or read until it refills; a flicker does not
+            # restart it.
+            self._age_drift(max(self.idle - 1, 0))
+            self.loss_sum, self.loss_weight = self._fold(self.loss_sum, self.loss_weight, loss)
             self.idle = 0
         average = self.average
         if gns is None or average is None:
             return
         if not gns.resolved:
             self._basis = None  # a gradient lost in the noise: no floor to tell apart
-            # Nor a drift: its average ages a step (its value kept), so that a long
-            # stretch leaves too little weight to record or read until it refills,
-            # while an estimate flickering near 0 does not restart it every time.
-            self.drift_sum *= self.memory
-            self.drift_weight *= self.memory
+            if folded:  # nor a drift (a step without a loss is aged at the next fold)
+                self._age_drift(1)
             return
         if len(rates) != gns.num_groups:
             raise ValueError(
@@ -321,9 +321,9 @@ class LossFloor:
         scale = max(batch_size / m0, 1.0)
         if folded:
             kept = floor_per_var * var * adascale_gain(max(gns.sqr, 0.0), var, scale) / scale
-            drift = float(loss) - kept
-            self.drift_sum = self.memory * self.drift_sum + (1.0 - self.memory) * drift
-            self.drift_weight = self.memory * self.drift_weight + (1.0 - self.memory)
+            self.drift_sum, self.drift_weight = self._fold(
+                self.drift_sum, self.drift_weight, float(loss) - kept
+            )
             # Recorded whatever the target (so that dropping it works), once the
             # average holds its memory's worth of losses: before, it is about the mean
             # since the start, and a loss falling reads as shed late, a plateau's as
@@ -343,9 +343,19 @@ class LossFloor:
         (folded since it last started)."""
         return self.drift_weight >= 1.0 - self.memory**self.min_steps - 1e-12
 
-    def _forget_drift(self) -> None:
-        """Start the drift's average anew (its record, of drifts then, stays)."""
-        self.drift_sum = self.drift_weight = 0.0
+    def _fold(self, total: float, weight: float, value: float) -> tuple[float, float]:
+        """A moving average's (sum, weight) at ``memory`` with ``value`` folded in."""
+        return (
+            self.memory * total + (1.0 - self.memory) * float(value),
+            self.memory * weight + (1.0 - self.memory),
+        )
+
+    def _age_drift(self, steps: int) -> None:
+        """Age the drift's average ``steps`` steps without a value (its value kept)."""
+        if steps:
+            factor = self.memory**steps
+            self.drift_sum *= factor
+            self.drift_weight *= factor
 
     def _horizon_target(self, progress: float) -> float:
         """The loss the run reaches over the horizon (`adaptdl.core.drift`): the
