@@ -47,10 +47,10 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.boundary import Boundary
 from adaptdl.core.config import JobConfig
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.core.manifest import MANIFEST
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
-from adaptdl.core.storage import LocalStorage
 from adaptdl.torch._context import current_job
 
 N = int(os.environ.get("FAULTS_N", "64"))
