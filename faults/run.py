@@ -23,6 +23,16 @@ fault, chosen from :data:`KINDS`:
 ``enospc``          the disk fills up during a checkpoint write (injected ENOSPC);
                     the job fails with a clear error, torchrun restarts it, and it
                     resumes from the previous complete checkpoint.
+``sharded_write``   the model is sharded with FSDP2 and its checkpoints are DCP
+                    shard files every replica writes through the checkpoint storage;
+                    the storage damages those writes. Alternately: the disk fills up
+                    in a random replica's shard (or DCP metadata) write (ENOSPC): the
+                    save fails on every replica, torchrun restarts the job, and it
+                    resumes from the previous complete checkpoint; or the storage
+                    commits the second checkpoint and loses half of one shard file
+                    (the rename reached the disk, the data did not), a replica is
+                    then SIGKILLed, and the restart must find the damage and resume
+                    from the checkpoint before it, counting the replay.
 ``resize``          SIGTERM and relaunch at another number of replicas, twice.
 ``hang``            SIGSTOP of a random replica: the others must stop within the
                     collective timeout (``ADAPTDL_COLLECTIVE_TIMEOUT``), not hang;
@@ -79,8 +89,9 @@ import attrs
 
 from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.journal import Journal, Mark, journal_name
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.core.manifest import MANIFEST
-from adaptdl.core.storage import TMP_PREFIX, LocalStorage, owner_tag
+from adaptdl.core.storage import TMP_PREFIX, owner_tag
 from adaptdl.torch.launch import torchrun_command
 from faults.nodes import ElasticNodes, alive, descendants
 
@@ -92,6 +103,7 @@ KINDS = (
     "double_sigterm_workers",
     "slurm_sigterm",
     "enospc",
+    "sharded_write",
     "resize",
     "hang",
     "second_job",
@@ -534,6 +546,53 @@ class Trial:
         if "No space left on device" not in text or advice not in text:
             raise launch.fail("the full disk was not reported clearly")
 
+    def sharded_write(self) -> None:
+        env = {"FAULTS_FSDP": "1"}
+        if self.occurrence % 2 == 0:
+            self._sharded_full_disk(env)
+        else:
+            self._sharded_lost_write(env)
+
+    def _sharded_full_disk(self, env: dict[str, str]) -> None:
+        nproc = self.procs()
+        rank = self.rng.randrange(nproc)
+        at = self.rng.randint(1, 3)  # rank 0 writes two files a checkpoint, the others one
+        self.result.detail += f" FSDP ENOSPC at rank {rank}'s shard write {at}"
+        env.update(FAULTS_SHARD_ENOSPC_AT=str(at), FAULTS_SHARD_RANK=str(rank))
+        launch = Launch(self, nproc, max_restarts=2, env=env)
+        self.finish(launch)
+        if launch.attempt() < 1:
+            raise launch.fail("the full disk in a shard write did not fail the job")
+        if "No space left on device" not in launch.log.read_text(errors="replace"):
+            raise launch.fail("the full disk in a shard write was not reported")
+
+    def _sharded_lost_write(self, env: dict[str, str]) -> None:
+        # The replicas stand before the step after the second checkpoint (the damaged
+        # one) until a replica is killed: no later checkpoint may hide the damage.
+        hold = self.dir / "hold"
+        hold.touch()
+        env.update(
+            FAULTS_SHARD_LOSE_AT="2",
+            FAULTS_SHARD_VICTIM=str(self.rng.randrange(3)),
+            FAULTS_HOLD_FILE=str(hold),
+            FAULTS_HOLD_FROM=str(2 * self.every_steps),
+        )
+        launch = Launch(self, self.procs(), max_restarts=1, env=env)
+        attempt = launch.attempt()
+        (damaged,) = launch.wait_for(
+            "a damaged checkpoint", lambda records: [r for r in records if "damaged" in r][:1]
+        )
+        pids = launch.pids()
+        rank = self.rng.randrange(launch.nproc)
+        self.result.detail += f" FSDP lost write in {damaged['file']}, kill rank {rank}"
+        _kill(pids[rank], signal.SIGKILL)
+        hold.unlink()
+        self._wait_restart(launch, attempt)
+        self.finish(launch)
+        resumed = [r for r in launch.records() if r.get("start") and r["restart"] > attempt]
+        if any(r["restored"] == damaged["damaged"] for r in resumed):
+            raise launch.fail(f"the restart resumed from the damaged {damaged['damaged']}")
+
     def resize(self) -> None:
         sizes = [self.procs()]
         for _ in range(2 if self.rng.random() < 0.3 else 1):
@@ -698,10 +757,12 @@ class Trial:
             if set(counts) - set(range(self.n)):
                 raise TrialFailure(f"epoch {epoch} consumed indices outside the dataset")
         result.lost, result.repeated = lost, repeated
-        # Every run and restart resumed from the newest checkpoint written before it.
+        # Every run and restart resumed from the newest checkpoint written before it
+        # (and not damaged by the storage, which the restore must find and pass over).
+        damaged = {r["damaged"] for r in records if "damaged" in r}
         newest = None
         for r in sorted(records, key=lambda r: r["t"]):
-            if "saved" in r:
+            if "saved" in r and r["saved"] not in damaged:
                 newest = r["saved"]
             elif r.get("start") and r["rank"] == 0 and r["restored"] != newest:
                 raise TrialFailure(

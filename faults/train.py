@@ -30,28 +30,45 @@ library, by handing the library a faulty checkpoint storage (`FaultyStorage`):
     in the first attempt of a launch, the k-th file write into the checkpoint
     directory (1 is the writability probe at start) writes half of its bytes and
     fails with ENOSPC, as a full disk would.
+``FAULTS_FSDP=1``
+    the model is sharded with FSDP2 (``fully_shard``) and adapted by `AdaptiveFSDP`:
+    each checkpoint holds every replica's DCP shard files, written through the
+    checkpoint storage (`adaptdl.core.shardedfiles.StagedFiles`).
+``FAULTS_SHARD_ENOSPC_AT=<k>``, ``FAULTS_SHARD_RANK=<r>``
+    in the first attempt of a launch, the k-th sharded-checkpoint file replica ``r``
+    writes (its DCP shards; rank 0's DCP metadata too) gets its first 64 bytes
+    and fails with ENOSPC, as a full disk would.
+``FAULTS_SHARD_LOSE_AT=<k>``, ``FAULTS_SHARD_VICTIM=<i>``
+    in the first attempt of a launch, rank 0's storage commits the k-th sharded
+    checkpoint and then loses the second half of its i-th shard file (modulo their
+    number), as a disk whose rename reached it before the data did; it records
+    ``damaged`` with the checkpoint's label.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.boundary import Boundary
 from adaptdl.core.config import JobConfig
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.core.manifest import MANIFEST
 from adaptdl.core.sampling import Shard
 from adaptdl.core.seed import SHUFFLE_SEED
-from adaptdl.core.storage import LocalStorage
 from adaptdl.torch._context import current_job
+from adaptdl.torch.fsdp import AdaptiveFSDP
 
 N = int(os.environ.get("FAULTS_N", "64"))
 EPOCHS = int(os.environ.get("FAULTS_EPOCHS", "2"))
@@ -66,6 +83,15 @@ HOLD_FILE = Path(os.environ["FAULTS_HOLD_FILE"]) if os.environ.get("FAULTS_HOLD_
 HOLD_FROM = int(os.environ.get("FAULTS_HOLD_FROM", "0"))
 SLOW_SAVE = float(os.environ.get("FAULTS_SLOW_SAVE", "0")) if RESTART == 0 else 0.0
 ENOSPC_AT = int(os.environ.get("FAULTS_ENOSPC_AT", "0")) if RESTART == 0 else 0
+FSDP = os.environ.get("FAULTS_FSDP") == "1"
+RANK = int(os.environ.get("RANK", "0"))
+SHARD_ENOSPC_AT = (
+    int(os.environ.get("FAULTS_SHARD_ENOSPC_AT", "0"))
+    if RESTART == 0 and int(os.environ.get("FAULTS_SHARD_RANK", "0")) == RANK
+    else 0
+)
+SHARD_LOSE_AT = int(os.environ.get("FAULTS_SHARD_LOSE_AT", "0")) if RESTART == 0 else 0
+SHARD_VICTIM = int(os.environ.get("FAULTS_SHARD_VICTIM", "0"))
 
 
 class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -84,12 +110,64 @@ class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         return i, self.x[i], self.y[i]
 
 
+class _FullDisk(io.FileIO):
+    """A new file on a disk that fills up: the write that crosses ``room`` bytes fails."""
+
+    def __init__(self, path: Path, room: int) -> None:
+        super().__init__(path, "xb")  # a new file, as LocalStorage.open_new makes
+        self.room = room
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) > self.room:
+            super().write(view[: self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+        self.room -= len(view)
+        return super().write(view)
+
+
 class FaultyStorage(LocalStorage):
-    """The checkpoint directory, with the faults this launch asks for in its file writes."""
+    """The checkpoint directory, with the faults this launch asks for in its file writes.
+
+    Whole files the storage writes go through `write_durably`; the files of a
+    sharded checkpoint, which DCP streams, through `open_new`; a sharded
+    checkpoint is committed by `write_directory` after `adopt`.
+    """
 
     def __init__(self, root: str, owner: str) -> None:
         super().__init__(root, owner=owner)  # as the library's own: tagged with the job
         self.writes = 0
+        self.staged_files = 0
+        self.sharded_commits = 0
+        self.adopted: str | None = None
+
+    def open_new(self, path: Path) -> BinaryIO:  # type: ignore[override]
+        self.staged_files += 1
+        if self.staged_files == SHARD_ENOSPC_AT:
+            # Half of what the file would hold: DCP writes it in one stream.
+            return io.BufferedWriter(_FullDisk(path, room=64))
+        return LocalStorage.open_new(path)
+
+    def adopt(self, staged: str | None) -> None:
+        self.adopted = staged
+        super().adopt(staged)
+
+    def write_directory(self, name: str, files: Mapping[str, bytes]) -> None:
+        sharded = self.adopted is not None
+        super().write_directory(name, files)
+        if not sharded:
+            return
+        self.sharded_commits += 1
+        if self.sharded_commits == SHARD_LOSE_AT:
+            shards = sorted((self.root / name).rglob("*.distcp"))
+            victim = shards[SHARD_VICTIM % len(shards)]
+            data = victim.read_bytes()
+            victim.write_bytes(data[: len(data) // 2])
+            entry = {"damaged": name, "file": victim.name, "run": RUN, "restart": RESTART}
+            path = RECORD_DIR / f"run{RUN}-restart{RESTART}-rank{RANK}-storage.jsonl"
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({**entry, "rank": RANK, "t": time.time()}) + "\n")
 
     def write_durably(self, path: Path, data: bytes) -> None:  # type: ignore[override]
         self.writes += 1
@@ -108,7 +186,9 @@ class FaultyStorage(LocalStorage):
 def _storage() -> LocalStorage | None:
     """The checkpoint storage: faulty when this launch injects faults into writes."""
     config = JobConfig.from_env(os.environ)
-    if config.checkpoint_path is None or not (SLOW_SAVE or ENOSPC_AT):
+    if config.checkpoint_path is None or not (
+        SLOW_SAVE or ENOSPC_AT or SHARD_ENOSPC_AT or SHARD_LOSE_AT
+    ):
         return None  # the library's own
     return FaultyStorage(config.checkpoint_path, config.job_id or "")
 
@@ -122,9 +202,18 @@ def main() -> None:
     loader = adl.AdaptiveDataLoader(
         dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS
     )
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    adp = adl.AdaptiveDataParallel(model, optimizer)
+    adp: Any
+    model: torch.nn.Module
+    if FSDP:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        for layer in (model[0], model[2], model):
+            fully_shard(layer)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        adp = AdaptiveFSDP(model, optimizer)
+    else:
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        adp = adl.AdaptiveDataParallel(model, optimizer)
     name = f"run{RUN}-restart{RESTART}-rank{topo.rank}"
     path = RECORD_DIR / (f"{name}-node{NODE}-pid{os.getpid()}.jsonl" if NODE else f"{name}.jsonl")
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the OS on SIGKILL too)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import adaptdl.core.storage as ckpt  # where the checkpoint store's file system calls live
+import adaptdl.core.localfs as ckpt  # where the checkpoint store's file system calls live
 from adaptdl.core.checkpoint import (
     Checkpoint,
     CheckpointError,

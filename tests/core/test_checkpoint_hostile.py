@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.journal import JOURNAL, Journal, Mark
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.core.manifest import MANIFEST
-from adaptdl.core.storage import TMP_PREFIX, LocalStorage, MemoryStorage, StorageLocked
+from adaptdl.core.storage import TMP_PREFIX, MemoryStorage, StorageLocked
 
 LOGGER = "adaptdl.core.checkpoint"
 

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.journal import _RUNNING_AT as RUNNING_AT
 from adaptdl.core.journal import JOURNAL, Journal, Mark
-from adaptdl.core.storage import LocalStorage, MemoryStorage
+from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.storage import MemoryStorage
 
 counts = st.integers(0, 2**63 - 1)
 marks = st.builds(Mark, counts, counts, counts)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core import shardedfiles
+from adaptdl.core import localfs
 from adaptdl.core.boundary import Preempted
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import ThreadCollective, run_replicas
@@ -26,9 +26,9 @@ from adaptdl.core.shardedfiles import (
     FileRecord,
     FileState,
     ShardedCheckpointStore,
+    StagedFiles,
     decode_listing,
     encode_listing,
-    file_record,
     shares,
 )
 from adaptdl.core.topology import Topology
@@ -49,10 +49,11 @@ class Shards:
     def from_bytes(self, data: bytes) -> None:
         self.length = json.loads(data)["length"]
 
-    def write_files(self, directory: Path) -> list[str]:
+    def write_files(self, directory: StagedFiles) -> list[str]:
         mine = self.values[self.rank :: self.replicas]
         name = f"part-{self.rank}-of-{self.replicas}.json"
-        (directory / name).write_text(json.dumps([self.rank, self.replicas, mine]))
+        with directory.create(name) as file:
+            file.write(json.dumps([self.rank, self.replicas, mine]).encode())
         return [name]
 
     def read_files(self, directory: Path) -> None:
@@ -189,7 +190,7 @@ class BackgroundShards(Shards):
         super().__init__(rank, replicas, values)
         self.writes = writes
 
-    def start_files(self, directory: Path) -> Future[Mapping[str, FileRecord] | None]:
+    def start_files(self, directory: StagedFiles) -> Future[Mapping[str, FileRecord] | None]:
         writes, out = self.writes, Future[Mapping[str, FileRecord] | None]()
         if self.rank == 0:
             writes.coordinator = out
@@ -200,7 +201,7 @@ class BackgroundShards(Shards):
             self.values = values
             name = self.write_files(directory)[0]
             with writes.lock:
-                writes.records[name] = file_record(directory / name)
+                writes.records[name] = directory.record(name)
                 writes.done += 1
                 last = writes.done == writes.replicas
             if self.rank != 0:
@@ -283,13 +284,13 @@ def test_each_file_is_checked_by_one_replica_and_damage_falls_back_on_all(
     run(tmp_path, 3, [1, 2, 3])
     run(tmp_path, 3, [4, 5, 6])  # restored [1, 2, 3], saved ckpt-000002
     checked: list[tuple[str, str]] = []
-    original = shardedfiles.file_record
+    original = localfs.file_record
 
     def counted(path: Path, limit: int | None = None) -> FileRecord:
         checked.append((threading.current_thread().name, f"{path.parent.parent.name}/{path.name}"))
         return original(path, limit)
 
-    monkeypatch.setattr(shardedfiles, "file_record", counted)
+    monkeypatch.setattr(localfs, "file_record", counted)
     assert run(tmp_path, 2, [], saves=0) == [[4, 5, 6]] * 2
     files = sorted(name for _, name in checked)
     assert files == [f"ckpt-000002/part-{r}-of-3.json" for r in range(3)]  # each once
@@ -389,14 +390,14 @@ def test_a_helper_failing_unexpectedly_still_answers_and_the_job_falls_back(
 ) -> None:
     run(tmp_path, 2, [1, 2, 3])
     run(tmp_path, 2, [4, 5, 6])
-    original = shardedfiles.file_record
+    original = localfs.file_record
 
     def broken(path: Path, limit: int | None = None) -> FileRecord:
         if threading.current_thread().name == "replica-1" and "ckpt-000002" in str(path):
             raise RuntimeError("hash library broke")
         return original(path, limit)
 
-    monkeypatch.setattr(shardedfiles, "file_record", broken)
+    monkeypatch.setattr(localfs, "file_record", broken)
     assert [r for r, _ in restore_at([tmp_path, tmp_path])] == [[1, 2, 3]] * 2
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 
 from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.journal import Journal, Mark
-from adaptdl.core.storage import TMP_PREFIX, LocalStorage, MemoryStorage, Storage
+from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.storage import TMP_PREFIX, FileRecord, MemoryStorage, StagingStorage, Storage
 
 SETTINGS = settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -86,7 +88,7 @@ def test_overwrite_keeps_a_regular_file_it_failed_to_open(
     def refuse(path: object, flags: int) -> int:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("adaptdl.core.storage.open_regular", refuse)
+    monkeypatch.setattr("adaptdl.core.localfs.open_regular", refuse)
     with pytest.raises(OSError) as exc:
         storage.overwrite("j", b"XY")
     assert exc.value.errno == code
@@ -136,3 +138,54 @@ def test_journal_and_store_share_one_storage(make: Callable[[], Storage]) -> Non
 def test_a_store_refuses_what_is_neither_a_path_nor_a_storage() -> None:
     with pytest.raises(TypeError, match="root must be a path"):
         CheckpointStore(object())  # type: ignore[arg-type]
+
+
+def test_the_lock_is_in_the_protocol(make: Callable[[], Storage]) -> None:
+    storage = make()
+    storage.lock(wait=0)
+    storage.lock(wait=0)  # held already: no error
+    storage.unlock()
+
+
+def test_a_local_storage_stages_and_memory_does_not(tmp_path: Path) -> None:
+    assert isinstance(LocalStorage(tmp_path), StagingStorage)
+    assert not isinstance(MemoryStorage(), StagingStorage)
+
+
+def test_staged_files_are_new_files_inside_real_directories(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path, owner="j")
+    staged = storage.stage("t0k3n", "state")
+    assert staged.startswith(TMP_PREFIX) and staged.endswith("stage-t0k3n/state")
+    assert storage.stage("t0k3n", "state") == staged  # the same on every replica
+    assert storage.list() == []  # a leftover name, never listed
+    with storage.create(f"{staged}/a.bin") as file:
+        file.write(b"abc")
+    assert storage.digest(f"{staged}/a.bin") == FileRecord(3, hashlib.sha256(b"abc").hexdigest())
+    assert storage.digest(f"{staged}/a.bin", limit=1).size == 2  # reads limit + 1 at most
+    with pytest.raises(FileExistsError):
+        storage.create(f"{staged}/a.bin")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.bin").write_bytes(b"b")
+    (storage.local_path(staged) / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError, match="not a directory"):
+        storage.digest(f"{staged}/link/b.bin")  # never through a symlinked directory
+    with pytest.raises(OSError, match="not a directory"):
+        storage.create(f"{staged}/link/c.bin")
+    (storage.local_path(staged) / "dangling").symlink_to(tmp_path / "nowhere")
+    assert storage.taken(f"{staged}/dangling") and not storage.taken(f"{staged}/c.bin")
+    with pytest.raises(ValueError, match="token"):
+        storage.stage("../up")
+
+
+def test_an_adopted_staged_directory_is_committed_whole(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path, owner="j")
+    staged = storage.stage("t", "state")
+    with storage.create(f"{staged}/shard") as file:
+        file.write(b"shard")
+    storage.adopt(staged.rpartition("/")[0])
+    storage.write_directory("ckpt-000001", {"manifest.json": b"{}"})
+    assert storage.list() == ["ckpt-000001"]
+    assert storage.read("ckpt-000001/state/shard") == b"shard"
+    assert storage.read("ckpt-000001/manifest.json") == b"{}"
+    storage.write_directory("ckpt-000002", {"x": b"y"})  # adopting ends with the commit
+    assert sorted(os.listdir(tmp_path / "ckpt-000002")) == ["x"]

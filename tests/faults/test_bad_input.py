@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.storage import LocalStorage
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.torch import _context
 
 GARBAGE = [

@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core import shardedfiles
+from adaptdl.core import localfs
 from adaptdl.torch import _context, sharded_state
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale
@@ -146,14 +146,14 @@ CHECKED: list[str] = []
 
 
 def count_checks() -> None:
-    original = shardedfiles.file_record
+    original = localfs.file_record
 
     def counted(path: Any, limit: Any = None) -> Any:
         CHECKED.append(f"{path.parent.parent.name}/{path.parent.name}/{path.name}")
         return original(path, limit)
 
     if os.environ.get("FSDP_COUNT_CHECKS") == "1":
-        shardedfiles.file_record = counted  # type: ignore[assignment]
+        localfs.file_record = counted  # type: ignore[assignment]
 
 
 def snapshot(net: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:

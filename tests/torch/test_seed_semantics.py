@@ -21,7 +21,7 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.boundary import Preempted
 from adaptdl.core.checkpoint import CheckpointStore
-from adaptdl.core.storage import LocalStorage
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.torch import _context
 from adaptdl.torch.data import AdaptiveDataLoader, ElasticSampler
 

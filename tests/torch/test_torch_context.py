@@ -172,7 +172,7 @@ def test_a_failed_restore_lets_go_of_the_checkpoint_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A retry in the same process must not wait on its own lock."""
-    from adaptdl.core.storage import LocalStorage
+    from adaptdl.core.localfs import LocalStorage
 
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
 

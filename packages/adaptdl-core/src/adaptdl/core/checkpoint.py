@@ -22,7 +22,7 @@ crash at any instant leaves either the new complete checkpoint or none of it.
 
 Concurrency: one process (rank 0) writes; any number of processes may read at the
 same time (a checkpoint appears and disappears by a rename). A job holds its
-directory with :meth:`~adaptdl.core.storage.LocalStorage.lock`; should two jobs
+directory with :meth:`~adaptdl.core.storage.Storage.lock`; should two jobs
 still share one (a file system that ignores the lock), each removes only
 checkpoints whose manifest names its own job id and only its own leftovers, and
 loads only its own checkpoints. A new checkpoint takes the next free number
@@ -57,6 +57,7 @@ from adaptdl.core._validate import check_int
 from adaptdl.core.collective import Collective
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.core.manifest import (
     LABEL,
     MANIFEST,
@@ -69,7 +70,7 @@ from adaptdl.core.manifest import (
     parse_manifest,
     sequence_of,
 )
-from adaptdl.core.storage import LocalStorage, MemoryStorage, Storage
+from adaptdl.core.storage import MemoryStorage, Storage
 
 __all__ = [
     "Checkpoint",
@@ -227,7 +228,7 @@ class Checkpoint:
 class CheckpointStore:
     """Checkpoints on a :class:`~adaptdl.core.storage.Storage`; see the module docstring.
 
-    ``root`` is a directory (a :class:`~adaptdl.core.storage.LocalStorage` there,
+    ``root`` is a directory (a :class:`~adaptdl.core.localfs.LocalStorage` there,
     created when needed) or any storage. ``keep`` newest checkpoints are kept.
     ``job_id``, when given, is written into every checkpoint and a checkpoint of
     another job is refused on load. ``expected`` metadata (for example

@@ -8,20 +8,14 @@ that check it together.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
-
-import attrs
 
 from adaptdl.core._validate import check_int
 from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import decode as _json_decode
 from adaptdl.core.collective import encode as _json_encode
-from adaptdl.core.storage import open_regular
+from adaptdl.core.storage import FileRecord, check_name
 
 __all__ = [
     "FILES_ENTRY",
@@ -31,7 +25,6 @@ __all__ = [
     "check_name",
     "decode_listing",
     "encode_listing",
-    "file_record",
     "merge_listings",
     "shares",
 ]
@@ -41,36 +34,6 @@ FILES_ENTRY = "adaptdl-files"
 
 FILES_SCHEMA = "adaptdl.files/1"
 """The schema of that entry."""
-
-# A file or state name inside a checkpoint: one path component, never "." or "..".
-_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,200}\Z")
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-_CHUNK = 1 << 20
-
-
-def check_name(what: str, name: Any) -> str:
-    """``name`` if it is one safe path component, else ValueError naming ``what``."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(
-            f"{what} must be 1-200 letters, digits, '_', '.' or '-' (not '.' or '..'), "
-            f"got {name!r}"
-        )
-    return name
-
-
-@attrs.frozen
-class FileRecord:
-    """The size and SHA-256 of one file."""
-
-    size: int
-    sha256: str
-
-    def __attrs_post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
-            raise ValueError(f"size must be an int >= 0, got {self.size!r}")
-        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
-            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
-
 
 Listing = Mapping[str, Mapping[str, FileRecord]]
 """Per state name, per file name, its record."""
@@ -109,26 +72,6 @@ def decode_listing(data: bytes) -> dict[str, dict[str, FileRecord]]:
             row[name] = FileRecord(record[0], record[1])
         out[state] = row
     return out
-
-
-def file_record(path: Path, limit: int | None = None) -> FileRecord:
-    """Size and SHA-256 of the regular file ``path`` (reading at most ``limit`` + 1 bytes).
-
-    A symlink, FIFO or directory in its place raises OSError, never followed.
-    """
-    fd = open_regular(path, os.O_RDONLY)
-    sha = hashlib.sha256()
-    size = 0
-    try:
-        while limit is None or size <= limit:
-            chunk = os.read(fd, _CHUNK if limit is None else min(_CHUNK, limit + 1 - size))
-            if not chunk:
-                break
-            sha.update(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    return FileRecord(size, sha.hexdigest())
 
 
 def merge_listings(parts: Sequence[Any]) -> dict[str, dict[str, FileRecord]]:

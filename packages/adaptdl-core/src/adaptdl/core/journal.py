@@ -56,18 +56,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import mmap
 import os
 import struct
 import sys
 import zlib
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.storage import LocalStorage, MappableStorage, Storage, owner_tag
+from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.storage import MappableStorage, Storage, owner_tag
+
+if TYPE_CHECKING:  # the type of a mapped record only
+    import mmap
 
 _RECORD_SIZE = 128  # bytes of the file (and of a record of the previous, JSON format)
 _MAGIC = b"ADLJRNL2"  # the file's first bytes: two slots follow
@@ -156,8 +160,8 @@ class Journal:
 
     def __init__(self, where: Storage | str | os.PathLike[str], name: str = JOURNAL) -> None:
         if isinstance(where, (str, os.PathLike)):
-            path = os.fspath(where)
-            where, name = LocalStorage(os.path.dirname(path) or "."), os.path.basename(path)
+            path = Path(os.fspath(where))
+            where, name = LocalStorage(path.parent), path.name
         self.storage = where
         self.name = name
         # The file's bytes as this run writes them: the storage's map of the file, or

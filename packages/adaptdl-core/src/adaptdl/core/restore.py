@@ -8,7 +8,6 @@ the checkpoint lacks may start fresh.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Collection, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -145,7 +144,7 @@ def _restore_agreed(store: Store, collective: Collective, rank: int) -> Checkpoi
 def where(store: Store | None, label: str) -> str:
     """``label`` as a quoted path in ``store``'s directory (the bare label without one)."""
     root = store.root if store is not None else None
-    return f"'{os.path.join(root, label)}'" if root is not None else label
+    return f"'{root / label}'" if root is not None else label
 
 
 def restore_state(state: State, loaded: Checkpoint, store: Store | None) -> None:

@@ -4,15 +4,19 @@ A model too large for one device is saved shard by shard: each replica writes th
 files of its own shards (torch's distributed checkpoint, DCP), and none gathers
 the whole model. Such a state is a :class:`FileState`. At a checkpoint:
 
-1. every replica agrees on one staging directory, a leftover name of the
-   checkpoint directory's storage (:data:`~adaptdl.core.storage.TMP_PREFIX`, never
-   listed, removed by the next save's cleanup if the save dies);
+1. every replica agrees on one staging directory of the checkpoint storage, a
+   :class:`~adaptdl.core.storage.StagingStorage` (a leftover name, never listed,
+   removed by the next save's cleanup if the save dies);
 2. each :class:`FileState` writes, on every replica, into its own subdirectory
-   there, and each replica hashes the files it wrote itself (SHA-256, in parallel);
+   there (:class:`StagedFiles`: through the storage, which may fail or damage the
+   writes as any other), and each replica hashes the files it wrote itself
+   (SHA-256, in parallel);
 3. the replicas gather the listings (names, sizes, hashes: a few bytes per file);
 4. rank 0 saves the checkpoint as usual, with one more entry, :data:`FILES_ENTRY`,
    listing every file, and its manifest written into the staging directory, which
-   is then renamed into place.
+   the storage then gives its name (:meth:`~adaptdl.core.storage.StagingStorage.adopt`).
+
+This module touches no file itself: every file goes through the storage.
 
 So the manifest's SHA-256 covers the listing and the listing's covers every shard
 file: the checkpoint is one atomic directory rename like any other, and
@@ -31,15 +35,13 @@ On disk::
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import secrets
-import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 import attrs
 
@@ -59,13 +61,13 @@ from adaptdl.core.filelisting import (
     check_name,
     decode_listing,
     encode_listing,
-    file_record,
     files_of,
     merge_listings,
     shares,
 )
+from adaptdl.core.localfs import LocalStorage
 from adaptdl.core.manifest import Unusable, check_label, label_of, sequence_of
-from adaptdl.core.storage import TMP_PREFIX, LocalStorage
+from adaptdl.core.storage import StagingStorage
 
 __all__ = [
     "FILES_ENTRY",
@@ -74,10 +76,10 @@ __all__ = [
     "FileRecord",
     "FileState",
     "ShardedCheckpointStore",
+    "StagedFiles",
     "StagingStorage",
     "decode_listing",
     "encode_listing",
-    "file_record",
     "shares",
 ]
 
@@ -93,6 +95,33 @@ SHARED_HINT = (
 _log = logging.getLogger("adaptdl.core.checkpoint")
 
 
+@attrs.frozen
+class StagedFiles:
+    """Where a :class:`FileState` writes its files at a checkpoint: its staged directory.
+
+    ``name`` is the directory's name in ``storage`` (every replica's files go into
+    the same one). A file written through :meth:`create` goes through the
+    storage, which may fail or damage the write as it does any other.
+    """
+
+    storage: StagingStorage
+    name: str
+
+    def create(self, file: str) -> BinaryIO:
+        """The new file ``file`` (a single name) of this directory, open for writing."""
+        return self.storage.create(f"{self.name}/{check_name('file name', file)}")
+
+    def record(self, file: str) -> FileRecord:
+        """The size and SHA-256 of file ``file`` of this directory, as written."""
+        return self.storage.digest(f"{self.name}/{check_name('file name', file)}")
+
+    @property
+    def path(self) -> Path:
+        """The directory on the local file system, for a writer that handles files itself
+        (torch's distributed checkpoint renames its metadata into place there)."""
+        return self.storage.local_path(self.name)
+
+
 @runtime_checkable
 class FileState(State, Protocol):
     """A state saved as files that every replica writes (and reads) itself.
@@ -102,16 +131,22 @@ class FileState(State, Protocol):
     same point.
     """
 
-    def write_files(self, directory: Path) -> list[str]:
+    def write_files(self, directory: StagedFiles) -> list[str]:
         """Write this replica's files into ``directory`` (shared by every replica, existing).
 
-        Returns the names (relative to ``directory``) of the files this replica
-        wrote; every file there must be named by exactly one replica.
+        Each file goes in through :meth:`StagedFiles.create`. Returns the names
+        (single names in ``directory``) of the files this replica wrote; every file
+        there must be named by exactly one replica.
         """
         ...
 
     def read_files(self, directory: Path) -> None:
-        """Replace the state with the one the files in ``directory`` hold (verified)."""
+        """Replace the state with the one the files in ``directory`` hold (verified).
+
+        ``directory`` is on the local file system (the storage's
+        :meth:`~adaptdl.core.storage.StagingStorage.local_path`): readers such as
+        torch's distributed checkpoint open the files themselves.
+        """
         ...
 
 
@@ -123,7 +158,7 @@ class AsyncFileState(FileState, Protocol):
     :meth:`~FileState.write_files`, and commits the checkpoint once the files are written.
     """
 
-    def start_files(self, directory: Path) -> Future[Mapping[str, FileRecord] | None]:
+    def start_files(self, directory: StagedFiles) -> Future[Mapping[str, FileRecord] | None]:
         """Collective: start writing this replica's files into ``directory``; return at once.
 
         What the files will hold is fixed before it returns (the state may change
@@ -135,60 +170,11 @@ class AsyncFileState(FileState, Protocol):
         ...
 
 
-class StagingStorage(LocalStorage):
-    """A :class:`~adaptdl.core.storage.LocalStorage` whose next directory can adopt staged files.
-
-    :meth:`stage` makes a staging directory (a leftover name, cleaned up as any);
-    after :meth:`adopt`, the next :meth:`write_directory` writes its files into the
-    staged directory beside what the replicas put there, flushes every directory
-    in it, and renames it into place: all of it appears at once or none.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], *, owner: str | None = None) -> None:
-        super().__init__(root, owner=owner)
-        self._adopt: Path | None = None
-
-    def stage(self, token: str) -> Path:
-        """The staging directory for ``token`` (the same on every replica), created if absent."""
-        check_name("token", token)
-        tag = f"{self.tag}." if self.tag is not None else ""
-        path = self.root / f"{TMP_PREFIX}{tag}stage-{token}"
-        os.makedirs(path, exist_ok=True)
-        return path
-
-    def adopt(self, staged: Path | None) -> None:
-        """Have the next :meth:`write_directory` take ``staged`` (None: stop adopting)."""
-        self._adopt = staged
-
-    def write_directory(self, name: str, files: Mapping[str, bytes]) -> None:
-        staged = self._adopt
-        if staged is None:
-            super().write_directory(name, files)
-            return
-        # Kept until the rename: a name taken by debris makes the store try the next one.
-        target = self.root / name
-        if os.path.lexists(target):
-            raise FileExistsError(errno.EEXIST, "name already taken", str(target))
-        for file, data in files.items():
-            self.write_durably(staged / file, data)
-        for sub in sorted(p for p in staged.iterdir() if p.is_dir() and not p.is_symlink()):
-            self._fsync_dir(sub)
-        self._fsync_dir(staged)
-        if os.path.lexists(target):
-            raise FileExistsError(errno.EEXIST, "name already taken", str(target))
-        os.rename(staged, target)
-        self._adopt = None
-        self._fsync_dir(self.root)
-
-    def digest(self, path: Path, limit: int | None = None) -> FileRecord:
-        """Size and SHA-256 of the regular file ``path`` (see :func:`file_record`)."""
-        return file_record(path, limit)
-
-
 class ShardedCheckpointStore(CheckpointStore):
     """A checkpoint store that also holds the files of :class:`FileState` s.
 
-    ``root`` is a directory or a :class:`StagingStorage`; ``options`` are
+    ``root`` is a directory (a :class:`~adaptdl.core.localfs.LocalStorage` there) or a
+    :class:`~adaptdl.core.storage.StagingStorage`; ``options`` are
     :class:`~adaptdl.core.checkpoint.CheckpointStore`'s. Every replica calls
     :meth:`write_files` before rank 0 calls :meth:`save`; loading verifies every
     listed file and falls back to the older checkpoint when one is damaged.
@@ -204,7 +190,7 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def __init__(self, root: str | os.PathLike[str] | StagingStorage, **options: Any) -> None:
         if isinstance(root, (str, os.PathLike)):
-            root = StagingStorage(root, owner=options.get("job_id"))
+            root = LocalStorage(root, owner=options.get("job_id"))
         if not isinstance(root, StagingStorage):
             raise TypeError(f"root must be a path or a StagingStorage, got {root!r}")
         super().__init__(root, **options)
@@ -269,15 +255,14 @@ class ShardedCheckpointStore(CheckpointStore):
         started: list[tuple[str, Future[Mapping[str, FileRecord] | None]]] = []
         for state in states:
             name = check_name("state name", state.name)
-            directory = staged / name
-            os.makedirs(directory, exist_ok=True)
+            directory = StagedFiles(self._staging, self._staging.stage(token, name))
             if isinstance(state, AsyncFileState):
                 started.append((name, state.start_files(directory)))
                 continue
             written = state.write_files(directory)
             row = mine.setdefault(name, {})
             for file in written:
-                record = self._staging.digest(directory / check_name("file name", file))
+                record = directory.record(file)
                 row[file] = [record.size, record.sha256]
         listing = merge_listings(collective.allgather(mine))
         if collective.rank == 0:
@@ -313,7 +298,7 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def _save_staged(
         self,
-        directory: Path,
+        directory: str,
         listing: Listing,
         entries: Mapping[str, bytes],
         metadata: Mapping[str, Any] | None,
@@ -328,7 +313,7 @@ class ShardedCheckpointStore(CheckpointStore):
         """The label the next checkpoint takes: after every one, skipping names taken by debris."""
         first = sequence_of(labels[-1]) + 1 if labels else 1
         for sequence in range(first, first + _SAVE_ATTEMPTS):
-            if not os.path.lexists(self._staging.root / label_of(sequence)):
+            if not self._staging.taken(label_of(sequence)):
                 return label_of(sequence)
         raise self._names_taken()
 
@@ -377,8 +362,8 @@ class ShardedCheckpointStore(CheckpointStore):
         return checkpoint
 
     def files_directory(self, label: str, name: str) -> Path:
-        """Where checkpoint ``label`` keeps the files of state ``name``."""
-        return self._staging.root / label / check_name("state name", name)
+        """Where checkpoint ``label`` keeps the files of state ``name`` (for its reader)."""
+        return self._staging.local_path(f"{label}/{check_name('state name', name)}")
 
     # -- loading -------------------------------------------------------------------------
     def _load_one(self, label: str) -> Checkpoint:
@@ -403,11 +388,8 @@ class ShardedCheckpointStore(CheckpointStore):
         """What is wrong with ``files`` (state, name, record) of checkpoint ``label``."""
         problems: list[Problem] = []
         for state, name, record in files:
-            directory = self.files_directory(label, state)
             try:
-                if not stat.S_ISDIR(os.lstat(directory).st_mode):
-                    raise OSError(errno.ENOTDIR, "not a directory", str(directory))
-                found = self._staging.digest(directory / name, limit=record.size)
+                found = self._staging.digest(f"{label}/{state}/{name}", limit=record.size)
             except FileNotFoundError as exc:
                 problems.append(
                     [MISSING, f"{state}/{name}", f"file {state}/{name} is missing ({exc})"]
@@ -502,7 +484,7 @@ class ShardedCheckpointStore(CheckpointStore):
 
     def _sees(self, label: str, path: str) -> bool:
         try:
-            return os.path.lexists(self._staging.root / label / path)
+            return self._staging.taken(f"{label}/{path}")
         except (OSError, ValueError):
             return False
 
@@ -511,6 +493,6 @@ class ShardedCheckpointStore(CheckpointStore):
 class _Staged:
     """What rank 0 keeps from :meth:`ShardedCheckpointStore.write_files` for its save."""
 
-    directory: Path
+    directory: str  # the staged directory's name in the storage
     listing: Listing
     started: list[tuple[str, Future[Mapping[str, FileRecord] | None]]]

@@ -2,64 +2,66 @@
 
 A :class:`Storage` holds *directories* of files, each written whole and
 atomically (it appears complete or not at all, and survives a machine crash once
-written), and single *files* overwritten in place (cheap, not flushed to disk).
-The checkpoint store (:mod:`adaptdl.core.checkpoint`) and the journal
-(:mod:`adaptdl.core.journal`) are built on it and know nothing of ``os``; a test
-or a fault-injection harness hands them another storage (a full disk, a slow
-write) instead of patching them.
+written), and single *files* overwritten in place (cheap, not flushed to disk);
+it is held by one job at a time (:meth:`~Storage.lock`). The checkpoint store
+(:mod:`adaptdl.core.checkpoint`), the sharded store
+(:mod:`adaptdl.core.shardedfiles`) and the journal (:mod:`adaptdl.core.journal`)
+are built on it and know nothing of ``os``; a test or a fault-injection harness
+hands them another storage (a full disk, a slow write, a lost write) instead of
+patching them.
+
+Two optional capabilities extend it, each a protocol of its own:
+:class:`MappableStorage` (files written through memory, for the journal) and
+:class:`StagingStorage` (a directory filled beforehand, file by file, by every
+replica, then committed as one: the files of sharded states, which torch's
+distributed checkpoint writes itself).
 
 Names are relative, ``/``-separated paths chosen by the callers (``ckpt-000012``,
 ``ckpt-000012/manifest.json``, ``progress.journal``); names starting with
-:data:`TMP_PREFIX` belong to the storage itself (directories being written or
-removed) and are never listed.
+:data:`TMP_PREFIX` belong to the storage itself (directories being written,
+staged or removed) and are never listed.
 
-A checkpoint directory may be shared by mistake (a reused template) or hold files
-planted by whoever can write it. :class:`LocalStorage` therefore opens every file
-without following symlinks and refuses anything but a regular file (a FIFO, a
-device, a directory), reads at most what the caller allows, tags its leftovers
-with its ``owner`` so that :meth:`~Storage.cleanup` removes only its own, and
-offers :meth:`LocalStorage.lock`, held for the life of the job (until
-:meth:`LocalStorage.unlock`), so that a second job on the same directory is
-refused at start.
-
-Implementations: :class:`LocalStorage` (a directory of the local file system) and
-:class:`MemoryStorage` (for the simulator and tests).
+Implementations: :class:`~adaptdl.core.localfs.LocalStorage` (a directory of the
+local file system, in :mod:`adaptdl.core.localfs`, the one module of core that
+touches files) and :class:`MemoryStorage` (for the simulator and tests).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
-import json
-import mmap
-import os
-import secrets
-import shutil
-import socket
-import stat
-import time
+import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:  # the type of a mapped file only
+    import mmap
 
 __all__ = [
     "LOCK",
     "TMP_PREFIX",
-    "LocalStorage",
+    "FileRecord",
     "MappableStorage",
     "MemoryStorage",
+    "StagingStorage",
     "Storage",
     "StorageLocked",
+    "check_name",
+    "owner_tag",
 ]
 
 TMP_PREFIX = ".tmp-"
 """Names the storage uses for its own work in progress; never listed."""
 
 LOCK = "adaptdl.lock"
-"""The lock file :meth:`LocalStorage.lock` holds in its directory."""
+"""The lock file :meth:`~adaptdl.core.localfs.LocalStorage.lock` holds in its directory."""
 
-_LOCK_POLL = 0.1  # seconds between attempts while a previous run of the same job holds it
+# A file or state name inside a checkpoint: one path component, never "." or "..".
+_NAME = re.compile(r"(?!\.\.?\Z)[A-Za-z0-9_.-]{1,200}\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 class StorageLocked(RuntimeError):
@@ -71,21 +73,28 @@ def owner_tag(owner: str) -> str:
     return hashlib.sha256(owner.encode("utf-8")).hexdigest()[:12]
 
 
-def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` without following a symlink and without blocking on a FIFO.
+def check_name(what: str, name: Any) -> str:
+    """``name`` if it is one safe path component, else ValueError naming ``what``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"{what} must be 1-200 letters, digits, '_', '.' or '-' (not '.' or '..'), "
+            f"got {name!r}"
+        )
+    return name
 
-    Raises OSError unless ``path`` is a regular file: a symlink (ELOOP), a FIFO, a
-    device, a socket or a directory in its place is damage, never followed.
-    """
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+
+@attrs.frozen
+class FileRecord:
+    """The size and SHA-256 of one file."""
+
+    size: int
+    sha256: str
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ValueError(f"size must be an int >= 0, got {self.size!r}")
+        if not isinstance(self.sha256, str) or not _SHA256.match(self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
 
 
 @runtime_checkable
@@ -138,7 +147,21 @@ class Storage(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what :meth:`overwrite` keeps open."""
+        """Release what :meth:`overwrite` keeps open (the :meth:`lock` stays held)."""
+        ...
+
+    def lock(self, wait: float) -> None:
+        """Hold the storage for its owner (a job) until :meth:`unlock` or the process ends.
+
+        Raises :class:`StorageLocked` at once, naming the storage and the holder,
+        when another owner holds it; when a previous run of the same owner still
+        holds it (a relaunch while it is finishing a save), retries for up to
+        ``wait`` seconds and then raises. Holding it already is no error.
+        """
+        ...
+
+    def unlock(self) -> None:
+        """Release the :meth:`lock` (the end of the process releases it too)."""
         ...
 
 
@@ -161,261 +184,64 @@ class MappableStorage(Storage, Protocol):
         ...
 
 
-class LocalStorage:
-    """A directory ``root`` of the local file system (created when first written).
+@runtime_checkable
+class StagingStorage(Storage, Protocol):
+    """A storage whose next directory every replica fills beforehand, file by file.
 
-    A directory is written under a temporary name, every file and the directory
-    flushed to disk, then renamed into place, so a crash at any instant leaves all
-    of it or none. Every new file goes through :meth:`write_durably`, the one place
-    a subclass injects faults into writes.
+    The files of a sharded state are written by every replica, each its own,
+    before rank 0 writes the checkpoint (`adaptdl.core.shardedfiles`): they go
+    into a *staging* directory (:meth:`stage`, a leftover name that the next
+    :meth:`~Storage.cleanup` removes if the save dies), and after :meth:`adopt`
+    the next :meth:`~Storage.write_directory` writes its files beside them and
+    makes the whole directory appear at once, or none of it.
 
-    ``owner`` (a job id) tags the temporary names, so that :meth:`cleanup` removes
-    only this owner's leftovers, never another job's save in progress; None
-    removes every leftover (a directory known to hold one job).
+    A file goes in through :meth:`create`, where a storage may fail or damage
+    the write as any other. A writer that must handle files itself (torch's
+    distributed checkpoint renames its metadata into place; its reader opens
+    the files it reads) gets the directory's :meth:`local_path`.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, owner: str | None = None) -> None:
-        if not isinstance(root, (str, os.PathLike)):
-            raise TypeError(f"root must be a path, got {root!r}")
-        if owner is not None and not isinstance(owner, str):
-            raise TypeError(f"owner must be a str or None, got {owner!r}")
-        self._root = Path(root)
-        self._owner = owner
-        self._tag = owner_tag(owner) if owner is not None else None
-        self._open: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._lock_fd: int | None = None
+    def stage(self, token: str, *parts: str) -> str:
+        """The name of the staging directory for ``token`` (the same on every replica).
 
-    @property
-    def owner(self) -> str | None:
-        """Whose leftovers :meth:`cleanup` removes (None: everyone's)."""
-        return self._owner
-
-    @property
-    def tag(self) -> str | None:
-        """The tag of :attr:`owner` in temporary names."""
-        return self._tag
-
-    def _tmp(self, what: str) -> Path:
-        tagged = what if self._tag is None else f"{self._tag}.{what}"
-        return self._root / f"{TMP_PREFIX}{tagged}-{secrets.token_hex(4)}"
-
-    def _mine(self, name: str) -> bool:
-        return self._tag is None or name.startswith(f"{TMP_PREFIX}{self._tag}.")
-
-    @property
-    def root(self) -> Path:
-        """The directory."""
-        return self._root
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self._root)!r})"
-
-    def describe(self, name: str | None = None) -> str:
-        return f"'{self._root if name is None else self._root / name}'"
-
-    @staticmethod
-    def write_durably(path: Path, data: bytes) -> None:
-        """Create the new file ``path`` holding ``data`` and flush it to disk."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def check_writable(self) -> None:
-        probe = self._tmp("probe")
-        os.makedirs(self._root, exist_ok=True)
-        self.write_durably(probe, b"probe")
-        os.unlink(probe)
-
-    def list(self) -> list[str]:
-        try:
-            names = os.listdir(self._root)
-        except FileNotFoundError:
-            return []
-        # A symlink is never a directory this storage wrote: not listed, never followed.
-        return [n for n in names if not n.startswith(TMP_PREFIX) and self._is_dir(n)]
-
-    def _is_dir(self, name: str) -> bool:
-        try:
-            return stat.S_ISDIR(os.lstat(self._root / name).st_mode)
-        except FileNotFoundError:  # removed since it was listed (by another job)
-            return False
-
-    def read(self, name: str, limit: int | None = None) -> bytes:
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be >= 0 or None, got {limit!r}")
-        # A checkpoint directory in the path that is a symlink is damage too.
-        directory, _, _ = name.rpartition("/")
-        if directory and not stat.S_ISDIR(os.lstat(self._root / directory).st_mode):
-            raise OSError(errno.ENOTDIR, "not a directory", str(self._root / directory))
-        fd = open_regular(self._root / name, os.O_RDONLY)
-        try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read() if limit is None else f.read(limit)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        # A directory's entries (new files, a rename) are durable only once it is synced.
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def write_directory(self, name: str, files: Mapping[str, bytes]) -> None:
-        target = self._root / name
-        if os.path.lexists(target):
-            raise FileExistsError(errno.EEXIST, "name already taken", str(target))
-        tmp = self._tmp(name)
-        try:
-            os.makedirs(self._root, exist_ok=True)
-            os.mkdir(tmp)
-            for file, data in files.items():
-                self.write_durably(tmp / file, data)
-            self._fsync_dir(tmp)
-            if os.path.lexists(target):  # appeared meanwhile: rename would replace an empty dir
-                raise FileExistsError(errno.EEXIST, "name already taken", str(target))
-            os.rename(tmp, target)
-            self._fsync_dir(self._root)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def remove(self, name: str) -> None:
-        # Renamed out of the listed namespace first, so an interrupted delete
-        # leaves a leftover for the next cleanup, never a half-deleted directory.
-        doomed = self._tmp(f"del-{name}")
-        os.rename(self._root / name, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-
-    def cleanup(self) -> None:
-        for name in os.listdir(self._root):
-            if name.startswith(TMP_PREFIX) and self._mine(name):
-                path = self._root / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-
-    def overwrite(self, name: str, data: bytes) -> None:
-        fd = self._open.get(name)
-        if fd is None:
-            path = self._root / name
-            try:
-                # Read-write: `mapped` maps the same descriptor, and a shared map needs both.
-                fd = open_regular(path, os.O_RDWR | os.O_CREAT)
-            except OSError:
-                # Not a regular file (a planted symlink, a FIFO): the name is this
-                # storage's own file, so the debris is replaced, never written through.
-                # Any other failure (EMFILE, EACCES, EIO) keeps the file it could not open.
-                try:
-                    mode = os.lstat(path).st_mode
-                    debris = not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
-                except FileNotFoundError:
-                    debris = False
-                if not debris:
-                    raise
-                os.unlink(path)
-                fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            self._open[name] = fd
-        os.pwrite(fd, data, 0)
-
-    def mapped(self, name: str, size: int) -> mmap.mmap:
-        """A shared memory map of the first ``size`` bytes of the file :meth:`overwrite` wrote.
-
-        Its writes land in the page cache, like :meth:`overwrite`'s, so they outlive
-        the process but not the machine. Raises OSError if ``name`` was not written
-        by :meth:`overwrite` or is shorter than ``size``.
+        With ``parts``, of its subdirectory ``token/parts...``. Created (with its
+        parents) if absent; ``token`` and each part are single names
+        (:func:`check_name`).
         """
-        view = self._maps.get(name)
-        if view is None or len(view) != size:
-            fd = self._open.get(name)
-            if fd is None:
-                raise FileNotFoundError(errno.ENOENT, "not written by overwrite()", name)
-            if os.fstat(fd).st_size < size:
-                raise OSError(errno.EINVAL, f"shorter than {size} bytes", name)
-            if view is not None:
-                view.close()
-            view = self._maps[name] = mmap.mmap(fd, size)
-        return view
+        ...
 
-    def lock(self, wait: float) -> None:
-        """Hold the directory for this owner until :meth:`unlock` or the process ends.
+    def create(self, name: str) -> BinaryIO:
+        """A new file ``name`` in a staged directory, open for writing.
 
-        An exclusive ``flock`` on :data:`LOCK` (created, never followed if a
-        symlink), which records the owner, its host and process. When another
-        owner holds it, raises :class:`StorageLocked` at once naming the directory
-        and that owner; when a previous run of the same owner still holds it (a
-        relaunch while it is finishing a save), retries for up to ``wait`` seconds
-        and then raises.
+        Raises OSError if anything has the name already. The file is durable once
+        the directory is committed (:meth:`adopt`), not when it is closed.
         """
-        if self._lock_fd is not None:
-            return
-        os.makedirs(self._root, exist_ok=True)
-        path = self._root / LOCK
-        fd = open_regular(path, os.O_RDWR | os.O_CREAT)
-        deadline = time.monotonic() + wait
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    holder = self._holder(fd)
-                    if holder.get("job_id") != self._owner and "job_id" in holder:
-                        raise StorageLocked(
-                            f"checkpoint directory {self.describe()} is in use by job "
-                            f"{holder.get('job_id')!r} ({self._where(holder)}); give each job its "
-                            "own checkpoint directory (ADAPTDL_CHECKPOINT_PATH)"
-                        ) from None
-                    if time.monotonic() >= deadline:
-                        raise StorageLocked(
-                            f"checkpoint directory {self.describe()} is still held by a previous "
-                            f"run of job {self._owner!r} ({self._where(holder)}) after waiting "
-                            f"{wait:g} s; stop that run (or wait for it to finish) and relaunch"
-                        ) from None
-                    time.sleep(_LOCK_POLL)
-            record = {"job_id": self._owner, "host": socket.gethostname(), "pid": os.getpid()}
-            data = json.dumps(record, sort_keys=True).encode("utf-8")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
-        except BaseException:
-            os.close(fd)  # releases the lock if it was taken
-            raise
-        self._lock_fd = fd
+        ...
 
-    @staticmethod
-    def _holder(fd: int) -> dict[str, object]:
-        try:
-            record = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-        except (OSError, ValueError, RecursionError):
-            return {}
-        return record if isinstance(record, dict) else {}
+    def digest(self, name: str, limit: int | None = None) -> FileRecord:
+        """Size and SHA-256 of the regular file ``name`` (reading at most ``limit`` + 1 bytes).
 
-    @staticmethod
-    def _where(holder: dict[str, object]) -> str:
-        return f"process {holder.get('pid', '?')} on host {holder.get('host', '?')!s}"
+        Anything but a regular file, or a path through anything but directories,
+        raises OSError rather than being followed.
+        """
+        ...
 
-    def close(self) -> None:
-        """Close the files :meth:`overwrite` keeps open and the maps of :meth:`mapped`
-        (the :meth:`lock` stays held)."""
-        while self._maps:
-            self._maps.popitem()[1].close()
-        while self._open:
-            os.close(self._open.popitem()[1])
+    def taken(self, name: str) -> bool:
+        """Whether anything (a file, a directory, even a dangling symlink) has ``name``."""
+        ...
 
-    def unlock(self) -> None:
-        """Release the :meth:`lock` (the end of the process releases it too)."""
-        if self._lock_fd is not None:
-            fd, self._lock_fd = self._lock_fd, None
-            os.close(fd)
+    def local_path(self, name: str) -> Path:
+        """Where ``name`` lies on the local file system, for a writer or reader that must
+        handle the files itself (its files there bypass :meth:`create`)."""
+        ...
+
+    def adopt(self, staged: str | None) -> None:
+        """Have the next :meth:`~Storage.write_directory` take staged directory ``staged``.
+
+        It writes its files into ``staged``, beside what the replicas put there,
+        makes every directory in it durable, and gives it its name. None: stop adopting.
+        """
+        ...
 
 
 class MemoryStorage:
@@ -497,3 +323,9 @@ class MemoryStorage:
 
     def close(self) -> None:
         """Nothing is held open."""
+
+    def lock(self, wait: float) -> None:
+        """Memory is this process's alone: it is always held."""
+
+    def unlock(self) -> None:
+        """Nothing to release."""

@@ -19,8 +19,9 @@ from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
 from adaptdl.core.job import Job
 from adaptdl.core.journal import Journal, journal_name
-from adaptdl.core.shardedfiles import ShardedCheckpointStore, StagingStorage
-from adaptdl.core.storage import LocalStorage, Storage
+from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.shardedfiles import ShardedCheckpointStore
+from adaptdl.core.storage import StagingStorage, Storage
 from adaptdl.core.topology import Topology
 from adaptdl.torch import _log, _release, _signals
 from adaptdl.torch.collective import TorchCollective
@@ -33,7 +34,7 @@ LOG = logging.getLogger("adaptdl.torch")
 _job: Job | None = None
 _gloo_group: Any = None
 _owns_process_group = False
-_locked: LocalStorage | None = None  # the checkpoint directory rank 0 holds for the job
+_locked: Storage | None = None  # the checkpoint storage rank 0 holds for the job
 _implicit_backend: str | None = None  # set when current_job() initialised the job itself
 
 
@@ -66,7 +67,7 @@ def init_process_group(
     Checkpoints go to ``storage``, by default a directory named by
     ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints when unset); the newest checkpoint
     there is loaded now, by rank 0, and every replica restores that same one. Rank 0
-    holds a lock on a local checkpoint directory for the job's life: a second job
+    holds the storage's lock for the job's life: a second job
     on it is refused (`adaptdl.core.storage.StorageLocked`), and a relaunch of the
     same job waits up to ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds for its previous run
     to let go. Every environment variable is read here, once, by
@@ -120,15 +121,15 @@ def init_process_group(
     journal = None
     policy = CheckpointPolicy.from_config(config)
     if storage is None and config.checkpoint_path is not None:
-        # Staging lets sharded states (FSDP2) write their files into the checkpoint.
-        storage = StagingStorage(config.checkpoint_path, owner=config.job_id or "")
+        storage = LocalStorage(config.checkpoint_path, owner=config.job_id or "")
     if storage is not None:
         if isinstance(storage, StagingStorage):
+            # Staging lets sharded states (FSDP2) write their files into the checkpoint.
             store = ShardedCheckpointStore(storage, job_id=config.job_id)
         else:
             store = CheckpointStore(storage, job_id=config.job_id)
         store.check_writable()
-        if topology.rank == 0 and isinstance(storage, LocalStorage):
+        if topology.rank == 0:
             # The other replicas wait for rank 0 in the restore's collective: give up on
             # the lock well within its timeout, so that they see StorageLocked's message
             # rather than a collective timeout.

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.storage import open_regular
+from adaptdl.core.localfs import open_regular
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader

@@ -2,7 +2,9 @@
 
 `ShardedState` is a `adaptdl.core.shardedfiles.FileState`: at a checkpoint each
 replica saves the shards it holds with torch's distributed checkpoint (DCP) into
-the checkpoint's staging directory (no replica gathers the whole model), and on
+the checkpoint's staging directory (no replica gathers the whole model), every
+file created through the checkpoint storage (`adaptdl.core.shardedfiles.StagedFiles`,
+so that a storage that fails or damages writes reaches these too), and on
 restore DCP reads them back at whatever world size the job now has, resharding
 the model and the optimiser's state. Reading goes through `adaptdl.torch.dcp`, so
 a crafted checkpoint cannot run code.
@@ -18,20 +20,22 @@ are written, and not before.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future as ConcurrentFuture
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.shardedfiles import FileRecord, file_record
+from adaptdl.core.shardedfiles import FileRecord, StagedFiles
 from adaptdl.torch import dcp
 from adaptdl.torch.collective import collective_timeout
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -49,11 +53,47 @@ _FORMAT = "adaptdl.dcp/1"
 _RECORDS = "__adaptdl_file_records__"
 
 
-class _RecordingWriter(FileSystemWriter):
+class _StagedFileSystem(FileSystem):
+    """DCP's local file system, creating every file it writes through the checkpoint storage.
+
+    DCP still renames its metadata into place and reads files itself, in the
+    staged directory's local path; each file it writes is created by
+    `StagedFiles.create`.
+    """
+
+    def __init__(self, staged: StagedFiles) -> None:
+        super().__init__()
+        self._staged = staged
+
+    @contextlib.contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        if mode != "wb":  # DCP writes whole new files; anything else is a new DCP
+            raise ValueError(f"DCP asked to write {str(path)!r} with mode {mode!r}, not 'wb'")
+        name = Path(path).relative_to(self._staged.path)
+        with self._staged.create(str(name)) as file:
+            yield cast(io.IOBase, file)
+
+
+class _StagedWriter(FileSystemWriter):
+    """DCP's file writer into a `StagedFiles` directory, through the checkpoint storage."""
+
+    def __init__(self, staged: StagedFiles) -> None:
+        super().__init__(staged.path, overwrite=False)
+        self.fs = _StagedFileSystem(staged)
+        self.staged = staged
+
+
+class _RecordingWriter(_StagedWriter):
     """DCP's file writer that remembers the names of the files this replica wrote."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, overwrite=False)
+    def __init__(self, staged: StagedFiles) -> None:
+        super().__init__(staged)
         self.written: list[str] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -67,7 +107,7 @@ class _RecordingWriter(FileSystemWriter):
         self.written.append(dcp.METADATA_FILE)  # the coordinator's alone
 
 
-class _HashingWriter(FileSystemWriter):
+class _HashingWriter(_StagedWriter):
     """DCP's file writer that hashes each replica's files and hands rank 0 all the records.
 
     Each replica hashes what it wrote on its own (DCP's writing thread) and adds
@@ -76,16 +116,15 @@ class _HashingWriter(FileSystemWriter):
     every replica's (the metadata file's included). Elsewhere it stays None.
     """
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, overwrite=False)
-        self._directory = path
+    def __init__(self, staged: StagedFiles) -> None:
+        super().__init__(staged)
         self.records: dict[str, FileRecord] | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()  # written before it returns
         mine = {}
         for name in sorted({r.storage_data.relative_path for r in results}):
-            record = file_record(self._directory / name)
+            record = self.staged.record(name)
             mine[name] = (record.size, record.sha256)
         marker = WriteResult(MetadataIndex(_RECORDS), 0, mine)
         future: Future[list[WriteResult]] = Future()
@@ -101,7 +140,7 @@ class _HashingWriter(FileSystemWriter):
                 if r.index.fqn == _RECORDS:
                     records.update({n: FileRecord(*v) for n, v in r.storage_data.items()})
         super().finish(metadata, kept)
-        records[dcp.METADATA_FILE] = file_record(self._directory / dcp.METADATA_FILE)
+        records[dcp.METADATA_FILE] = self.staged.record(dcp.METADATA_FILE)
         self.records = records
 
 
@@ -148,7 +187,7 @@ class ShardedState:
             model, optim = get_state_dict(self._model, self._optimizer)
         return {"model": model, "optim": optim}
 
-    def write_files(self, directory: Path) -> list[str]:
+    def write_files(self, directory: StagedFiles) -> list[str]:
         """Collective: DCP-save this replica's shards into ``directory``; their names."""
         writer = _RecordingWriter(directory)
         dcp_save(self._state_dict(), storage_writer=writer)
@@ -188,7 +227,9 @@ class AsyncShardedState(ShardedState):
 
     _group: Any = None
 
-    def start_files(self, directory: Path) -> ConcurrentFuture[Mapping[str, FileRecord] | None]:
+    def start_files(
+        self, directory: StagedFiles
+    ) -> ConcurrentFuture[Mapping[str, FileRecord] | None]:
         """Collective: copy this replica's shards aside and write them in the background."""
         if self._group is None:
             # Its own group: the writing thread's collectives never meet the training's.

@@ -25,8 +25,6 @@ refused (a ValueError, never a read past a map's end). Remote shards (``s3://``,
 from __future__ import annotations
 
 import bisect
-import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -34,7 +32,6 @@ import logging
 import mmap
 import os
 import resource
-import secrets
 import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -44,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaptdl.core.localfs import exclusive, replace_durably
 from adaptdl.core.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
     ShardIndex,
     check_block_size,
 )
-from adaptdl.core.storage import LocalStorage, open_regular
 from adaptdl.torch.parquet import ParquetReader
 from adaptdl.torch.shardreaders import (
     JsonLinesReader,
@@ -123,41 +120,6 @@ def _size(path: str) -> int:
         fs, _, (target,) = fsspec_module().get_fs_token_paths(path)
         return int(fs.size(target))
     return os.stat(path.removeprefix("file://")).st_size
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path, what: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if missing), waiting for it if held.
-
-    The kernel releases it when the holder's process ends, however it ends; on a
-    network file system it is as good as the file system's locks.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = open_regular(path, os.O_RDWR | os.O_CREAT)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            LOG.info("waiting for another process to build %s (it holds %s)", what, path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _replace_durably(path: Path, data: bytes) -> None:
-    """Replace ``path`` by a file holding ``data``: readers see the old file or the new one.
-
-    The new file is written under a name of its own (created exclusively, never
-    through a symlink) and flushed before it is renamed over ``path``.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        LocalStorage.write_durably(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class ShardedDataset(IterableDataset[Any]):
@@ -261,7 +223,12 @@ class ShardedDataset(IterableDataset[Any]):
         index, why = self._load_cached(names, expected)
         if index is not None:
             return index
-        with _exclusive(self.lock_path, f"the shard index {self.index_path}"):
+        what = f"the shard index {self.index_path}"
+
+        def waiting() -> None:
+            LOG.info("waiting for another process to build %s (it holds %s)", what, self.lock_path)
+
+        with exclusive(self.lock_path, on_wait=waiting):
             # Whoever held the lock before may have just built it.
             index, why = self._load_cached(names, expected)
             if index is not None:
@@ -307,9 +274,9 @@ class ShardedDataset(IterableDataset[Any]):
             total += count
         index = ShardIndex(names, counts)  # refuses an index without samples
         self.index_path.parent.mkdir(parents=True, exist_ok=True)
-        _replace_durably(self.seek_path, bytes(seeks))
+        replace_durably(self.seek_path, bytes(seeks))
         text = json.dumps({**header, **index.to_json()}, indent=1)
-        _replace_durably(self.index_path, text.encode("utf-8"))
+        replace_durably(self.index_path, text.encode("utf-8"))
         LOG.info("indexed %d samples in %d shards into %s", total, len(names), self.index_path)
         return index
 
