@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -261,3 +262,18 @@ def test_no_simulated_resize_restart_or_decision_trains_below_the_initial_batch(
     for _, gpus, total, _ in job.history:
         if gpus:
             assert total >= max(-(-m0 // gpus), lo) * gpus, job.history
+
+
+def test_a_job_whose_bounds_cannot_reach_its_batch_says_so_at_its_start() -> None:
+    """The transformer's local batches hold at most 16 of its 32: without accumulation
+    one GPU cannot train the batch asked for, and the job's first decision says why."""
+    app = APPS["transformer"]
+    job = SimJob(JobSpec("t", 0.0, app.name, 1, 32), app, adaptive=True, accumulation=False)
+    with pytest.raises(
+        ValueError, match=r"local_bsz_bounds=\(4, 16\).*batch_size=32 on 1 replica"
+    ):
+        job.set_allocation(0.0, [0], 30.0)
+    # Two GPUs reach it (16 x 2).
+    job = SimJob(JobSpec("t", 0.0, app.name, 1, 32), app, adaptive=True, accumulation=False)
+    job.set_allocation(0.0, [0, 0], 30.0)
+    assert job.batch_size >= 32
