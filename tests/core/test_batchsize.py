@@ -223,6 +223,24 @@ def test_a_shrink_never_keeps_a_total_below_the_initial_batch_size():
     assert local * (accum + 1) >= 24
 
 
+def test_a_model_made_for_a_smaller_initial_batch_never_answers_below_the_querys():
+    # The optimiser's floor is its model's initial batch size (8 here), not the loader's.
+    fn = GoodputFunction(PERF, GradParams(sqr=1.0, var=0.0), 8)
+    q = BatchSizeQuery(1, 2, 32, max_batch_size=64, local_bsz_bounds=(2, 32))
+    local, accum = GoodputDecision(lambda: fn)(q)
+    assert local * 2 * (accum + 1) >= 32
+
+
+def test_accumulation_may_answer_a_total_below_the_even_splits():
+    # 25 on one replica with local batches of at most 12: the even split is 9 x 3 = 27,
+    # and 5 x 5 = 25 is admissible too (above the floor): the model may choose it.
+    q = BatchSizeQuery(1, 1, 25, 100, (1, 12), True)
+    assert even_split(q) == (9, 2) and min_total(q) == 25
+    fn = GoodputFunction(PERF, GradParams(sqr=1.0, var=0.0), 25)
+    local, accum = GoodputDecision(lambda: fn)(q)
+    assert 25 <= local * (accum + 1) <= 27
+
+
 perf_params = st.builds(
     PerfParams,
     st.floats(1e-4, 1.0),

@@ -376,17 +376,19 @@ class GoodputDecision:
         max_batch_size = max(top, floor)
         bound = self.bound_fn(self.confidence_z) if self.bound_fn is not None else None
         goodput, local, accum = _capped_optimum(query, fn, bound, max_batch_size)
-        if int(local) < 1 or not _admissible(query, int(local), int(accum)):
-            # None fits, or a model made for another initial batch size went below
-            # this query's floor.
-            return least
+        if int(local) < 1:
+            return least  # none fits (not reached: the floor's split does)
         tried = self._explore(query, fn, bound, max_batch_size, int(local) * (int(accum) + 1))
         if tried is not None:
-            return tried
-        if self._keeps_current(query, fn, goodput):
+            answer = tried
+        elif self._keeps_current(query, fn, goodput):
             assert query.current is not None
-            return query.current
-        return int(local), int(accum)
+            answer = query.current
+        else:
+            answer = int(local), int(accum)
+        # The optimiser's own floor is its model's initial batch size: a model made for
+        # another one could answer below this query's.
+        return answer if _total(query, *answer) >= min_total(query) else least
 
     def _explore(
         self,
