@@ -1,7 +1,8 @@
 """Batch-size decisions: the even split and the goodput-driven choice."""
 
+import attrs
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.batchsize import (
@@ -10,6 +11,7 @@ from adaptdl.core.batchsize import (
     GoodputDecision,
     batch_size_query,
     even_split,
+    min_total,
 )
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 
@@ -41,20 +43,12 @@ def test_even_split_stays_in_bounds_and_covers_the_batch(query):
     assert local >= (lo or 1)
     assert hi is None or local <= hi
     assert accum == 0 or query.gradient_accumulation
-    # The total never falls below the target (rounding goes up), and never more
-    # than one sample per replica and micro-batch above it unless the lower bound forces it.
     micro = query.num_replicas * (accum + 1)  # micro-batches per step, all replicas
     total = local * micro
-    cap = query.max_batch_size
-    if cap is not None and local > (lo or 1):
-        assert total <= cap
-    # Rounding goes up, unless the cap forbids it; then it is within one sample per
-    # micro-batch below the target. Never more than one sample per micro-batch above
-    # it unless the lower bound forces it.
-    if cap is None or -(-query.batch_size // micro) * micro <= cap:
-        assert total >= query.batch_size
-    else:
-        assert total > query.batch_size - micro
+    # Never below the target rounded up to the replicas, whatever max_batch_size says
+    # (the floor wins: issue 38), and never more than one sample per replica and
+    # micro-batch above it unless the lower bound forces it.
+    assert total >= min_total(query) >= query.batch_size
     if lo is None or lo * query.num_replicas <= query.batch_size:
         assert total < query.batch_size + micro
 
@@ -62,8 +56,9 @@ def test_even_split_stays_in_bounds_and_covers_the_batch(query):
 def test_even_split_examples():
     q = BatchSizeQuery(num_nodes=1, num_replicas=3, batch_size=10)
     assert even_split(q) == (4, 0)
+    # The cap yields to rounding up: 3 x 3 = 9 would train below the 10 asked for.
     q = BatchSizeQuery(num_nodes=1, num_replicas=3, batch_size=10, max_batch_size=10)
-    assert even_split(q) == (3, 0)
+    assert even_split(q) == (4, 0)
     q = BatchSizeQuery(
         num_nodes=1,
         num_replicas=1,
@@ -72,6 +67,24 @@ def test_even_split_examples():
         gradient_accumulation=True,
     )
     assert even_split(q) == (25, 3)
+
+
+def test_min_total_is_the_original_floor():
+    # max(initial batch size, smallest local size x replicas), rounded up to the replicas.
+    assert min_total(BatchSizeQuery(1, 3, 16)) == 18
+    assert min_total(BatchSizeQuery(1, 4, 24, local_bsz_bounds=(8, 24))) == 32
+    assert min_total(BatchSizeQuery(1, 1, 24, local_bsz_bounds=(8, 24))) == 24
+
+
+def test_unreachable_batch_size_names_bounds_replicas_and_batch_size():
+    q = BatchSizeQuery(1, 1, 32, max_batch_size=512, local_bsz_bounds=(4, 16))
+    named = r"local_bsz_bounds=\(4, 16\).*batch_size=32 on 1 replica"
+    with pytest.raises(ValueError, match=named):
+        even_split(q)
+    with pytest.raises(ValueError, match="gradient_accumulation=True"):
+        GoodputDecision(goodput_fn)(q)
+    # Accumulation reaches it: 16 x 2.
+    assert even_split(attrs.evolve(q, gradient_accumulation=True)) == (16, 1)
 
 
 def goodput_fn():
@@ -185,3 +198,114 @@ def test_fixed_split_rejects_bad_splits() -> None:
         FixedSplit(8, -1)
     with pytest.raises(TypeError, match="accum_steps"):
         FixedSplit(8, 1.5)  # type: ignore[arg-type]
+
+
+# -- The floor through resizes, restarts and decisions (issue 38) -----------------------
+
+
+def test_a_shrink_never_keeps_a_total_below_the_initial_batch_size():
+    """The issue's case: 8 local x 3 replicas = 24 (the initial batch size); resumed on
+    one replica, a compute-bound model (flat throughput, efficiency 1 at and below the
+    initial size) rated 8 x 1 as good as 24, and the hysteresis kept it."""
+    compute_bound = PerfParams(1e-4, 0.01, 1e-3, 1e-4, 1e-3, 1e-4, 1.0)
+    fn = GoodputFunction(compute_bound, GradParams(sqr=1.0, var=0.0), 24)
+    q = batch_size_query(
+        1,
+        1,
+        24,
+        max_batch_size=192,
+        local_bsz_bounds=(8, 24),
+        gradient_accumulation=True,
+        local_bsz=8,
+        accum_steps=0,
+    )
+    local, accum = GoodputDecision(lambda: fn)(q)
+    assert local * (accum + 1) >= 24
+
+
+def test_a_model_made_for_a_smaller_initial_batch_never_answers_below_the_querys():
+    # The optimiser's floor is its model's initial batch size (8 here), not the loader's.
+    fn = GoodputFunction(PERF, GradParams(sqr=1.0, var=0.0), 8)
+    q = BatchSizeQuery(1, 2, 32, max_batch_size=64, local_bsz_bounds=(2, 32))
+    local, accum = GoodputDecision(lambda: fn)(q)
+    assert local * 2 * (accum + 1) >= 32
+
+
+def test_accumulation_may_answer_a_total_below_the_even_splits():
+    # 25 on one replica with local batches of at most 12: the even split is 9 x 3 = 27,
+    # and 5 x 5 = 25 is admissible too (above the floor): the model may choose it.
+    q = BatchSizeQuery(1, 1, 25, 100, (1, 12), True)
+    assert even_split(q) == (9, 2) and min_total(q) == 25
+    fn = GoodputFunction(PERF, GradParams(sqr=1.0, var=0.0), 25)
+    local, accum = GoodputDecision(lambda: fn)(q)
+    assert 25 <= local * (accum + 1) <= 27
+
+
+perf_params = st.builds(
+    PerfParams,
+    st.floats(1e-4, 1.0),
+    st.floats(1e-7, 0.05),
+    st.floats(1e-5, 1.0),
+    st.floats(1e-6, 0.1),
+    st.floats(1e-5, 1.0),
+    st.floats(1e-6, 0.1),
+    st.floats(1.0, 10.0),
+)
+grad_params = st.builds(GradParams, st.floats(0.0, 10.0), st.floats(0.0, 1e4))
+
+
+@st.composite
+def job_settings(draw):
+    """A loader's settings: initial batch size, max, local bounds (holding the initial
+    size, as ``autoscale_batch_size`` requires), accumulation."""
+    batch_size = draw(st.integers(1, 256))
+    lo = draw(st.one_of(st.none(), st.integers(1, batch_size)))
+    hi = draw(st.one_of(st.none(), st.integers(batch_size, 4 * batch_size)))
+    max_batch_size = draw(st.integers(batch_size, 16 * batch_size))
+    return batch_size, max_batch_size, (lo, hi), draw(st.booleans())
+
+
+# One event of a job's life: the replicas it runs on (a resize, or a restart on the
+# same number), the model the decision sees then (None: not fitted yet), the noise
+# estimate's age in samples, and whether it resolves a gradient.
+events = st.tuples(
+    st.integers(1, 16),
+    st.one_of(st.none(), st.tuples(perf_params, grad_params)),
+    st.floats(0.0, 1e5),
+    st.booleans(),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(settings_=job_settings(), timeline=st.lists(events, min_size=1, max_size=8))
+def test_no_sequence_of_resizes_and_decisions_trains_below_the_initial_batch(settings_, timeline):
+    batch_size, max_batch_size, bounds, accumulation = settings_
+    local, accum = 0, 0  # the loader's last decision, kept in its checkpoint
+    for replicas, model, samples, resolved in timeline:
+        fn = None if model is None else GoodputFunction(model[0], model[1], batch_size)
+        decide = GoodputDecision(
+            lambda fn=fn: fn,
+            estimate_samples=lambda samples=samples: samples,
+            resolved=lambda resolved=resolved: resolved,
+            bound_fn=lambda z, fn=fn: fn,
+            explore_fn=lambda model=model: None if model is None else (model[0], batch_size),
+        )
+        query = batch_size_query(
+            1,
+            replicas,
+            batch_size,
+            max_batch_size=max_batch_size,
+            local_bsz_bounds=bounds,
+            gradient_accumulation=accumulation,
+            local_bsz=local,
+            accum_steps=accum,
+        )
+        local, accum = decide(query)
+        lo, hi = bounds
+        assert (lo or 1) <= local and (hi is None or local <= hi)
+        assert accum == 0 or accumulation
+        total = local * replicas * (accum + 1)
+        # At least the initial batch size, rounded up to the replicas or raised to the
+        # lower bound on each: the original's floor.
+        assert total >= min_total(query)
+        assert total >= max(-(-batch_size // replicas), lo or 1) * replicas

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.core.test_loader import shard_batches
 
+from adaptdl.core.batchsize import BatchSizeDecision, FixedSplit
 from adaptdl.core.boundary import EXIT_CODE_PREEMPTED, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import ThreadCollective, run_replicas
@@ -26,15 +27,24 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
 
 
-def train(store: MemoryCheckpointStore, replicas: int, epochs: int, *, stop_at: int = -1) -> None:
+def train(
+    store: MemoryCheckpointStore,
+    replicas: int,
+    epochs: int,
+    *,
+    stop_at: int = -1,
+    decision: BatchSizeDecision | None = None,
+) -> None:
     """``replicas`` threads run ``epochs`` epochs of 16 samples at batch 4 and checkpoint;
-    rank 1 asks to stop after ``stop_at`` batches (never when negative)."""
+    rank 1 asks to stop after ``stop_at`` batches (never when negative). ``decision``:
+    the job's batch-size decision (None: core's)."""
 
     def replica(collective: ThreadCollective) -> None:
         job = Job(
             Topology(rank=collective.rank, num_replicas=replicas),
             collective=collective,
             store=store,
+            batch_size_decision=decision,
         )
         loader = LoaderHelper(job, batch_size=4)
         taken = 0
@@ -87,6 +97,27 @@ def test_a_stop_says_so_once_and_where(caplog: pytest.LogCaptureFixture) -> None
     assert resumed[1] == (
         "adaptdl-dataloader-0 resumes epoch 0 at sample index 12 (pass 0 of a 16-sample dataset)"
     )
+
+
+def test_a_restart_on_other_replicas_says_the_total_changed_and_one_on_the_same_does_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 38: the local size and micro-batches stay (a fixed split), the replicas
+    change, and so does the total."""
+    caplog.set_level(logging.INFO, logger="adaptdl")
+    store = MemoryCheckpointStore()
+    split = FixedSplit(2, 0)
+    train(store, replicas=2, epochs=1, decision=split)
+    caplog.clear()
+    train(store, replicas=3, epochs=2, decision=split)
+    changed = [line for line in lines(caplog) if " batch size " in line]
+    assert changed == [
+        "adaptdl-dataloader-0 batch size 2 local x 1 micro-batch x 3 replicas = 6 per optimiser "
+        "step"
+    ]
+    caplog.clear()
+    train(store, replicas=3, epochs=3, decision=split)
+    assert not [line for line in lines(caplog) if " batch size " in line]
 
 
 def test_a_raised_level_hides_the_lifecycle(caplog: pytest.LogCaptureFixture) -> None:

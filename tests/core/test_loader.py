@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.core.test_batchsize import grad_params, job_settings, perf_params
 from tests.fakes import ManualClock
 
-from adaptdl.core.batchsize import BatchSizeQuery, even_split
+from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, even_split
 from adaptdl.core.boundary import CheckpointPolicy, Preempted
 from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import run_replicas
+from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.loaderjob import LoaderJob
@@ -627,8 +629,9 @@ def test_decisions_are_asked_for_no_more_than_a_pass(n, batch_size, factor, repl
     totals = run_replicas(replicas, replica)
     cap = min(batch_size * factor, max(n, batch_size))
     assert queries and all(q.max_batch_size == cap for q in queries)
-    if cap >= replicas:  # even_split keeps one sample per replica at least
-        assert all(total <= cap for total in totals)
+    # Unless rounding the target up to the replicas passes it (the floor wins).
+    floor = -(-batch_size // replicas) * replicas
+    assert all(total <= max(cap, floor) for total in totals)
 
 
 def test_no_step_holds_a_sample_twice_when_the_decision_takes_the_largest_total():
@@ -805,4 +808,62 @@ def test_a_batch_taken_and_left_unconsumed_is_not_counted_as_taken(mapped):
         job.checkpoint()  # a whole record between the loops (checkpoint 1)
         for _batch in second.iterate(16, shard_batches(16, 0, 1)):
             assert Journal(storage).read() == Mark(samples=4, checkpoint=1)
+            break
+
+
+def floor_segment(store, n, replicas, settings_, stop_after, decision):
+    """One launch of an adaptive job with ``settings_`` (batch size, max, bounds,
+    accumulation); rank 0's decided total at every optimiser step, and whether it stopped."""
+    batch_size, max_batch_size, bounds, accumulation = settings_
+
+    def replica(collective):
+        job = Job(
+            Topology(rank=collective.rank, num_replicas=replicas),
+            collective=collective,
+            store=store,
+            clock=ManualClock(0.01),  # every step alike: a flat throughput
+            batch_size_decision=decision,
+        )
+        loader = LoaderHelper(job, batch_size=batch_size)
+        loader.autoscale_batch_size(max_batch_size, bounds, gradient_accumulation=accumulation)
+        totals, steps = [], 0
+        try:
+            for _ in job.epoch.remaining_epochs_until(2):
+                for _batch in loader.iterate(n, shard_batches(n, collective.rank, replicas)):
+                    if loader.is_optim_step():
+                        totals.append(loader.current_batch_size)
+                        job.metrics.add_progress(1.0)
+                    steps += 1
+                    if steps == stop_after and collective.rank == 0:
+                        job.request_stop()
+        except Preempted:
+            return totals, True
+        return totals, False
+
+    return run_replicas(replicas, replica)[0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    settings_=job_settings(),
+    timeline=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 12)), min_size=1, max_size=4),
+    model=st.one_of(st.none(), st.tuples(perf_params, grad_params)),
+)
+def test_no_resize_or_restart_trains_a_step_below_the_initial_batch(settings_, timeline, model):
+    """Issue 38, through the loader: every optimiser step's total, over restarts on other
+    replicas, holds at least the initial batch size rounded up to the replicas (or
+    the lower local bound on each). The decision is the job's own over its profile of
+    equal step times (small batches rate as well as large ones), or one over a
+    drawn fitted model."""
+    batch_size, _, (lo, _), _ = settings_
+    decision = None
+    if model is not None:
+        fn = GoodputFunction(model[0], model[1], batch_size)
+        decision = GoodputDecision(lambda: fn)
+    store = MemoryCheckpointStore()
+    for replicas, steps in [*timeline, (1, 0)]:
+        totals, stopped = floor_segment(store, 40, replicas, settings_, steps or -1, decision)
+        floor = max(-(-batch_size // replicas), lo or 1) * replicas
+        assert all(total >= floor for total in totals), (replicas, totals)
+        if not stopped:
             break

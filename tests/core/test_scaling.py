@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from adaptdl.core.scaling import (
     AdamScale,
     AdaScale,
+    GivenFactor,
     LEGWScale,
     LinearScale,
     ScalingRule,
@@ -196,3 +197,17 @@ def test_rules_reject_bad_input(rule: ScalingRule, args: tuple[float, ...], matc
 def test_legw_rejects_bad_configuration(args: tuple[Any, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LEGWScale(*args)
+
+
+@given(st.floats(0.0, 1e6), st.floats(1e-3, 1e3), st.floats(0.0, 1e6))
+def test_a_given_factor_is_applied_as_given(factor, scale, progress):
+    """A user's own rule (issue 38): the adapter computes the factor, core applies it."""
+    rule = GivenFactor(factor)
+    assert isinstance(rule, ScalingRule) and rule.name == "given"
+    assert rule.lr_factor(adascale_gain(1.0, 1.0, scale), scale, progress) == factor
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, "2", None])
+def test_a_given_factor_must_be_a_finite_real_at_least_zero(bad):
+    with pytest.raises(ValueError, match="factor"):
+        GivenFactor(bad)

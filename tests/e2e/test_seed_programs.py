@@ -48,10 +48,14 @@ def _one_per_key(metrics: list[dict[str, Any]], key: tuple[str, ...]) -> dict[An
     return out
 
 
-def _run(tmp: Path, script: Path, nproc: int, resume_nproc: int | None, **env: str) -> Path:
+def _run(
+    tmp: Path, script: Path, nproc: int, resume_nproc: int | tuple[int, ...] | None, **env: str
+) -> Path:
     """Launch ``script``; with ``resume_nproc``, SIGTERM it mid epoch 1 and resume at that size.
 
-    Returns the directory with the logs (``torchrun-<run>.log``).
+    A tuple of sizes resumes at each in turn: every run but the last is stopped by
+    SIGTERM once it has taken two batches, the last runs to the end. Returns the
+    directory with the logs (``torchrun-<run>.log``).
     """
     (tmp / "records").mkdir(parents=True)
     launches = []
@@ -64,9 +68,15 @@ def _run(tmp: Path, script: Path, nproc: int, resume_nproc: int | None, **env: s
         first.wait_until(_reached(1, N // 3))
         first.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to its workers
         assert first.wait() != 0, first.output()
-        second = Launch(tmp, 1, resume_nproc, script=script, **{**ENV, **env})
-        launches.append(second)
-        assert second.wait() == 0, second.output()
+        sizes = resume_nproc if isinstance(resume_nproc, tuple) else (resume_nproc,)
+        for run, size in enumerate(sizes, start=1):
+            launch = Launch(tmp, run, size, script=script, **{**ENV, **env})
+            launches.append(launch)
+            if run < len(sizes):
+                launch.wait_until(lambda records: sum("indices" in r for r in records) >= 2)
+                launch.proc.send_signal(signal.SIGTERM)
+                assert launch.wait() != 0, launch.output()
+        assert launches[-1].wait() == 0, launches[-1].output()
         return tmp
     finally:
         for launch in launches:

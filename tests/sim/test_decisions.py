@@ -11,16 +11,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.batchsize import BatchSizeQuery, batch_size_query, even_split
 from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.goodput import PerfParams
 from adaptdl.core.job import Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.profiler import Profiler
 from adaptdl.core.topology import Topology
-from adaptdl.sim.apps import ApplicationModel, builtin_applications
+from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
 from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.workload import JobSpec
 
@@ -199,3 +201,79 @@ def test_a_decision_capped_by_the_warm_up_is_asked_again_once_the_job_trained() 
     assert sim.maybe_reconfigure(60.0)
     assert sim.batch_size > 4 * app.init_batch_size
     assert not sim.maybe_reconfigure(60.0)  # mature: only a new model asks again
+
+
+# One event of a simulated job: a new allocation (GPUs per node; empty: suspended), a
+# failure that loses it, or an epoch boundary; then seconds of training.
+sim_events = st.tuples(
+    st.sampled_from(["allocate", "fail", "epoch"]),
+    st.lists(st.integers(1, 4), min_size=0, max_size=4),
+    st.floats(1.0, 600.0),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@example(  # the tree before fell to 8 here: 24 on 1 GPU, 8 x 3 on 3, then 8 on 1 again
+    name="compute-bound",
+    events=[("allocate", [1], 600.0), ("allocate", [3], 600.0), ("allocate", [1], 600.0)],
+)
+@given(
+    name=st.sampled_from([*sorted(APPS), "compute-bound"]),
+    events=st.lists(sim_events, min_size=1, max_size=10),
+)
+def test_no_simulated_resize_restart_or_decision_trains_below_the_initial_batch(
+    name: str, events: list[tuple[str, list[int], float]]
+) -> None:
+    """Issue 38, for the simulator's jobs (core's decision): whatever allocations,
+    failures and epochs come, every configuration's total holds at least the initial
+    batch size rounded up to the GPUs (or the lower local bound on each). The
+    compute-bound application's throughput is flat in the batch size: the model rates a
+    small total as well as the initial one."""
+    app = APPS.get(name) or ParametricApplication(
+        "compute-bound",
+        24,
+        192,
+        (8, 24),
+        20_000,
+        3,
+        perf_params=PerfParams(1e-4, 0.01, 1e-3, 1e-4, 1e-3, 1e-4, 1.0),
+        noise_start=1.0,
+        noise_end=2.0,
+    )
+    job = SimJob(JobSpec("j", 0.0, app.name, 1, app.init_batch_size), app, adaptive=True)
+    time = 0.0
+    for kind, per_node, seconds in events:
+        if job.done:
+            break
+        if kind == "allocate":
+            job.set_allocation(time, [n for n, c in enumerate(per_node) for _ in range(c)], 30.0)
+        elif kind == "fail" and job.nodes:
+            job.lose_allocation(time)
+        elif kind == "epoch" and job.nodes:
+            boundary = job.next_boundary()
+            if boundary is not None:
+                time = max(time, boundary[0])
+                job.cross_boundary(time)
+        time += seconds
+        job.advance(time)
+        job.maybe_reconfigure(time)
+    lo = app.local_bsz_bounds[0]
+    m0 = app.init_batch_size
+    for _, gpus, total, _ in job.history:
+        if gpus:
+            assert total >= max(-(-m0 // gpus), lo) * gpus, job.history
+
+
+def test_a_job_whose_bounds_cannot_reach_its_batch_says_so_at_its_start() -> None:
+    """The transformer's local batches hold at most 16 of its 32: without accumulation
+    one GPU cannot train the batch asked for, and the job's first decision says why."""
+    app = APPS["transformer"]
+    job = SimJob(JobSpec("t", 0.0, app.name, 1, 32), app, adaptive=True, accumulation=False)
+    with pytest.raises(
+        ValueError, match=r"local_bsz_bounds=\(4, 16\).*batch_size=32 on 1 replica"
+    ):
+        job.set_allocation(0.0, [0], 30.0)
+    # Two GPUs reach it (16 x 2).
+    job = SimJob(JobSpec("t", 0.0, app.name, 1, 32), app, adaptive=True, accumulation=False)
+    job.set_allocation(0.0, [0, 0], 30.0)
+    assert job.batch_size >= 32

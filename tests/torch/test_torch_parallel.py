@@ -172,6 +172,58 @@ def test_lr_factor_follows_the_rule_and_restores_the_base_lr() -> None:
     assert optimizer.param_groups[0]["lr"] == 0.1
 
 
+class Pow(scaling_rules.ScalingRuleBase):
+    """A rule of one's own, as the original AdaptDL's extension point writes it."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def scale_lr(self, scale: float) -> float:
+        self.scales.append(scale)
+        return scale**0.75
+
+
+def test_a_rule_of_ones_own_scales_each_step_by_its_scale_lr() -> None:
+    """Issue 38: ``scale_lr`` alone makes a rule; its factor at each step's scale applies
+    to that step (here scale 2, then 3), and the base rate stays."""
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(16, (1, 12))
+    splits = iter([(8, 0), (12, 0)])
+    _context.current_job().batch_size_decision = lambda query: next(splits, (12, 0))
+    rule = Pow()
+    model, optimizer, adp = setup(lr=0.1, scaling_rule=rule)
+    seen = []
+    for _ in adl.remaining_epochs_until(2):
+        for _, x, y in loader:
+            before = model.weight.detach().clone()
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            grad = model.weight.grad.detach().clone()
+            optimizer.step()
+            factor = (len(x) / 4) ** 0.75
+            assert adp.last_lr_factor == pytest.approx(factor)
+            torch.testing.assert_close(model.weight.detach(), before - 0.1 * factor * grad)
+            seen.append(len(x))
+            break
+    assert seen == [8, 12] and rule.scales == [2.0, 3.0]
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_a_rule_of_ones_own_that_returns_no_factor_is_named() -> None:
+    class Bad(scaling_rules.ScalingRuleBase):
+        def scale_lr(self, scale: float) -> float:
+            return -1.0
+
+    class Nothing(scaling_rules.ScalingRuleBase):
+        pass
+
+    with pytest.raises(ValueError, match=r"Bad.scale_lr\(2.0\): factor must be"):
+        Bad().step_rule(4, 2.0)
+    with pytest.raises(NotImplementedError, match="Nothing names no core rule and implements"):
+        Nothing().step_rule(4, 2.0)
+    assert Bad().core_rule_type() is None  # report_loss refuses it (AdaScale only)
+
+
 def test_default_rule_is_adascale() -> None:
     _, _, adp = setup()
     assert isinstance(adp.scaling_rule, AdaScale)

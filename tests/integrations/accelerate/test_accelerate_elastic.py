@@ -1,15 +1,18 @@
 """End to end: an Accelerate training loop on AdaptDL, stopped by SIGTERM and resumed.
 
 ``train_accelerate.py`` runs under torchrun (gloo, CPU) at 2 replicas until SIGTERM
-mid epoch 1, then resumes at 1 replica to the end. From the indices the loop
-actually received we check that every sample of every epoch was consumed exactly
-once, from the recorded batch sizes that they were adapted, and from the
-exit records that every replica checkpointed and exited with 143.
+mid epoch 1, resumes at 3 until SIGTERM after two batches, then at 1 replica to the
+end. From the indices the loop actually received we check that every sample of
+every epoch was consumed exactly once, from the recorded batch sizes that they were
+adapted and never fell below the initial one, from the logs that each resize
+printed the new total, and from the exit records that every replica checkpointed
+and exited with 143.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,11 @@ EPOCHS = 3  # test_seed_programs runs 3 epochs of N = 96 samples
 
 @pytest.fixture(scope="module")
 def elastic_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run 2 replicas until SIGTERM in epoch 1, then 1 replica to the end; the directory."""
+    """Run 2 replicas until SIGTERM in epoch 1, 3 until SIGTERM, then 1 replica to the
+    end; the directory."""
     tmp = tmp_path_factory.mktemp("accelerate-elastic")
     # With short steps the autoscaler grew the batch in our runs (with 0.2 s it kept 8).
-    return _run(tmp, SCRIPT, 2, 1, E2E_STEP_SLEEP="0.05")
+    return _run(tmp, SCRIPT, 2, (3, 1), E2E_STEP_SLEEP="0.05")
 
 
 def _batches(tmp: Path) -> list[dict[str, Any]]:
@@ -58,14 +62,15 @@ def check_exactly_once(batches: list[dict[str, Any]], epochs: int) -> None:
 
 def test_every_sample_of_every_epoch_consumed_exactly_once(elastic_job: Path) -> None:
     batches = _batches(elastic_job)
-    assert {(r["run"], r["replicas"]) for r in batches} == {(0, 2), (1, 1)}
+    assert {(r["run"], r["replicas"]) for r in batches} == {(0, 2), (1, 3), (2, 1)}
     check_exactly_once(batches, EPOCHS)
 
 
 def test_every_replica_checkpoints_and_exits_143_on_sigterm(elastic_job: Path) -> None:
     records = _records(elastic_job / "records")
     exits = {(r["run"], r["rank"], r["exit"]) for r in records if "exit" in r}
-    assert exits == {(0, 0, 143), (0, 1, 143), (1, 0, 0)}
+    stopped = {(run, rank, 143) for run, size in ((0, 2), (1, 3)) for rank in range(size)}
+    assert exits == {*stopped, (2, 0, 0)}
     assert list((elastic_job / "checkpoints").glob("ckpt-*"))
 
 
@@ -79,6 +84,22 @@ def test_the_batch_size_was_adapted(elastic_job: Path) -> None:
     assert len(totals) > 1 or any(r["modelled"] for r in batches), totals
 
 
+def test_no_step_trains_below_the_initial_batch_and_each_resize_is_logged(
+    elastic_job: Path,
+) -> None:
+    """Issue 38: 8 initial, local bounds (2, 8). On 3 replicas the floor is 9 (3 x 3);
+    resumed on 1, a local size chosen for more replicas is not kept below 8."""
+    for r in _batches(elastic_job):
+        floor = max(-(-8 // r["replicas"]), 2) * r["replicas"]
+        assert r["batch_size"] >= max(8, floor), r
+    for run, replicas in ((0, "2 replicas"), (1, "3 replicas"), (2, "1 replica")):
+        log = (elastic_job / f"torchrun-{run}.log").read_text(errors="replace")
+        assert re.search(rf"batch size \d+ local x \d+ micro-batch(es)? x {replicas} = ", log), (
+            run,
+            log[-2000:],
+        )
+
+
 def test_accelerate_steps_only_at_the_loaders_optimizer_steps(elastic_job: Path) -> None:
     records = _records(elastic_job / "records")
     batches = [r for r in records if "indices" in r]
@@ -87,5 +108,5 @@ def test_accelerate_steps_only_at_the_loaders_optimizer_steps(elastic_job: Path)
     # The scheduler stepped once per optimiser step, and resumed with the job.
     steps = [r for r in batches if r["rank"] == 0 and r["optim_step"]]
     starts = {r["run"]: r["scheduler_steps"] for r in records if r.get("start") and r["rank"] == 0}
-    assert starts == {0: 0, 1: sum(1 for r in steps if r["run"] == 0)}
+    assert starts == {run: sum(1 for r in steps if r["run"] < run) for run in range(3)}
     assert [r["scheduler_steps"] for r in steps] == list(range(1, len(steps) + 1))

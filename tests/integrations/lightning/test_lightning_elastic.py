@@ -3,15 +3,18 @@
 A small LightningModule and LightningDataModule (``train_lightning.py``) train
 under torchrun with 2 replicas and an adaptive batch size until SIGTERM in epoch
 1 (during its training, or during its validation), then resume at 1 replica to
-the end. From the indices the training steps
+the end; stopped during training, they resume at 3 replicas first (SIGTERM after
+two batches). From the indices the training steps
 received we check that every pass of every epoch was consumed exactly once over
-the two runs, and from the records that every replica exited 143, that the batch
-size adapted, and that Lightning's own state (epoch, step, LR scheduler) resumed.
+the runs, and from the records that every replica exited 143, that the batch
+size adapted and never fell below the initial one (each resize logged), and that
+Lightning's own state (epoch, step, LR scheduler) resumed.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -41,11 +44,12 @@ def lightning_job(
     """Train 2 replicas until SIGTERM in epoch 1, then 1 replica to the end.
 
     The SIGTERM comes in the middle of the epoch's training, or of its validation
-    (after the training loop of the epoch had ended).
+    (after the training loop of the epoch had ended). Stopped in training, the job
+    runs at 3 replicas in between, until SIGTERM after two batches.
     """
     tmp = tmp_path_factory.mktemp(f"lightning-{request.param}")
     if request.param == "training":
-        return _run(tmp, SCRIPT, 2, 1, **AUTOSCALE)
+        return _run(tmp, SCRIPT, 2, (3, 1), **AUTOSCALE)
     (tmp / "records").mkdir()
     env = {**ENV, **AUTOSCALE, "E2E_EVAL_SLEEP": "0.5"}
     launches = [Launch(tmp, 0, 2, script=SCRIPT, **env)]
@@ -65,9 +69,14 @@ def _batches(tmp: Path) -> list[dict[str, Any]]:
     return [r for r in _records(tmp / "records") if "indices" in r]
 
 
+def _sizes(tmp: Path) -> list[tuple[int, int]]:
+    """(run, replicas) of each launch of the job in ``tmp``."""
+    return [(0, 2), (1, 3), (2, 1)] if "training" in tmp.name else [(0, 2), (1, 1)]
+
+
 def test_every_pass_of_every_epoch_consumed_exactly_once(lightning_job: Path) -> None:
     batches = _batches(lightning_job)
-    assert {r["replicas"] for r in batches} == {1, 2}
+    assert {(r["run"], r["replicas"]) for r in batches} == set(_sizes(lightning_job))
     consumed: dict[tuple[int, int], collections.Counter[int]] = collections.defaultdict(
         collections.Counter
     )
@@ -91,8 +100,10 @@ def test_every_replica_checkpoints_and_exits_143(lightning_job: Path) -> None:
     for r in _records(lightning_job / "records"):
         if "exit" in r:
             exits[r["run"]].add((r["rank"], r["exit"]))
-    assert exits[0] == {(0, 143), (1, 143)}
-    assert exits[1] == {(0, 0)}
+    *stopped, (last, _) = _sizes(lightning_job)
+    for run, replicas in stopped:
+        assert exits[run] == {(rank, 143) for rank in range(replicas)}
+    assert exits[last] == {(0, 0)}
     assert list((lightning_job / "checkpoints").glob("ckpt-*"))
 
 
@@ -103,6 +114,22 @@ def test_batch_size_adapted(lightning_job: Path) -> None:
     assert len({r["batch_size"] for r in batches}) > 1
     for r in batches:
         assert r["batch_size"] == r["local_bsz"] * (r["accumulation_steps"] + 1) * r["replicas"]
+
+
+def test_no_step_trains_below_the_initial_batch_and_each_resize_is_logged(
+    lightning_job: Path,
+) -> None:
+    """Issue 38: 2 initial, local bounds (1, 2). Resumed on 1 replica, 1 x 1 (the split
+    of 2 on 2 replicas) is never kept; on 3 the floor is 3."""
+    for r in _batches(lightning_job):
+        assert r["batch_size"] >= max(-(-2 // r["replicas"]), 1) * r["replicas"] >= 2, r
+    for run, replicas in _sizes(lightning_job):
+        log = (lightning_job / f"torchrun-{run}.log").read_text(errors="replace")
+        said = f"x {replicas} replica{'' if replicas == 1 else 's'} = "
+        assert re.search(rf"batch size \d+ local x \d+ micro-batch(es)? {said}", log), (
+            run,
+            log[-2000:],
+        )
 
 
 def test_lightning_state_resumes_where_it_stopped(lightning_job: Path) -> None:
@@ -119,5 +146,6 @@ def test_lightning_state_resumes_where_it_stopped(lightning_job: Path) -> None:
     # StepLR(gamma=0.5) steps once per epoch, across the restart too.
     for r in first + resumed:
         assert r["lr"] == pytest.approx(0.05 * 0.5 ** r["epoch"]), r
-    end = next(r for r in records if r["run"] == 1 and "exit" in r)
+    last = _sizes(lightning_job)[-1][0]
+    end = next(r for r in records if r["run"] == last and "exit" in r)
     assert end["finished_epochs"] == EPOCHS and end["current_epoch"] == EPOCHS

@@ -141,22 +141,52 @@ def even_split(query: BatchSizeQuery) -> tuple[int, int]:
     """Divide the target batch size evenly over the replicas (rounding up).
 
     When the local batch size would exceed the upper local bound and accumulation
-    is allowed, split it into micro-batches instead. The total stays at most
-    ``max_batch_size`` when one is set, and the local bounds always hold (the lower
-    bound wins where the two conflict).
+    is allowed, split it into micro-batches instead. The local bounds always hold
+    (the lower bound wins where the two conflict), and the total is never below the
+    target (`min_total`): it is the smallest such split, even where that passes
+    ``max_batch_size`` (by rounding up to a multiple of the replicas, or by the
+    lower local bound on every replica). Raises ValueError where no split reaches
+    the target (`check_reachable`).
     """
+    check_reachable(query)
     lo, hi = _bounds(query)
     local = math.ceil(query.batch_size / query.num_replicas)
     accum = 0
-    if hi is not None and local > hi and query.gradient_accumulation:
+    if hi is not None and local > hi:
         accum = math.ceil(local / hi) - 1
         local = math.ceil(query.batch_size / (query.num_replicas * (accum + 1)))
-    if hi is not None:
-        local = min(local, hi)
-    if query.max_batch_size is not None:
-        # Rounding up over the replicas must not pass the cap on the total.
-        local = min(local, query.max_batch_size // (query.num_replicas * (accum + 1)))
     return max(local, lo), accum
+
+
+def min_total(query: BatchSizeQuery) -> int:
+    """The smallest total batch size any decision may answer for ``query``.
+
+    The initial batch size rounded up to a multiple of the replicas, or the lower
+    local bound on every replica where that is larger: the original AdaptDL's
+    floor. A shrink of the replicas never takes the total below it, whatever a
+    fitted model rates best (it credits a smaller batch with no more progress per
+    sample, so a flat throughput would otherwise tie, and the learning-rate rules
+    are not meant for a scale below 1).
+    """
+    lo, _ = _bounds(query)
+    return max(-(-query.batch_size // query.num_replicas), lo) * query.num_replicas
+
+
+def check_reachable(query: BatchSizeQuery) -> None:
+    """Raise ValueError, naming the bounds, replicas and batch size, where no
+    admissible split reaches the target: an upper local bound below the target's
+    share of each replica, without gradient accumulation."""
+    _, hi = _bounds(query)
+    share = -(-query.batch_size // query.num_replicas)
+    if hi is not None and hi < share and not query.gradient_accumulation:
+        raise ValueError(
+            f"local_bsz_bounds={query.local_bsz_bounds} cannot make batch_size="
+            f"{query.batch_size} on {query.num_replicas} replica"
+            f"{'' if query.num_replicas == 1 else 's'}: without gradient accumulation a "
+            f"step holds at most {hi} x {query.num_replicas} = {hi * query.num_replicas} "
+            f"samples. Raise the max local bound to >= {share}, or set "
+            "gradient_accumulation=True"
+        )
 
 
 def _bounds(query: BatchSizeQuery) -> tuple[int, int | None]:
@@ -330,23 +360,35 @@ class GoodputDecision:
         return estimate_maturity(self.estimate_samples(), query.batch_size, self.warmup_steps)
 
     def __call__(self, query: BatchSizeQuery) -> tuple[int, int]:
+        # The smallest split at or above the floor (`min_total`); ValueError where the
+        # bounds reach none. Every answer below holds at least its total.
+        least = even_split(query)
         fn = self.goodput_fn() if query.max_batch_size is not None else None
         if fn is None or query.max_batch_size is None:
             return self.fallback(query)
+        # The floor wins over max_batch_size where rounding up must pass it (as
+        # `even_split` does), and over the caps: none may leave only smaller totals.
+        floor = _total(query, *least)
+        query = attrs.evolve(query, max_batch_size=max(query.max_batch_size, floor))
+        assert query.max_batch_size is not None
         cap = growth_cap(query, self.maturity(query), self.max_growth)
-        max_batch_size = query.max_batch_size if cap is None else min(cap, query.max_batch_size)
+        top = query.max_batch_size if cap is None else min(cap, query.max_batch_size)
+        max_batch_size = max(top, floor)
         bound = self.bound_fn(self.confidence_z) if self.bound_fn is not None else None
         goodput, local, accum = _capped_optimum(query, fn, bound, max_batch_size)
         if int(local) < 1:
-            # No configuration fits max_batch_size on this many replicas.
-            return self.fallback(query)
+            return least  # none fits (not reached: the floor's split does)
         tried = self._explore(query, fn, bound, max_batch_size, int(local) * (int(accum) + 1))
         if tried is not None:
-            return tried
-        if self._keeps_current(query, fn, goodput):
+            answer = tried
+        elif self._keeps_current(query, fn, goodput):
             assert query.current is not None
-            return query.current
-        return int(local), int(accum)
+            answer = query.current
+        else:
+            answer = int(local), int(accum)
+        # The optimiser's own floor is its model's initial batch size: a model made for
+        # another one could answer below this query's.
+        return answer if _total(query, *answer) >= min_total(query) else least
 
     def _explore(
         self,
@@ -409,11 +451,20 @@ def _capped_optimum(
     return _optimum(query, fn, max_batch_size)
 
 
+def _total(query: BatchSizeQuery, local: int, accum: int) -> int:
+    return local * query.num_replicas * (accum + 1)
+
+
 def _admissible(query: BatchSizeQuery, local: int, accum: int) -> bool:
+    """Whether (``local``, ``accum``) is within the bounds, the accumulation setting,
+    ``max_batch_size`` and the floor (`min_total`): a current choice that is not
+    (one made on more replicas) is never kept."""
     lo, hi = _bounds(query)
     if local < lo or (hi is not None and local > hi):
         return False
     if accum > 0 and not query.gradient_accumulation:
         return False
-    total = local * query.num_replicas * (accum + 1)
+    total = _total(query, local, accum)
+    if total < min_total(query):
+        return False
     return query.max_batch_size is None or total <= query.max_batch_size

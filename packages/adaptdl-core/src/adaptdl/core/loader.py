@@ -226,10 +226,12 @@ class LoaderHelper(LoaderView):
         decide = self._decision or self.job.batch_size_decision
         local, accum = decide(query) if self.job.topology.rank == 0 else (0, 0)
         local, accum = self.job.collective.broadcast([int(local), int(accum)])
+        before = (previous, self._state.accumulation_steps, self._state.num_replicas)
         self._state.current_local_bsz = local
         self._state.accumulation_steps = accum
-        changed = (local, accum) != (previous, query.current[1] if query.current else 0)
-        if changed and topo.rank == 0:
+        self._state.num_replicas = topo.num_replicas
+        # Any change of the total, a restart on other replicas included.
+        if (local, accum, topo.num_replicas) != before and topo.rank == 0:
             lifecycle.batch_size_changed(
                 self.name,
                 local=local,

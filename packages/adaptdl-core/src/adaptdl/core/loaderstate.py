@@ -22,6 +22,9 @@ class LoaderState(JsonState):
         self.last_position: dict[int | None, int] = {}
         self.current_local_bsz = 0
         self.accumulation_steps = 0
+        # The replicas the last decision was made for (0: none yet): a restart on
+        # others changes the total, which the lifecycle then reports.
+        self.num_replicas = 0
         self.dataset_len = 0  # of the newest loop; 0 before the first
 
     def to_json(self) -> dict[str, Any]:
@@ -32,6 +35,7 @@ class LoaderState(JsonState):
             "last_position": {_epoch_key(k): v for k, v in self.last_position.items()},
             "current_local_bsz": self.current_local_bsz,
             "accumulation_steps": self.accumulation_steps,
+            "num_replicas": self.num_replicas,
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
@@ -45,8 +49,9 @@ class LoaderState(JsonState):
         self.accumulation_steps = check_int(
             "accumulation_steps", data["accumulation_steps"], min=0
         )
-        # Absent from checkpoints written before it was recorded.
+        # Absent from checkpoints written before they were recorded.
         self.dataset_len = check_int("dataset_len", data.get("dataset_len", 0), min=0)
+        self.num_replicas = check_int("num_replicas", data.get("num_replicas", 0), min=0)
 
 
 _NO_EPOCH = "none"  # the JSON key of loops run outside epoch loops

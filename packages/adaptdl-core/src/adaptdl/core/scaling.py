@@ -117,6 +117,29 @@ class SqrtScale(_FactorOf, name="sqrt", of="scale", root=True):
     """The square-root scaling rule (Krizhevsky, 2014): the factor is ``sqrt(scale)``."""
 
 
+def _factor(value: object) -> float:
+    return check_float("factor", value, min=0.0)
+
+
+@attrs.frozen
+class GivenFactor:
+    """A factor computed outside core, applied as given: a user's own rule.
+
+    The original AdaptDL's extension point is a rule class whose ``scale_lr(scale)``
+    returns the factor; that code stays the user's, and the adapter hands core the
+    value it returned for the step's scale. ``factor``: a finite real number >= 0.
+    """
+
+    factor: float = attrs.field(converter=_factor)
+
+    name: ClassVar[str] = "given"
+
+    def lr_factor(self, gain: float, scale: float, progress: float) -> float:
+        """Return ``factor`` (the inputs are checked, not used)."""
+        _check_inputs(gain, scale, progress)
+        return self.factor
+
+
 def _non_negative_float(value: object) -> float:
     return check_float("base_warmup_epochs", value, min=0.0)
 

@@ -19,28 +19,60 @@ __all__ = ["AdaScale", "AdamScale", "LEGWScale", "LinearScale", "ScalingRuleBase
 
 
 class ScalingRuleBase:
-    """A rule: the learning-rate factor at ``scale`` = batch size / initial batch size."""
+    """A rule: the learning-rate factor at ``scale`` = batch size / initial batch size.
+
+    The built-in rules name core's. A rule of one's own, as in the original AdaptDL,
+    subclasses this and overrides `scale_lr`; its factor at each step's scale is
+    handed to core as a value (`adaptdl.core.scaling.GivenFactor`).
+    """
 
     #: Core's rule, for rules that need no configuration.
     _core_rule: ClassVar[type[scaling.ScalingRule] | None] = None
 
+    def scale_lr(self, scale: float) -> float:
+        """The learning-rate factor at ``scale`` (total batch size over the initial
+        one): override it for a rule of one's own. It is called once per optimiser
+        step and must return a finite real number >= 0."""
+        raise NotImplementedError(
+            f"{type(self).__name__} implements no scale_lr(scale): a rule of one's own "
+            "overrides it"
+        )
+
+    def _own_scale_lr(self) -> bool:
+        """Whether this rule's factor is its own `scale_lr` (a user's subclass)."""
+        return type(self).scale_lr is not ScalingRuleBase.scale_lr
+
     def core_rule_type(self) -> type[scaling.ScalingRule] | None:
         """The class of core's rule, known before the job's initial batch size (None:
-        a rule core does not know)."""
-        return self._core_rule
+        a rule core does not know, one's own `scale_lr` included)."""
+        return None if self._own_scale_lr() else self._core_rule
 
     def core_rule(self, init_batch_size: int) -> scaling.ScalingRule:
         """Core's rule for a job whose initial batch size is ``init_batch_size``."""
         if self._core_rule is None:
-            raise NotImplementedError(f"{type(self).__name__} names no core rule")
+            raise NotImplementedError(
+                f"{type(self).__name__} names no core rule and implements no scale_lr(scale)"
+            )
         return self._core_rule()
+
+    def step_rule(self, init_batch_size: int, scale: float) -> scaling.ScalingRule:
+        """Core's rule for one step at ``scale``: this rule's own `scale_lr` factor as a
+        value where a subclass overrides it, else `core_rule`. Raises TypeError or
+        ValueError naming the rule where `scale_lr` returns no finite real >= 0."""
+        if not self._own_scale_lr():
+            return self.core_rule(init_batch_size)
+        value = self.scale_lr(scale)
+        try:
+            return scaling.GivenFactor(value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{type(self).__name__}.scale_lr({scale!r}): {exc}") from None
 
     def lr_factor(self, gns: GradientNoiseScale, scale: float, progress: float) -> float:
         """The multiplier of every group's base learning rate for a step at ``scale``.
 
         ``progress`` is the job's scale-invariant progress before the step.
         """
-        rule = self.core_rule(gns.init_batch_size)
+        rule = self.step_rule(gns.init_batch_size, scale)
         return float(rule.lr_factor(gns.gain(scale), scale, progress))
 
     def __repr__(self) -> str:

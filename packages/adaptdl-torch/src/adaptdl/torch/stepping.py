@@ -487,9 +487,10 @@ class AdaptiveSteps:
         gns = job.metrics.gns
         if loader is None or gns is None:
             return step(*args, **kwargs)
-        rule = self.scaling_rule.core_rule(gns.init_batch_size)
+        batch_size = loader.current_batch_size
+        rule = self.scaling_rule.step_rule(gns.init_batch_size, batch_size / gns.init_batch_size)
         groups = self.adaptdl_optimizer.param_groups
-        decision = self._steps.decide(loader.current_batch_size, rule, len(groups))
+        decision = self._steps.decide(batch_size, rule, len(groups))
         assert decision is not None
         base = [group["lr"] for group in groups]
         if self._losses:
