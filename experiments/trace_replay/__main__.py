@@ -138,9 +138,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         parser.error(f"--gpus must be comma-separated integers, got {args.gpus!r}")
     if any(g < 1 for g in gpus):
         parser.error(f"--gpus must be >= 1, got {args.gpus!r}")
+    # Read before the replay: the code that runs is the code at its start.
+    sha = commit()
     apps = load_traces(args.traces, None if args.apps is None else args.apps.split(","))
     results = [replay_app(app, gpus, args.check) for app in apps.values()]
-    sha = commit()
     rows = summary_rows(results, sha)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trace_replay.json").write_text(
