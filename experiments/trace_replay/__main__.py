@@ -71,7 +71,7 @@ def summary_rows(results: Sequence[dict[str, Any]], sha: str) -> list[dict[str, 
             r = c["best_fixed_over_adaptive"]
             rows.append(
                 {
-                    "problem": f"pollux/{app['application']} @ {entry['gpus']} GPUs",
+                    "problem": f"pollux/{app['application']} @ {_gpus(entry['gpus'])}",
                     "kind": "trace",
                     "best_fixed_over_adaptive": r,
                     # One measurement per configuration, a deterministic replay: no spread.
@@ -85,6 +85,10 @@ def summary_rows(results: Sequence[dict[str, Any]], sha: str) -> list[dict[str, 
                 }
             )
     return rows
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
 def _fmt(x: float | None) -> str:
