@@ -65,15 +65,22 @@ def step_seconds(app: TraceApplication, config: FixedConfig) -> float:
 
 
 def fixed_row(
-    app: TraceApplication, curves: Curves, batch_size: int, gpus: int, target: float
+    app: TraceApplication,
+    curves: Curves,
+    batch_size: int,
+    gpus: int,
+    target: float,
+    simulated: ProgressRun | None = None,
 ) -> dict[str, Any]:
     """One fixed size at one GPU count: its time to ``target`` (None: not reached, or
-    the size cannot run on ``gpus``) and, as a diagnostic, by Pollux's rule (its time to
-    the epoch at which the initial size first meets the target)."""
+    the size cannot run on ``gpus``) and, as diagnostics, by Pollux's rule (its time to
+    the epoch at which the initial size first meets the target) and, given its
+    ``simulated`` run (`simulate_fixed`), the simulated time to the same epoch."""
     row: dict[str, Any] = {"label": f"fixed {batch_size}", "batch_size": batch_size}
     config = fixed_config(app, batch_size, gpus)
     if config is None:
-        return {**row, "runs": False, "seconds": None, "epoch": None, "pollux_seconds": None}
+        excluded = ("seconds", "epoch", "pollux_seconds", "simulated_seconds")
+        return {**row, "runs": False, **dict.fromkeys(excluded)}
     i = curves.batch_sizes.index(batch_size)
     epoch = curves.first_epoch(curves.metric[i], target)
     per_step = step_seconds(app, config)
@@ -91,7 +98,23 @@ def fixed_row(
         "steps": steps,
         "seconds": None if steps is None else steps * per_step,
         "pollux_seconds": pollux,
+        "simulated_seconds": (
+            None if simulated is None or epoch is None else simulated.seconds_at[epoch]
+        ),
     }
+
+
+def simulate_fixed(app: TraceApplication, config: FixedConfig) -> ProgressRun:
+    """``config`` run by the simulator (core's estimator on the trace's statistics, the
+    trace's step times), timed at the end of every epoch of progress: the adaptive
+    job's own model, for a like-for-like diagnostic."""
+    return simulate_to_progress(
+        app,
+        [float(p) for p in app.epoch_progress],
+        replicas=config.gpus,
+        nodes=len(placement(config.gpus)),
+        split=(config.local_bsz, config.accum_steps),
+    )
 
 
 def run_adaptive(app: TraceApplication, gpus: int) -> ProgressRun:
@@ -146,10 +169,20 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def compare(
-    app: TraceApplication, curves: Curves, gpus: int, target: float, run: ProgressRun
+    app: TraceApplication,
+    curves: Curves,
+    gpus: int,
+    target: float,
+    run: ProgressRun,
+    simulated: dict[int, ProgressRun] | None = None,
 ) -> dict[str, Any]:
-    """Every fixed size and the adaptive run at one GPU count and target; the ratios."""
-    fixed = [fixed_row(app, curves, b, gpus, target) for b in curves.batch_sizes]
+    """Every fixed size and the adaptive run at one GPU count and target; the ratios.
+
+    ``simulated`` (batch size to `simulate_fixed`'s run) adds the diagnostic
+    ``both_simulated``: the best fixed size's simulated time to its target epoch over
+    the adaptive run's."""
+    sims = simulated or {}
+    fixed = [fixed_row(app, curves, b, gpus, target, sims.get(b)) for b in curves.batch_sizes]
     adaptive = adaptive_row(app, curves, run, target)
     timed = [r for r in fixed if r["seconds"] is not None]
     best = min(timed, key=lambda r: r["seconds"]) if timed else None
@@ -159,6 +192,7 @@ def compare(
     # by Pollux's rule, which leaves out how each size's metric depends on the batch
     # size and isolates the decisions (throughput and statistical efficiency).
     by_progress = [r["pollux_seconds"] for r in fixed if r["pollux_seconds"] is not None]
+    on_sim = [r["simulated_seconds"] for r in fixed if r["simulated_seconds"] is not None]
     return {
         "gpus": gpus,
         "target": target,
@@ -171,26 +205,24 @@ def compare(
         "both_by_progress": ratio(
             min(by_progress) if by_progress else None, adaptive["pollux_seconds"]
         ),
+        "both_simulated": (
+            ratio(min(on_sim), adaptive["seconds"]) if simulated is not None and on_sim else None
+        ),
     }
 
 
-def model_check(app: TraceApplication, curves: Curves, gpus: int) -> list[dict[str, Any]]:
-    """Per fixed size that runs on ``gpus``: the simulator's optimiser steps to the last
-    epoch's progress (core's estimator on the trace's statistics) over the measured ones."""
+def simulate_all_fixed(app: TraceApplication, curves: Curves, gpus: int) -> dict[int, ProgressRun]:
+    """`simulate_fixed` of every measured size that runs on ``gpus``, by batch size."""
+    configs = {b: fixed_config(app, b, gpus) for b in curves.batch_sizes}
+    return {b: simulate_fixed(app, c) for b, c in configs.items() if c is not None}
+
+
+def model_check(curves: Curves, simulated: dict[int, ProgressRun]) -> list[dict[str, Any]]:
+    """Per simulated fixed size: its optimiser steps to the last epoch's progress (core's
+    estimator on the trace's statistics) over the measured ones."""
     rows = []
-    nodes = len(placement(gpus))
-    for i, b in enumerate(curves.batch_sizes):
-        config = fixed_config(app, b, gpus)
-        if config is None:
-            continue
-        sim = simulate_to_progress(
-            app,
-            float(app.target_progress),
-            replicas=gpus,
-            nodes=nodes,
-            split=(config.local_bsz, config.accum_steps),
-        )
-        measured = int(curves.iterations[i, -1])
+    for b, sim in simulated.items():
+        measured = int(curves.iterations[curves.batch_sizes.index(b), -1])
         rows.append(
             {
                 "batch_size": b,

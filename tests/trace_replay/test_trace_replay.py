@@ -20,8 +20,10 @@ from experiments.trace_replay.replay import (
     compare,
     fixed_config,
     fixed_row,
+    model_check,
     placement,
     run_adaptive,
+    simulate_all_fixed,
     step_seconds,
 )
 from hypothesis import given
@@ -169,6 +171,24 @@ def test_the_adaptive_run_is_judged_by_the_metric_at_its_batch_size(
     assert result["best_fixed_over_adaptive"] == pytest.approx(
         times[result["best_fixed"]] / adaptive["seconds"]
     )
+
+
+def test_both_simulated_times_the_fixed_sizes_by_the_simulator(
+    toy: tuple[TraceApplication, Curves],
+) -> None:
+    app, curves = toy
+    run = run_adaptive(app, 4)
+    sims = simulate_all_fixed(app, curves, 4)
+    target = curves.target("common")
+    result = compare(app, curves, 4, target, run, sims)
+    for row in result["fixed"]:
+        assert row["simulated_seconds"] == sims[row["batch_size"]].seconds_at[row["epoch"]]
+    best = min(r["simulated_seconds"] for r in result["fixed"])
+    assert result["both_simulated"] == pytest.approx(best / result["adaptive"]["seconds"])
+    assert compare(app, curves, 4, target, run)["both_simulated"] is None
+    check = model_check(curves, sims)
+    assert [r["batch_size"] for r in check] == list(SIZES)
+    assert all(r["ratio"] == r["simulated_steps"] / r["measured_steps"] for r in check)
 
 
 def test_missing_validation_rows_name_the_file(tmp_path: Path) -> None:
