@@ -87,6 +87,10 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "first_pass_seconds": _first_decision_seconds(steps),
                 "samples": reached["samples"] if reached else None,
                 "progress": reached["progress"] if reached else None,
+                # Where the run ended, and why: a run that misses its target ends at
+                # the progress cap or on divergence, never before (`trainer.train`).
+                "final_progress": r["progress"],
+                "ended": _ended(r),
                 "steps": len(steps),
                 "batch_sizes": sorted({int(b) for b in steps[:, 1]}) if len(steps) else [],
                 "final_batch": int(steps[-1, 1]) if len(steps) else 0,
@@ -110,6 +114,15 @@ def summarise(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _ended(result: dict[str, Any]) -> str:
+    """Why a run ended: "diverged", "target" (a run stopped at its target) or "cap"."""
+    if result.get("diverged"):
+        return "diverged"
+    if result["reached"] is not None and result["config"].get("stop_at_target"):
+        return "target"
+    return "cap"
+
+
 def _first_decision_seconds(steps: np.ndarray) -> float | None:
     """Training time until the batch size first differs from the first step's (None: never)."""
     if not len(steps):
@@ -122,8 +135,8 @@ def table(summary: dict[str, Any], target: float) -> str:
     """The markdown table of item 3."""
     lines = [
         f"| run | time to {target:.1%} val. accuracy: wall / CPU (s) | samples | progress | "
-        "optimiser steps | batch sizes used | batch at target (accum) | "
-        "time at initial batch (s) |",
+        "optimiser steps (to the target, or to the run's end) | batch sizes used | "
+        "batch at target (accum) | time at initial batch (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["rows"]:
@@ -136,9 +149,15 @@ def table(summary: dict[str, Any], target: float) -> str:
             sizes = (
                 f"{row['batch_sizes'][0]} .. {row['batch_sizes'][-1]} ({len(row['batch_sizes'])})"
             )
+        # A missed target has no progress at it: show where the run ended, and why.
+        progress = (
+            f"{row['progress']:.0f}"
+            if row["progress"] is not None
+            else f"{row['final_progress']:.0f} at its end ({row['ended']})"
+        )
         lines.append(
             f"| {row['label']} | {secs} | {row['samples'] or '-'} | "
-            f"{row['progress'] or 0:.0f} | {row['steps']} | {sizes} | "
+            f"{progress} | {row['steps']} | {sizes} | "
             f"{row['final_batch']} ({row['final_accum']}) | "
             f"{'-' if first is None else f'{first:.2f}'} |"
         )

@@ -64,6 +64,27 @@ DYCK = {
 }
 
 
+#: Issue 36's held-out character LM on the standard library's source (problems.
+#: python_source), defined before any run on it: no constant tuned on it. ``lr`` is
+#: the protocol's lr0; its calibration (RESULTS.md, issue 36's protocol) picks x0.5,
+#: x1 or x2 of it at the initial size and sets the target and the budget.
+CHARLM_ADAM = {
+    "problem": "charlm",
+    "train_size": 8192,  # windows of 64 characters, evenly spaced over the corpus
+    "val_size": 1024,
+    "length": 64,
+    "d_model": 64,
+    "layers": 2,
+    "init_batch_size": 16,
+    "optimizer": "adam",
+    "lr": 1e-3,
+    "rule": "adamscale",
+    "seed": 0,
+}
+#: The same problem with SGD and momentum under AdaScale (the floor's held-out case).
+CHARLM_SGD = {**CHARLM_ADAM, "optimizer": "sgd", "momentum": 0.9, "lr": 0.1, "rule": "adascale"}
+
+
 def train(
     cfg: dict[str, Any],
     model: Any,
@@ -516,7 +537,8 @@ def build_problem(
     """(cfg, model, batch_loss, evaluate) of the problem named in ``cfg``, seeded by it.
 
     For dyck with a ``target_excess`` the returned cfg adds ``optimal_loss`` (the
-    exact best loss of the validation draw) and ``target_loss``. ``batch_loss(net,
+    exact best loss of the validation draw) and ``target_loss``; for charlm it adds the
+    corpus's Python version and SHA-256 (`problems.python_source`). ``batch_loss(net,
     indices)`` and ``evaluate()`` are what `train` takes.
     """
     import torch.nn.functional as F
@@ -537,19 +559,28 @@ def build_problem(
             return classifier_eval(model, xv, yv)
 
         return cfg, model, batch_loss, evaluate
-    if cfg["problem"] != "dyck":
-        raise ValueError(f"problem must be 'shapes' or 'dyck', got {cfg['problem']!r}")
-    k, length = cfg["brackets"], cfg["length"]
-    tok_np, logp = problems.dyck(
-        n + n_val, length=length, k=k, max_depth=cfg["max_depth"], seed=cfg["seed"]
-    )
-    if "target_excess" in cfg:
-        # The target is a loss this far above the best possible one on this draw.
-        optimal = problems.dyck_optimal_loss(logp[n:])
-        cfg = {**cfg, "optimal_loss": optimal, "target_loss": optimal + cfg["target_excess"]}
-    tokens = torch.from_numpy(tok_np)
-    train_tok, val_tok = tokens[:n], tokens[n:]
-    vocab = 2 * k + 1
+    if cfg["problem"] == "charlm":
+        train_np, val_np, corpus = problems.python_source(
+            length=cfg["length"], val_size=n_val, train_size=n
+        )
+        # The corpus (Python version, SHA-256) goes into every result with the config.
+        cfg = {**cfg, **corpus}
+        train_tok, val_tok = torch.from_numpy(train_np), torch.from_numpy(val_np)
+        vocab, length = problems.VOCAB, cfg["length"]
+    elif cfg["problem"] == "dyck":
+        k, length = cfg["brackets"], cfg["length"]
+        tok_np, logp = problems.dyck(
+            n + n_val, length=length, k=k, max_depth=cfg["max_depth"], seed=cfg["seed"]
+        )
+        if "target_excess" in cfg:
+            # The target is a loss this far above the best possible one on this draw.
+            optimal = problems.dyck_optimal_loss(logp[n:])
+            cfg = {**cfg, "optimal_loss": optimal, "target_loss": optimal + cfg["target_excess"]}
+        tokens = torch.from_numpy(tok_np)
+        train_tok, val_tok = tokens[:n], tokens[n:]
+        vocab = 2 * k + 1
+    else:
+        raise ValueError(f"problem must be 'shapes', 'dyck' or 'charlm', got {cfg['problem']!r}")
     lm = dyck_lm(vocab, length, cfg["d_model"], cfg["layers"])
 
     def lm_loss(net: Any, idx: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ gradient-noise estimates (``sqr``, ``var``) along the scale-invariant progress.
 times from core's model with the fitted parameters, and the gradient statistics of
 the nearest measured point of progress (each point is one of the model's epochs).
 
-:func:`simulate_to_progress` runs one job of such a model through the real core (a
+:func:`simulate_to_progress` runs one job of such a model (or of any application
+model, a trace's included) through the real core (a
 ``Job`` with its loader, profiler, gradient-noise estimator and batch-size decision,
 every optimiser step through core's step contract, as `adaptdl.sim.replay` does) in
 simulated time, until its progress reaches one or more targets: with the job's own adaptive
@@ -178,7 +179,7 @@ def _targets(target_progress: float | Sequence[float]) -> list[float]:
 
 
 def simulate_to_progress(
-    app: ProfiledApplication,
+    app: ApplicationModel,
     target_progress: float | Sequence[float],
     *,
     replicas: int,
@@ -186,8 +187,9 @@ def simulate_to_progress(
     split: tuple[int, int] | None = None,
     rule: ScalingRule | None = None,
 ) -> ProgressRun:
-    """Run one job of ``app`` on ``replicas`` (over ``nodes``) until its progress
-    reaches ``target_progress`` (one target, or several in increasing order, each
+    """Run one job of ``app`` (any application model: a measured profile's, a
+    trace's) on ``replicas`` (over ``nodes``) until its progress reaches
+    ``target_progress`` (one target, or several in increasing order, each
     timed on the one run); return the simulated time it took.
 
     ``split`` None: the job's own adaptive decision (core's default, up to the
