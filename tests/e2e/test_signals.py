@@ -210,3 +210,60 @@ def test_a_batch_larger_than_a_replicas_share_with_drop_last_is_an_error_not_a_h
     text = run.log.read_text(errors="replace")
     assert "ValueError" in text and "drop_last" in text, run.output()
     assert f"{N} samples" in text, run.output()
+
+
+def checkpoint_labels(tmp: Path) -> list[str]:
+    return sorted(
+        (p.name for p in (tmp / "checkpoints").glob("ckpt-*")), key=lambda n: (len(n), n)
+    )
+
+
+@pytest.mark.parametrize(("nproc", "held"), [(2, True), (3, False)])
+def test_sigterm_during_an_evaluation_between_epochs_stops_every_replica_together(
+    tmp_path: Path, nproc: int, held: bool
+) -> None:
+    """Issue 39: SIGTERM while the program evaluates between epochs with an Accumulator.
+
+    ``held``: only rank 0 evaluates (as a busy machine holds one replica after it
+    printed an epoch's row), the others already wait at the next epoch. Every replica
+    must meet where the epoch loop moves on, checkpoint there and exit 143; the next
+    run resumes at the next epoch's first sample, and every sample is consumed once.
+    """
+    env = {"E2E_ACCUMULATOR": "1", "E2E_EVAL_SLEEP": "4", "ADAPTDL_CHECKPOINT_STEPS": "3"}
+    if held:
+        env["E2E_EVAL_RANK0"] = "1"
+    first = launch(tmp_path, 0, nproc, **env)
+    try:
+        first.wait_until(lambda records: any(r.get("evaluating") == 0 for r in records))
+        before = checkpoint_labels(tmp_path)
+        assert before, "no periodic checkpoint before the evaluation"
+        first.proc.send_signal(signal.SIGTERM)
+        try:
+            first.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within 60 s of the signal:\n{first.output()}")
+        deadline = time.monotonic() + 60
+        while len(exits(tmp_path, 0)) < nproc and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert exits(tmp_path, 0) == dict.fromkeys(range(nproc), 143), first.output()
+        assert_clean(first)
+        text = first.log.read_text(errors="replace")
+        assert "CollectiveError" not in text and "without a checkpoint" not in text, text
+        after = checkpoint_labels(tmp_path)
+        assert (len(after[-1]), after[-1]) > (len(before[-1]), before[-1]), (before, after)
+        assert newest_metadata(tmp_path)["finished_epochs"] == 1
+        assert "checkpointing in epoch 1" in text, first.output()
+    finally:
+        first.kill()
+    trained = [r for r in _records(tmp_path / "records", 0) if "indices" in r]
+    assert {r["epoch"] for r in trained} == {0}  # stopped before epoch 1 trained
+    second = launch(tmp_path, 1, 1, E2E_ACCUMULATOR="1")  # one replica: quicker
+    try:
+        assert second.wait() == 0, second.output()
+    finally:
+        second.kill()
+    resumed = [r for r in _records(tmp_path / "records", 1) if "indices" in r]
+    assert min((r["epoch"], r["index"]) for r in resumed) == (1, 0)
+    records = _records(tmp_path / "records")
+    for epoch in range(EPOCHS):
+        assert _consumed(records, epoch) == collections.Counter(range(N)), epoch
