@@ -165,13 +165,24 @@ def test_sigint_checkpoints_and_exits_130(tmp_path: Path) -> None:
     finish_and_check_exactly_once(tmp_path, 1)
 
 
-def test_sigterm_during_evaluation_ends_promptly_with_143(tmp_path: Path) -> None:
-    """Outside any training loop (an evaluation between epochs) SIGTERM is not swallowed."""
+@pytest.mark.parametrize("second", [False, True])
+def test_sigterm_during_a_long_evaluation_ends_within_the_stop_wait_with_143(
+    tmp_path: Path, second: bool
+) -> None:
+    """Outside any training loop (an evaluation between epochs of two minutes) SIGTERM is
+    not swallowed: the replicas wait ``ADAPTDL_STOP_WAIT`` seconds for each other, or
+    until a second SIGTERM, then rank 0 writes the checkpoint alone and all exit 143."""
 
     def evaluating(records: list[dict[str, Any]]) -> bool:
         return any("evaluating" in r for r in records)
 
-    stop(tmp_path, signal_agent(signal.SIGTERM), until=evaluating, E2E_EVAL_SLEEP="120")
+    if second:  # a scheduler insisting: the second signal ends the wait
+        send, wait = signal_agent(signal.SIGTERM, signal.SIGTERM, gap=2.0), "300"
+    else:
+        send, wait = signal_agent(signal.SIGTERM), "2"
+    stop(tmp_path, send, until=evaluating, E2E_EVAL_SLEEP="120", ADAPTDL_STOP_WAIT=wait)
+    text = (tmp_path / "torchrun-0.log").read_text(errors="replace")
+    assert ("second stop signal" if second else "did not meet within 2 s") in text, text
     finish_and_check_exactly_once(tmp_path, 1)
 
 

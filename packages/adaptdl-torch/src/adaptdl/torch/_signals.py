@@ -18,7 +18,6 @@ scheduler's signal would make the training process fail before it checkpoints.
 
 from __future__ import annotations
 
-import _thread
 import logging
 import os
 import signal
@@ -79,7 +78,11 @@ class _Handler:
     def _wake(self, signum: int) -> None:
         """On the timer's thread: have the main thread run `Job.stop_overdue`."""
         self.overdue.set()
-        _thread.interrupt_main(signal.Signals(signum))  # runs this handler in the main thread
+        # A real signal, to the main thread alone: it also wakes a blocking call (a
+        # sleep), which `_thread.interrupt_main` would leave to finish first.
+        main = threading.main_thread().ident
+        if main is not None:
+            signal.pthread_kill(main, signum)
 
     def cancel(self) -> None:
         if self.timer is not None:
