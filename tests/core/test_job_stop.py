@@ -340,6 +340,18 @@ def test_a_stop_whose_wait_ran_out_or_that_came_again_exits_at_once(second, capl
     assert "needs every replica" in line, line
 
 
+def test_a_stop_at_a_step_boundary_without_a_store_never_says_checkpointing(caplog):
+    job = Job()
+    loader = LoaderHelper(job, batch_size=2)
+    with caplog.at_level(logging.INFO, logger="adaptdl"), pytest.raises(Preempted):
+        for _ in job.remaining_epochs_until(1):
+            for _ in loader.iterate(8, drop_last_batches(8, 0, 1)):
+                job.request_stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "adaptdl.lifecycle"]
+    (line,) = [line for line in lines if line.startswith("stop requested")]
+    assert "without a checkpoint: no checkpoint path" in line, line
+
+
 def test_a_stop_overdue_inside_a_loop_or_during_a_checkpoint_is_left_to_them():
     job = Job(Topology(0, 1))
     job.request_stop()

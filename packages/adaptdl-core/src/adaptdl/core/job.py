@@ -52,6 +52,7 @@ _NOTHING = Boundary.of(False, False, False)  # a boundary that agreed on nothing
 # scancel's own signal): requests this close together count as one.
 SAME_STOP_SECONDS = 1.0
 OVERDUE_RETRY_SECONDS = 1.0  # an overdue stop that found a checkpoint being written
+_NO_STORE = "no checkpoint path (ADAPTDL_CHECKPOINT_PATH) is set"
 
 
 class Job(JobLoops):
@@ -430,7 +431,7 @@ class Job(JobLoops):
         together = self.topology.num_replicas == 1
         reason = None
         if self.store is None:
-            reason = "no checkpoint path (ADAPTDL_CHECKPOINT_PATH) is set"
+            reason = _NO_STORE
         elif epoch is None:
             reason = (
                 "the epoch loop has finished; its final checkpoint holds everything"
@@ -578,9 +579,13 @@ class Job(JobLoops):
         """Every replica at one boundary: checkpoint and raise `Preempted`."""
         self._stop_waiting_since = None  # acted on: a deadline now does nothing
         if self._rank0:
-            lifecycle.stopping(
-                epoch=self.epoch.current_epoch, steps=self.state.steps, exit_code=self._stop_code
-            )
+            epoch, steps, code = self.epoch.current_epoch, self.state.steps, self._stop_code
+            if self.store is None:
+                lifecycle.stopping_without_checkpoint(
+                    epoch=epoch, steps=steps, exit_code=code, reason=_NO_STORE
+                )
+            else:
+                lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
         self.checkpoint()
         self._committed()
         raise Preempted(self._stop_code)
