@@ -20,6 +20,14 @@ fault, chosen from :data:`KINDS`:
                     replicas and their DataLoader workers, 0 or 2 each), as Slurm's
                     ``scancel`` does; torchrun forwards it to the replicas again.
                     Every replica must checkpoint and exit 143; then a relaunch.
+``sigterm_between_loops``
+                    SIGTERM to torchrun while the program evaluates between epochs
+                    (inside an ``Accumulator``'s ``synchronized()``, every replica,
+                    or rank 0 alone while the others wait at the next epoch), at 2
+                    or 3 replicas: every replica must meet the others where the
+                    epoch loop moves on (or ends), checkpoint there with every
+                    sample consumed, and exit 143; the relaunch repeats no sample
+                    (issue 39).
 ``enospc``          the disk fills up during a checkpoint write (injected ENOSPC);
                     the job fails with a clear error, torchrun restarts it, and it
                     resumes from the previous complete checkpoint.
@@ -102,6 +110,7 @@ KINDS = (
     "double_sigterm",
     "double_sigterm_workers",
     "slurm_sigterm",
+    "sigterm_between_loops",
     "enospc",
     "sharded_write",
     "resize",
@@ -501,6 +510,33 @@ class Trial:
         self.result.detail += f" TERM to all {len(everyone)} ({workers} loader workers)"
         self.stopped(first)
         self.finish(Launch(self, self.procs(), max_restarts=0))
+
+    def sigterm_between_loops(self) -> None:
+        nproc = 2 + self.occurrence % 2
+        held = self.rng.random() < 0.5
+        epoch = self.rng.randrange(EPOCHS)
+        env = {"FAULTS_ACCUMULATOR": "1", "FAULTS_EVAL_SLEEP": "3"}
+        if held:
+            env["FAULTS_EVAL_RANK0"] = "1"
+        first = Launch(self, nproc, max_restarts=0, env=env)
+        first.pids()
+        first.wait_for(
+            f"rank 0 evaluating after epoch {epoch}",
+            lambda records: any(r.get("evaluating") == epoch and r["rank"] == 0 for r in records),
+        )
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        self.result.detail += f" TERM in eval {epoch} at {nproc}" + (
+            " (rank 0 held)" if held else ""
+        )
+        self.signal_torchrun(first, 1)
+        self.stopped(first)
+        self.finish(Launch(self, self.procs(), max_restarts=0, env={"FAULTS_ACCUMULATOR": "1"}))
+        self.analyse()
+        if self.result.repeated:
+            raise TrialFailure(
+                f"{self.result.repeated} samples were consumed again after a stop between "
+                "loops: the checkpoint was not taken where the replicas stopped"
+            )
 
     def node(self) -> None:
         # Each replica process stands before its step k+1 while the hold file exists.

@@ -26,6 +26,12 @@ library, by handing the library a faulty checkpoint storage (`FaultyStorage`):
     once a replica process took ``k`` steps (default 0), it waits before each
     further step, with its batch in hand, while ``path`` exists and no stop was
     requested: the harness changes the job's membership while it stands there.
+``FAULTS_ACCUMULATOR=1``, ``FAULTS_EVAL_SLEEP=<seconds>``, ``FAULTS_EVAL_RANK0=1``
+    the loop sums its losses in an ``Accumulator`` (a state every replica must save
+    together); after each epoch's loop the replicas "evaluate" inside its
+    ``synchronized()`` for that long, recording ``evaluating`` as they start (with
+    ``FAULTS_EVAL_RANK0=1`` only rank 0 does, as a busy machine holds one replica,
+    while the others go on to the next epoch).
 ``FAULTS_ENOSPC_AT=<k>``
     in the first attempt of a launch, the k-th file write into the checkpoint
     directory (1 is the writability probe at start) writes half of its bytes and
@@ -92,6 +98,9 @@ SHARD_ENOSPC_AT = (
 )
 SHARD_LOSE_AT = int(os.environ.get("FAULTS_SHARD_LOSE_AT", "0")) if RESTART == 0 else 0
 SHARD_VICTIM = int(os.environ.get("FAULTS_SHARD_VICTIM", "0"))
+ACCUMULATOR = os.environ.get("FAULTS_ACCUMULATOR") == "1"
+EVAL_SLEEP = float(os.environ.get("FAULTS_EVAL_SLEEP", "0"))
+EVAL_RANK0 = os.environ.get("FAULTS_EVAL_RANK0") == "1"
 
 
 class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -214,6 +223,7 @@ def main() -> None:
         model = torch.nn.Linear(4, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         adp = adl.AdaptiveDataParallel(model, optimizer)
+    sums = adl.Accumulator() if ACCUMULATOR else None
     name = f"run{RUN}-restart{RESTART}-rank{topo.rank}"
     path = RECORD_DIR / (f"{name}-node{NODE}-pid{os.getpid()}.jsonl" if NODE else f"{name}.jsonl")
     out = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by the OS on SIGKILL too)
@@ -318,9 +328,17 @@ def main() -> None:
                     padding=shard.is_padding(0, len(idx)).tolist(),
                     batch_size=helper.current_batch_size,
                 )
+                if sums is not None:
+                    sums["loss"] += loss.item()
                 if STEP_SLEEP:
                     time.sleep(STEP_SLEEP)
             record(epoch_end=epoch)
+            if sums is not None:
+                with sums.synchronized():
+                    if EVAL_SLEEP and (topo.rank == 0 or not EVAL_RANK0):
+                        record(evaluating=epoch)
+                        time.sleep(EVAL_SLEEP)
+                    sums.clear()
     except SystemExit as exc:
         record(exit=exc.code, replayed=job.replayed_samples)
         raise

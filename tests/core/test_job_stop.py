@@ -3,6 +3,8 @@ and a pass that can yield no batch."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 
 import pytest
@@ -21,7 +23,7 @@ from adaptdl.core.checkpoint import (
 from adaptdl.core.collective import run_replicas
 from adaptdl.core.config import JobConfig
 from adaptdl.core.epoch import EpochState
-from adaptdl.core.job import Job
+from adaptdl.core.job import OVERDUE_RETRY_SECONDS, Job
 from adaptdl.core.loader import LoaderHelper
 from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
@@ -177,12 +179,13 @@ def test_a_stop_between_loops_checkpoints_one_replica_and_exits():
 
 
 def stop_two_replicas_between_loops(store, *states):
-    """Two replicas, with ``states`` registered, stop after their first epoch's loop;
+    """Two replicas, with ``states`` registered, stop after their first epoch's loop
+    without waiting for each other (``stop_wait=0``, as when their wait ran out);
     rank 0 acts on the stop first, with rank 1 not taking part."""
     saved = threading.Event()
 
     def replica(collective):
-        job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        job = Job(Topology(collective.rank, 2), collective=collective, store=store, stop_wait=0)
         for state in states:
             job.register(state(job))
         loader = LoaderHelper(job, batch_size=4)
@@ -236,6 +239,186 @@ def test_a_stop_between_loops_writes_alone_only_what_rank_0_can_save_alone(alone
         assert store.load().entries["gathered"] == b'{"alone":true}'
     else:  # the state needs every replica: nothing written, the job resumes from before
         assert store.labels() == []
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def stop_rank_0_between_loops(store, *, at_epoch, then=None, epochs=3, loops=1):
+    """Two replicas with a collective state; after loop 0 of ``at_epoch`` rank 0 is asked
+    to stop (what the signal handler does) and runs ``then(job)``; returns what
+    `stop_outside_loop` returned on rank 0 and each replica's exit status."""
+    out = {}
+
+    def replica(collective):
+        job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        job.register(Gathered(False))
+        loader = LoaderHelper(job, batch_size=4)
+        try:
+            for epoch in job.remaining_epochs_until(epochs):
+                for loop in range(loops):
+                    list(loader.iterate(8, drop_last_batches(8, collective.rank, 2)))
+                    if collective.rank == 0 and (epoch, loop) == (at_epoch, 0):
+                        job.request_stop()
+                        out["wait"] = job.stop_outside_loop()
+                        if then is not None:
+                            then(job)
+        except Preempted as stopped:
+            out[collective.rank] = stopped.code
+            raise
+        out[collective.rank] = 0
+
+    with pytest.raises(Preempted):
+        run_replicas(2, replica)
+    # (The first replica to raise aborts the threads' group: the other may not get to.)
+    assert set(out) - {"wait"} and set(out.values()) - {out.get("wait")} == {143}, out
+    return out
+
+
+def test_a_stop_between_loops_of_several_replicas_waits_for_the_epoch_loop_to_move_on():
+    """Issue 39: rank 0 asked to stop during an evaluation, rank 1 already at the next
+    epoch: both checkpoint where the epoch loop moves on, the state of every replica in."""
+    store = MemoryCheckpointStore()
+    out = stop_rank_0_between_loops(store, at_epoch=0)
+    assert out["wait"] == 20.0
+    saved = store.load()
+    assert saved.metadata["finished_epochs"] == 1
+    assert json.loads(saved.entries["gathered"]) == {"synced": 1}  # synchronised together
+    again = Job(store=store)
+    loader = LoaderHelper(again, batch_size=4)
+    seen = [
+        list(loader.iterate(8, drop_last_batches(8, 0, 1)))
+        for _ in again.remaining_epochs_until(3)
+    ]
+    assert [len(batches) for batches in seen] == [2, 2]  # epochs 1 and 2, whole
+
+
+def test_a_stop_between_the_loops_of_an_epoch_checkpoints_in_the_next_loop():
+    store = MemoryCheckpointStore()
+    stop_rank_0_between_loops(store, at_epoch=1, loops=2)
+    saved = store.load()
+    assert saved.metadata["finished_epochs"] == 1
+    assert json.loads(saved.entries["adaptdl-job"])["in_loop"] is True
+
+
+def test_a_stop_during_the_last_evaluation_exits_after_the_final_checkpoint():
+    store = MemoryCheckpointStore()
+    stop_rank_0_between_loops(store, at_epoch=2)
+    assert store.load().metadata["finished_epochs"] == 3
+    assert len(store.labels()) == 1
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_a_stop_whose_wait_ran_out_or_that_came_again_exits_at_once(second, caplog):
+    """Rank 0 exits at once (nothing written: the collective state needs rank 1), and
+    the log says so and never "checkpointing"."""
+    store = MemoryCheckpointStore()
+
+    def then(job):
+        if second:
+            job.clock = Clock()
+            job._stop_waiting_since = 0.0
+            job.clock.now = 0.5  # the same stop, delivered twice: it still waits
+            assert job.stop_outside_loop() == pytest.approx(19.5)
+            job.clock.now = 2.0
+            job.stop_outside_loop()
+        else:
+            job.stop_overdue()
+
+    with caplog.at_level(logging.INFO, logger="adaptdl"):
+        out = stop_rank_0_between_loops(store, at_epoch=0, then=then)
+    assert out[0] == 143 and store.labels() == []
+    lines = [r.getMessage() for r in caplog.records if r.name == "adaptdl.lifecycle"]
+    assert not any("checkpointing" in line for line in lines), lines
+    (line,) = [line for line in lines if "without a checkpoint" in line]
+    assert ("second stop signal" if second else "within 20 s") in line, line
+    assert "needs every replica" in line, line
+
+
+def test_a_stop_at_a_step_boundary_without_a_store_never_says_checkpointing(caplog):
+    job = Job()
+    loader = LoaderHelper(job, batch_size=2)
+    with caplog.at_level(logging.INFO, logger="adaptdl"), pytest.raises(Preempted):
+        for _ in job.remaining_epochs_until(1):
+            for _ in loader.iterate(8, drop_last_batches(8, 0, 1)):
+                job.request_stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "adaptdl.lifecycle"]
+    (line,) = [line for line in lines if line.startswith("stop requested")]
+    assert "without a checkpoint: no checkpoint path" in line, line
+
+
+def test_a_stop_overdue_inside_a_loop_or_during_a_checkpoint_is_left_to_them():
+    job = Job(Topology(0, 1))
+    job.request_stop()
+    assert job.stop_overdue() is None  # no stop waits: nothing happens
+    job._stop_waiting_since = 0.0
+    loader = LoaderHelper(job, batch_size=2)
+    with loader.context():
+        assert job.stop_overdue() is None
+    job._checkpointing = True
+    assert job.stop_overdue() == OVERDUE_RETRY_SECONDS
+
+
+def test_a_collective_that_fails_while_stopping_exits_with_the_stop_status():
+    job = Job()
+    error = RuntimeError("Connection closed by peer")
+    assert job.collective_failed(error) is error
+    job.request_stop(130)
+    stopped = job.collective_failed(error)
+    assert isinstance(stopped, Preempted) and stopped.code == 130
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("where", ["before", "between", "after"])
+@pytest.mark.parametrize("collective_state", [False, True])
+@pytest.mark.parametrize("has_store", [False, True])
+def test_the_log_says_checkpointing_exactly_when_a_checkpoint_is_written(
+    replicas, where, collective_state, has_store, caplog
+):
+    """Every stop that acts at once outside a loop: "checkpointing" iff one is written."""
+    store = MemoryCheckpointStore() if has_store else None
+    first = threading.Event()
+
+    def replica(collective):
+        rank = collective.rank
+        job = Job(Topology(rank, replicas), collective=collective, store=store, stop_wait=0)
+        if collective_state:
+            job.register(Gathered(False))
+        loader = LoaderHelper(job, batch_size=2 * replicas)
+
+        def stop():
+            job.request_stop()
+            if rank == 0:  # first, alone: then its peer's exit cannot cut it short
+                try:
+                    job.stop_outside_loop()
+                finally:
+                    first.set()
+            assert first.wait(30)
+            job.stop_outside_loop()
+
+        if where == "before":
+            stop()
+        for _ in job.remaining_epochs_until(2):
+            list(loader.iterate(8, drop_last_batches(8, rank, replicas)))
+            if where == "between":
+                stop()
+        stop()
+
+    with caplog.at_level(logging.INFO, logger="adaptdl"), pytest.raises(Preempted):
+        run_replicas(replicas, replica)
+    lines = [r.getMessage() for r in caplog.records if r.name == "adaptdl.lifecycle"]
+    stops = [line for line in lines if line.startswith("stop requested")]
+    assert len(stops) == 1, lines
+    expected = where == "between" and has_store and (replicas == 1 or not collective_state)
+    assert ("checkpointing" in stops[0]) == expected, stops
+    assert ("without a checkpoint" in stops[0]) == (not expected), stops
+    if where == "between":
+        assert len(store.labels() if store is not None else []) == int(expected)
 
 
 def test_a_stop_before_any_epoch_writes_nothing():

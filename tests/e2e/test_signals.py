@@ -165,13 +165,24 @@ def test_sigint_checkpoints_and_exits_130(tmp_path: Path) -> None:
     finish_and_check_exactly_once(tmp_path, 1)
 
 
-def test_sigterm_during_evaluation_ends_promptly_with_143(tmp_path: Path) -> None:
-    """Outside any training loop (an evaluation between epochs) SIGTERM is not swallowed."""
+@pytest.mark.parametrize("second", [False, True])
+def test_sigterm_during_a_long_evaluation_ends_within_the_stop_wait_with_143(
+    tmp_path: Path, second: bool
+) -> None:
+    """Outside any training loop (an evaluation between epochs of two minutes) SIGTERM is
+    not swallowed: the replicas wait ``ADAPTDL_STOP_WAIT`` seconds for each other, or
+    until a second SIGTERM, then rank 0 writes the checkpoint alone and all exit 143."""
 
     def evaluating(records: list[dict[str, Any]]) -> bool:
         return any("evaluating" in r for r in records)
 
-    stop(tmp_path, signal_agent(signal.SIGTERM), until=evaluating, E2E_EVAL_SLEEP="120")
+    if second:  # a scheduler insisting: the second signal ends the wait
+        send, wait = signal_agent(signal.SIGTERM, signal.SIGTERM, gap=2.0), "300"
+    else:
+        send, wait = signal_agent(signal.SIGTERM), "2"
+    stop(tmp_path, send, until=evaluating, E2E_EVAL_SLEEP="120", ADAPTDL_STOP_WAIT=wait)
+    text = (tmp_path / "torchrun-0.log").read_text(errors="replace")
+    assert ("second stop signal" if second else "did not meet within 2 s") in text, text
     finish_and_check_exactly_once(tmp_path, 1)
 
 
@@ -210,3 +221,60 @@ def test_a_batch_larger_than_a_replicas_share_with_drop_last_is_an_error_not_a_h
     text = run.log.read_text(errors="replace")
     assert "ValueError" in text and "drop_last" in text, run.output()
     assert f"{N} samples" in text, run.output()
+
+
+def checkpoint_labels(tmp: Path) -> list[str]:
+    return sorted(
+        (p.name for p in (tmp / "checkpoints").glob("ckpt-*")), key=lambda n: (len(n), n)
+    )
+
+
+@pytest.mark.parametrize(("nproc", "held"), [(2, True), (3, False)])
+def test_sigterm_during_an_evaluation_between_epochs_stops_every_replica_together(
+    tmp_path: Path, nproc: int, held: bool
+) -> None:
+    """Issue 39: SIGTERM while the program evaluates between epochs with an Accumulator.
+
+    ``held``: only rank 0 evaluates (as a busy machine holds one replica after it
+    printed an epoch's row), the others already wait at the next epoch. Every replica
+    must meet where the epoch loop moves on, checkpoint there and exit 143; the next
+    run resumes at the next epoch's first sample, and every sample is consumed once.
+    """
+    env = {"E2E_ACCUMULATOR": "1", "E2E_EVAL_SLEEP": "4", "ADAPTDL_CHECKPOINT_STEPS": "3"}
+    if held:
+        env["E2E_EVAL_RANK0"] = "1"
+    first = launch(tmp_path, 0, nproc, **env)
+    try:
+        first.wait_until(lambda records: any(r.get("evaluating") == 0 for r in records))
+        before = checkpoint_labels(tmp_path)
+        assert before, "no periodic checkpoint before the evaluation"
+        first.proc.send_signal(signal.SIGTERM)
+        try:
+            first.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end within 60 s of the signal:\n{first.output()}")
+        deadline = time.monotonic() + 60
+        while len(exits(tmp_path, 0)) < nproc and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert exits(tmp_path, 0) == dict.fromkeys(range(nproc), 143), first.output()
+        assert_clean(first)
+        text = first.log.read_text(errors="replace")
+        assert "CollectiveError" not in text and "without a checkpoint" not in text, text
+        after = checkpoint_labels(tmp_path)
+        assert (len(after[-1]), after[-1]) > (len(before[-1]), before[-1]), (before, after)
+        assert newest_metadata(tmp_path)["finished_epochs"] == 1
+        assert "checkpointing in epoch 1" in text, first.output()
+    finally:
+        first.kill()
+    trained = [r for r in _records(tmp_path / "records", 0) if "indices" in r]
+    assert {r["epoch"] for r in trained} == {0}  # stopped before epoch 1 trained
+    second = launch(tmp_path, 1, 1, E2E_ACCUMULATOR="1")  # one replica: quicker
+    try:
+        assert second.wait() == 0, second.output()
+    finally:
+        second.kill()
+    resumed = [r for r in _records(tmp_path / "records", 1) if "indices" in r]
+    assert min((r["epoch"], r["index"]) for r in resumed) == (1, 0)
+    records = _records(tmp_path / "records")
+    for epoch in range(EPOCHS):
+        assert _consumed(records, epoch) == collections.Counter(range(N)), epoch

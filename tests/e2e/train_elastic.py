@@ -12,11 +12,16 @@ sharding calls padding, and the loss. At the start of each run and at the end of
 each epoch rank 0 also records the loss over the whole dataset, and every replica
 records how it exited. ``E2E_EVAL_SLEEP`` and ``E2E_POST_SLEEP`` add an
 "evaluation" after each epoch's loop and "post-processing" after the epoch loop
-(each recorded as it starts), where no training loop runs.
+(each recorded as it starts), where no training loop runs. With ``E2E_ACCUMULATOR=1``
+the loop sums its losses in an ``Accumulator`` (a state every replica must save
+together) and the evaluation runs inside its ``synchronized()``; with
+``E2E_EVAL_RANK0=1`` only rank 0 evaluates that long (as a busy machine holds one
+replica), the others going on to the next epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,6 +53,8 @@ FSDP = os.environ.get("E2E_FSDP") == "1"
 DROP_LAST = os.environ.get("E2E_DROP_LAST", "") == "1"
 EVAL_SLEEP = float(os.environ.get("E2E_EVAL_SLEEP", "0"))  # after each epoch's loop
 POST_SLEEP = float(os.environ.get("E2E_POST_SLEEP", "0"))  # after the epoch loop
+ACCUMULATOR = os.environ.get("E2E_ACCUMULATOR") == "1"
+EVAL_RANK0 = os.environ.get("E2E_EVAL_RANK0") == "1"
 # The label noise: a noisier target has a larger gradient noise scale, which makes a
 # larger batch worth its cost early (tests that must see the batch size grow raise it).
 NOISE = float(os.environ.get("E2E_NOISE", "0.05"))
@@ -148,6 +155,7 @@ def main() -> None:
         adp = AdaptiveFSDP(model, optimizer, lr_scheduler=scheduler)
     else:
         adp = adl.AdaptiveDataParallel(model, optimizer, scheduler)
+    sums = adl.Accumulator() if ACCUMULATOR else None
     path = os.path.join(RECORD_DIR, f"run{RUN}-rank{topo.rank}.jsonl")
     with open(path, "a", encoding="utf-8") as out:
 
@@ -193,13 +201,16 @@ def main() -> None:
                         loss=loss.item(),
                         batch_size=helper.current_batch_size,
                     )
+                    if sums is not None:
+                        sums["loss"] += loss.item()
                     if STEP_SLEEP:
                         time.sleep(STEP_SLEEP)
                 scheduler.step()
                 record(epoch_end=epoch, full_loss=full_loss())
-                if EVAL_SLEEP:
-                    record(evaluating=epoch)
-                    time.sleep(EVAL_SLEEP)
+                with sums.synchronized() if sums is not None else contextlib.nullcontext():
+                    if EVAL_SLEEP and (topo.rank == 0 or not EVAL_RANK0):
+                        record(evaluating=epoch)
+                        time.sleep(EVAL_SLEEP)
             record(post=True, finished_epochs=adl.finished_epochs())
             if POST_SLEEP:
                 time.sleep(POST_SLEEP)

@@ -79,8 +79,15 @@ if r != 0:
         results["timeout"] = "no error"
     except CollectiveError as exc:
         results["timeout"] = type(exc).__name__
+    # What a failure raises is the job's to say (a stopping replica exits instead).
+    c.failed = lambda error: SystemExit(f"stopping after {type(error).__name__}")
+    try:
+        c.broadcast(1)
+        results["failed_hook"] = "no error"
+    except SystemExit as exc:
+        results["failed_hook"] = str(exc.code)
 with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w", encoding="utf-8") as out:
     json.dump(results, out)
 if r == 0:
-    time.sleep(6)  # alive but absent from the last allreduce: the others time out
+    time.sleep(9)  # alive but absent from the last two operations: the others time out
 os._exit(0)

@@ -67,4 +67,5 @@ def test_three_replicas_agree_and_time_out_on_a_missing_peer(tmp_path: Path) -> 
         assert res["async_large"] == 5000
         assert res["held_after_return"] == 0
         assert res.get("timeout") == (None if r == 0 else "CollectiveTimeout")
+        assert res.get("failed_hook", "").startswith("" if r == 0 else "stopping after Collective")
     assert not dist.is_initialized()

@@ -131,7 +131,8 @@ class SavableAlone(State, Protocol):
 
     A `CollectiveState` (or a `~adaptdl.core.shardedfiles.FileState`) needs every
     replica to save it; where the replicas are not at one agreed point (a stop
-    outside any loop, `Job.stop_outside_loop`), rank 0 may still write a checkpoint
+    outside any loop that could not wait for them, `Job.stop_overdue`), rank 0 may
+    still write a checkpoint
     alone if each such state is also a `SavableAlone`: its entry is then
     :meth:`bytes_alone`, not :meth:`to_bytes`.
     """

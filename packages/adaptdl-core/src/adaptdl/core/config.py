@@ -24,7 +24,8 @@ restarts             ``ADAPTDL_NUM_RESTARTS``  ``TORCHELASTIC_RESTART_COUNT``
 nodes variable, nodes are ``ceil(replicas / LOCAL_WORLD_SIZE)``. The rest are
 AdaptDL's alone: ``ADAPTDL_CHECKPOINT_PATH``, ``ADAPTDL_SHARE_PATH``,
 ``ADAPTDL_JOB_ID``, ``ADAPTDL_CHECKPOINT_INTERVAL``, ``ADAPTDL_CHECKPOINT_STEPS``,
-``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_ALLOW_MISSING_STATE``, ``ADAPTDL_LOG_LEVEL``;
+``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_STOP_WAIT``, ``ADAPTDL_ALLOW_MISSING_STATE``,
+``ADAPTDL_LOG_LEVEL``;
 and torchrun's rendezvous: ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_USE_AGENT_STORE``. An empty variable counts as unset.
 """
@@ -45,6 +46,7 @@ __all__ = [
     "DEFAULT_CHECKPOINT_INTERVAL",
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_LOG_LEVEL",
+    "DEFAULT_STOP_WAIT",
     "ENV_VARS",
     "LOG_LEVELS",
     "JobConfig",
@@ -64,6 +66,7 @@ JOB_ID_VAR = "ADAPTDL_JOB_ID"
 CHECKPOINT_INTERVAL_VAR = "ADAPTDL_CHECKPOINT_INTERVAL"
 CHECKPOINT_STEPS_VAR = "ADAPTDL_CHECKPOINT_STEPS"
 COLLECTIVE_TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
+STOP_WAIT_VAR = "ADAPTDL_STOP_WAIT"
 ALLOW_MISSING_STATE_VAR = "ADAPTDL_ALLOW_MISSING_STATE"
 MASTER_ADDR_VAR = "MASTER_ADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
@@ -83,6 +86,7 @@ ENV_VARS: tuple[str, ...] = (
     CHECKPOINT_INTERVAL_VAR,
     CHECKPOINT_STEPS_VAR,
     COLLECTIVE_TIMEOUT_VAR,
+    STOP_WAIT_VAR,
     ALLOW_MISSING_STATE_VAR,
     LOG_LEVEL_VAR,
     MASTER_ADDR_VAR,
@@ -96,6 +100,11 @@ DEFAULT_CHECKPOINT_INTERVAL = 600.0
 
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 """Seconds a collective waits for a peer when ``ADAPTDL_COLLECTIVE_TIMEOUT`` is unset."""
+
+DEFAULT_STOP_WAIT = 20.0
+"""Seconds a stop outside any loop waits for the replicas to meet when ``ADAPTDL_STOP_WAIT``
+is unset: well inside the 30 s that torchrun, Kubernetes and Slurm give a signalled process
+before they kill it, leaving time for the checkpoint."""
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """The values ``ADAPTDL_LOG_LEVEL`` takes (in any case): the level of the ``adaptdl`` logger."""
@@ -135,6 +144,7 @@ class JobConfig:
     checkpoint_every_seconds: float | None = attrs.field(default=DEFAULT_CHECKPOINT_INTERVAL)
     checkpoint_every_steps: int | None = attrs.field(default=None)
     collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT)
+    stop_wait: float = attrs.field(default=DEFAULT_STOP_WAIT)
     master_addr: str | None = None
     master_port: int | None = attrs.field(default=None)
     elastic_restart: int | None = attrs.field(default=None)
@@ -173,6 +183,10 @@ class JobConfig:
             "collective_timeout", value, min=MIN_COLLECTIVE_TIMEOUT, max=MAX_COLLECTIVE_TIMEOUT
         )
 
+    @stop_wait.validator
+    def _check_stop_wait(self, attribute: attrs.Attribute[float], value: float) -> None:
+        check_float("stop_wait", value, min=0.0, max=MAX_COLLECTIVE_TIMEOUT)
+
     @checkpoint_path.validator
     def _check_path(self, attribute: attrs.Attribute[str | None], value: str | None) -> None:
         if value is not None and value != value.strip():
@@ -209,6 +223,7 @@ class JobConfig:
             checkpoint_every_seconds=_read_interval(env),
             checkpoint_every_steps=_read_steps(env),
             collective_timeout=_read_timeout(env),
+            stop_wait=_read_stop_wait(env),
             master_addr=master_addr,
             # Only a configured rendezvous uses the port (torchrun sets both).
             master_port=_read_port(env) if master_addr is not None else None,
@@ -342,6 +357,18 @@ def _read_timeout(env: Mapping[str, str]) -> float:
         f"a number of seconds between {MIN_COLLECTIVE_TIMEOUT:g} and {MAX_COLLECTIVE_TIMEOUT:.0f}",
     )
     return DEFAULT_COLLECTIVE_TIMEOUT if seconds is None else seconds
+
+
+def _read_stop_wait(env: Mapping[str, str]) -> float:
+    seconds = _read(
+        env,
+        STOP_WAIT_VAR,
+        float,
+        lambda v: 0 <= v <= MAX_COLLECTIVE_TIMEOUT,
+        f"a number of seconds between 0 and {MAX_COLLECTIVE_TIMEOUT:.0f} (0: a stop outside "
+        "a loop does not wait for the replicas to meet)",
+    )
+    return DEFAULT_STOP_WAIT if seconds is None else seconds
 
 
 def _read_port(env: Mapping[str, str]) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from adaptdl.core import lifecycle
-from adaptdl.core._validate import check_int
+from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.boundary import (
     EXIT_CODE_PREEMPTED,
@@ -24,6 +24,7 @@ from adaptdl.core.checkpoint import (
     State,
 )
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
+from adaptdl.core.config import DEFAULT_STOP_WAIT
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.jobloops import JobLoops
 from adaptdl.core.jobstate import JobState
@@ -47,6 +48,11 @@ __all__ = ["Job"]
 
 LOG = logging.getLogger("adaptdl.core.job")
 _NOTHING = Boundary.of(False, False, False)  # a boundary that agreed on nothing
+# A scheduler's one stop may reach a process twice at once (torchrun's forward and
+# scancel's own signal): requests this close together count as one.
+SAME_STOP_SECONDS = 1.0
+OVERDUE_RETRY_SECONDS = 1.0  # an overdue stop that found a checkpoint being written
+_NO_STORE = "no checkpoint path (ADAPTDL_CHECKPOINT_PATH) is set"
 
 
 class Job(JobLoops):
@@ -68,6 +74,7 @@ class Job(JobLoops):
         checkpoint_policy: CheckpointPolicy | None = None,
         journal: Journal | None = None,
         allow_missing_state: Collection[str] = (),
+        stop_wait: float = DEFAULT_STOP_WAIT,
     ) -> None:
         self.topology = topology or Topology()
         self.allow_missing_state = frozenset(allow_missing_state)
@@ -104,6 +111,11 @@ class Job(JobLoops):
         self._sync_time = 0.0
         self._stop_requested = False
         self._stop_code = EXIT_CODE_PREEMPTED
+        self.stop_wait = check_float("stop_wait", stop_wait, min=0.0)
+        # A stop requested outside any loop, waiting for the replicas to meet: when it
+        # was requested (None: none waits).
+        self._stop_waiting_since: float | None = None
+        self._trained = False  # the epoch loop ended and agreed: nothing left to save
         self._checkpointing = False
         self._finishing = False
         # The reduction started at the last step boundary; with one replica, its result.
@@ -350,48 +362,145 @@ class Job(JobLoops):
         """Whether a checkpoint is being written (a stop must let it finish first)."""
         return self._checkpointing or self._finishing
 
-    def stop_outside_loop(self) -> None:
-        """Act on a stop requested where no loop runs: checkpoint if it is meaningful, exit.
+    def stop_outside_loop(self) -> float | None:
+        """Decide what a stop requested where no loop runs does (`request_stop` first).
 
-        Inside an epoch, between its loops (an evaluation), every loop that ran
-        ended at a boundary all replicas agreed (`end_loop`), so the states are
-        complete and alike: one replica checkpoints as usual; of several, which
-        are not at one agreed point here, rank 0 writes the checkpoint alone,
-        without a collective, unless a state needs one (a `CollectiveState` or
-        `FileState` that is not `SavableAlone`: then the job resumes from its
-        newest checkpoint). Before the first epoch and
-        after the last (a finished training wrote its own, see
-        `remaining_epochs_until`) nothing is written. Raises `Preempted`.
+        One replica checkpoints at once (inside an epoch) and exits. Several replicas
+        are not at one agreed point here, and a collective state (an `Accumulator`)
+        needs every one of them to save it, so the stop waits for the next point
+        every replica reaches: the next loop's step boundaries (`step_boundary`),
+        its end (`end_loop`), or where the epoch loop moves on or ends
+        (`remaining_epochs_until`); there every replica checkpoints and exits.
+        Returns the seconds it may wait (``stop_wait``), after which the caller
+        calls `stop_overdue`. It does not wait where no such point will come: after
+        the epoch loop ended (its final checkpoint holds everything), when
+        ``stop_wait`` is 0, or on a further request at least `SAME_STOP_SECONDS`
+        after the first (a scheduler insisting: Slurm's second SIGTERM); then it acts
+        as `stop_overdue` does. Raises `Preempted` when it acts now.
         """
+        if self.topology.num_replicas == 1:
+            self._stop_now("")
+        now = self.clock()
+        if self._stop_waiting_since is not None:
+            if now - self._stop_waiting_since < SAME_STOP_SECONDS:
+                return self._stop_waiting_since + self.stop_wait - now  # the same stop
+            self._stop_now("a second stop signal came while the replicas had not met")
+        if self._trained:
+            self._stop_now("")
+        if self.stop_wait == 0:
+            self._stop_now("ADAPTDL_STOP_WAIT=0: a stop outside a loop does not wait")
+        self._stop_waiting_since = now
         if self._rank0:
-            lifecycle.stopping(
-                epoch=self.epoch.current_epoch, steps=self.state.steps, exit_code=self._stop_code
+            lifecycle.stop_waits(
+                epoch=self.epoch.current_epoch,
+                steps=self.state.steps,
+                exit_code=self._stop_code,
+                seconds=self.stop_wait,
             )
-        if self.store is not None and self.epoch.current_epoch is not None:
-            if self.topology.num_replicas == 1:
-                self.checkpoint()
-            elif any(
-                isinstance(s, (CollectiveState, FileState)) and not isinstance(s, SavableAlone)
-                for s in self._states.values()
-            ):
-                LOG.warning(
-                    "stopped outside a training loop: no checkpoint (a state needs every "
-                    "replica to save it); the job resumes from the newest checkpoint"
+        return self.stop_wait
+
+    def stop_overdue(self) -> float | None:
+        """``stop_wait`` seconds after a stop outside any loop: act on it if still waiting.
+
+        Nothing happens when no stop waits or a loop runs (it acts at its next step
+        boundary); while a checkpoint is being written, returns the seconds after
+        which to ask again (`OVERDUE_RETRY_SECONDS`), else None. Otherwise the
+        replicas did not meet in time: the process exits now, after rank 0 wrote a
+        checkpoint alone if every state can be saved by one replica (`SavableAlone`);
+        a state that needs every replica (an `Accumulator`) means no checkpoint and
+        the job resumes from its newest. Raises `Preempted` when it acts.
+        """
+        if self._stop_waiting_since is None or self.current_loader is not None:
+            return None
+        if self.stop_deferred:
+            return OVERDUE_RETRY_SECONDS
+        self._stop_now(f"the replicas did not meet within {self.stop_wait:g} s")
+
+    def _stop_now(self, why: str) -> NoReturn:
+        """Exit at once, writing what one replica can write here; ``why`` it cannot wait.
+
+        Inside an epoch, between its loops, every loop that ran ended at a boundary
+        all replicas agreed (`end_loop`), so the states are complete and alike: one
+        replica checkpoints as usual; of several, rank 0 writes the checkpoint alone,
+        without a collective, unless a state needs one (a `CollectiveState` or
+        `FileState` that is not `SavableAlone`). Before the first epoch and after
+        the last (a finished training wrote its own) nothing is written.
+        """
+        self._stop_waiting_since = None
+        epoch, steps, code = self.epoch.current_epoch, self.state.steps, self._stop_code
+        together = self.topology.num_replicas == 1
+        reason = None
+        if self.store is None:
+            reason = _NO_STORE
+        elif epoch is None:
+            reason = (
+                "the epoch loop has finished; its final checkpoint holds everything"
+                if self._trained
+                else "no epoch is running (nothing trained since the newest checkpoint)"
+            )
+        elif not together and any(
+            isinstance(s, (CollectiveState, FileState)) and not isinstance(s, SavableAlone)
+            for s in self._states.values()
+        ):
+            reason = (
+                f"{why}, and a state (an Accumulator or sharded files) needs every replica "
+                "to save it; the job resumes from the newest checkpoint"
+            )
+        if reason is not None:
+            if self._rank0:
+                lifecycle.stopping_without_checkpoint(
+                    epoch=epoch, steps=steps, exit_code=code, reason=reason
                 )
-            elif self.topology.rank == 0:
-                self._checkpointing = True  # a second signal must not cut the write short
-                try:
-                    self.state.in_loop = False
-                    self._save(
-                        {
-                            name: s.bytes_alone() if isinstance(s, SavableAlone) else s.to_bytes()
-                            for name, s in self._states.items()
-                        }
-                    )
-                finally:
-                    self._checkpointing = False
+            raise Preempted(code)
+        if together:
+            if self._rank0:
+                lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
+            self.checkpoint()
+            self._committed()
+            raise Preempted(code)
+        if self._rank0:
+            LOG.warning("%s: rank 0 writes the checkpoint alone", why)
+            lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
+            self._checkpointing = True  # a second signal must not cut the write short
+            try:
+                self.state.in_loop = False
+                self._save(
+                    {
+                        name: s.bytes_alone() if isinstance(s, SavableAlone) else s.to_bytes()
+                        for name, s in self._states.items()
+                    }
+                )
+            finally:
+                self._checkpointing = False
         self._committed(together=False)  # the replicas are not at one point here
-        raise Preempted(self._stop_code)
+        raise Preempted(code)
+
+    def collective_failed(self, error: BaseException) -> BaseException:
+        """What to raise for a collective that failed with ``error``.
+
+        A replica asked to stop whose peer left (it stopped first: its wait ran out,
+        or a second signal came) exits with the stop's status, `Preempted`, instead
+        of a traceback: the peer's exit was the stop, not a failure. Else ``error``.
+        """
+        if not self._stop_requested:
+            return error
+        LOG.warning(
+            "a collective failed while this replica was stopping (%s): a peer stopped "
+            "first; exiting with status %d without a checkpoint",
+            error,
+            self._stop_code,
+        )
+        self._stop_waiting_since = None
+        stopped = Preempted(self._stop_code)
+        stopped.__cause__ = error
+        return stopped
+
+    def _agree_stop(self) -> bool:
+        """At a point every replica reaches: whether any of them was asked to stop."""
+        stop = self._stop_requested
+        if not self._one_replica:
+            stop = bool(self.collective.allreduce([stop], logical_or)[0])
+        return stop
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
         """Called after every optimiser step, on every replica, at the same points.
@@ -468,10 +577,15 @@ class Job(JobLoops):
 
     def _stop_here(self) -> NoReturn:
         """Every replica at one boundary: checkpoint and raise `Preempted`."""
+        self._stop_waiting_since = None  # acted on: a deadline now does nothing
         if self._rank0:
-            lifecycle.stopping(
-                epoch=self.epoch.current_epoch, steps=self.state.steps, exit_code=self._stop_code
-            )
+            epoch, steps, code = self.epoch.current_epoch, self.state.steps, self._stop_code
+            if self.store is None:
+                lifecycle.stopping_without_checkpoint(
+                    epoch=epoch, steps=steps, exit_code=code, reason=_NO_STORE
+                )
+            else:
+                lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
         self.checkpoint()
         self._committed()
         raise Preempted(self._stop_code)
@@ -505,8 +619,7 @@ class Job(JobLoops):
         training boundary. Raises `Preempted` after checkpointing on a stop.
         """
         agreed = self._settle()
-        stop = self.collective.allreduce([agreed.stop or self._stop_requested], logical_or)[0]
-        if stop:
+        if self.collective.allreduce([agreed.stop or self._stop_requested], logical_or)[0]:
             self._stop_here()
         if agreed.checkpoint:
             self.checkpoint()
@@ -524,8 +637,13 @@ class Job(JobLoops):
         return self._epochs(self.epoch.remaining_epochs_until(epoch))
 
     def _epochs(self, epochs: Iterator[int]) -> Iterator[int]:
+        self._trained = False
         ran = False
         for current in epochs:
+            # Where the epoch loop moves on every replica meets: a stop requested
+            # between loops (an evaluation) checkpoints here, the epoch before finished.
+            if ran and self._agree_stop():
+                self._stop_here()
             ran = True
             yield current
         self._finishing = True  # a stop now waits for the final checkpoint
@@ -536,7 +654,11 @@ class Job(JobLoops):
                 self._committed()
         finally:
             self._finishing = False
-        if self._stop_requested:
+        stop = self._agree_stop()
+        self._trained = True  # from here on a stop has nothing to save and exits at once
+        if stop:
+            if self._rank0:
+                lifecycle.stopped_after_training(steps=self.state.steps, exit_code=self._stop_code)
             raise Preempted(self._stop_code)
 
     def on_drain(self, drain: Callable[[], None]) -> None:

@@ -49,7 +49,7 @@ def loop_resumed(name: str, *, epoch: int, index: int, dataset_len: int) -> None
 
 def checkpoint_written(where: str, *, seconds: float, epoch: int | None, steps: int) -> None:
     """Checkpoint ``where`` was written in ``seconds`` (all replicas, barrier included)."""
-    at = "between epochs" if epoch is None else f"in epoch {epoch}"
+    at = _at(epoch)
     LOG.info("checkpoint %s written in %.3f s %s, at step %d", where, seconds, at, steps)
 
 
@@ -80,16 +80,64 @@ def batch_size_changed(
     )
 
 
-def stopping(*, epoch: int | None, steps: int, exit_code: int) -> None:
-    """A stop was requested (a signal): the job checkpoints now and exits with ``exit_code``."""
-    at = "between epochs" if epoch is None else f"in epoch {epoch}"
-    cause = {EXIT_CODE_PREEMPTED: "SIGTERM", EXIT_CODE_INTERRUPTED: "SIGINT"}.get(
+def _cause(exit_code: int) -> str:
+    return {EXIT_CODE_PREEMPTED: "SIGTERM", EXIT_CODE_INTERRUPTED: "SIGINT"}.get(
         exit_code, "requested"
     )
+
+
+def _at(epoch: int | None) -> str:
+    return "between epochs" if epoch is None else f"in epoch {epoch}"
+
+
+def stopping(*, epoch: int | None, steps: int, exit_code: int) -> None:
+    """A stop was requested (a signal): the job checkpoints now and exits with ``exit_code``.
+
+    Said only where a checkpoint follows; `stopping_without_checkpoint` says the rest.
+    """
     LOG.info(
         "stop requested (%s): checkpointing %s at step %d, then exiting with status %d",
-        cause,
-        at,
+        _cause(exit_code),
+        _at(epoch),
+        steps,
+        exit_code,
+    )
+
+
+def stop_waits(*, epoch: int | None, steps: int, exit_code: int, seconds: float) -> None:
+    """A stop outside any loop waits for a point every replica reaches, ``seconds`` at most."""
+    LOG.info(
+        "stop requested (%s) outside a loop %s at step %d: waiting up to %.0f s for every "
+        "replica to reach the next loop's step boundary or the next epoch, to write a "
+        "checkpoint there together; then exiting with status %d",
+        _cause(exit_code),
+        _at(epoch),
+        steps,
+        seconds,
+        exit_code,
+    )
+
+
+def stopping_without_checkpoint(
+    *, epoch: int | None, steps: int, exit_code: int, reason: str
+) -> None:
+    """A stop ends the process with ``exit_code`` and writes no checkpoint, for ``reason``."""
+    LOG.info(
+        "stop requested (%s): exiting with status %d %s at step %d without a checkpoint: %s",
+        _cause(exit_code),
+        exit_code,
+        _at(epoch),
+        steps,
+        reason,
+    )
+
+
+def stopped_after_training(*, steps: int, exit_code: int) -> None:
+    """A stop requested during the last epoch acts once the final checkpoint is written."""
+    LOG.info(
+        "stop requested (%s): the epoch loop's final checkpoint is written (step %d); "
+        "exiting with status %d",
+        _cause(exit_code),
         steps,
         exit_code,
     )

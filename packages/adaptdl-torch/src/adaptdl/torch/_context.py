@@ -73,8 +73,9 @@ def init_process_group(
     to let go. Every environment variable is read here, once, by
     `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
     replica checkpoint at the next optimiser step and exit with status 143, SIGINT
-    likewise with 130; outside a training loop they end the process at once
-    (see `adaptdl.torch._signals`).
+    likewise with 130; outside a training loop the replicas stop together at the next
+    point they all reach, within ``ADAPTDL_STOP_WAIT`` seconds (see
+    `adaptdl.torch._signals`).
 
     When an adaptdl.torch object made before this call (an `AdaptiveDataLoader`,
     the seed tutorial's order) already initialised the job with the default
@@ -145,6 +146,7 @@ def init_process_group(
             checkpoint_policy=policy,
             journal=journal,
             allow_missing_state=config.allow_missing_state,
+            stop_wait=config.stop_wait,
         )
     except BaseException:
         # A failed restore must not leave this process holding the directory: a retry
@@ -154,6 +156,7 @@ def init_process_group(
             _locked = None
         raise
     _job.register(RngState(_job), allow_missing=True)  # checkpoints older than RNG states
+    collective.failed = _job.collective_failed
     _signals.install(lambda: _job)
 
 

@@ -4,9 +4,12 @@ A scheduler stops a job with SIGTERM, possibly several times and to every proces
 at once (torchrun forwards each one it gets to its replicas' process groups;
 Slurm's ``scancel`` signals every process of the step); an operator presses
 Ctrl-C (SIGINT). In the training process the signal asks the job to stop: inside
-a loop at the next step boundary, after a checkpoint; outside any loop at once
-(`adaptdl.core.job.Job.stop_outside_loop`); never in the middle of a checkpoint.
-The exit status is 128 + the signal: 143 for SIGTERM, 130 for SIGINT.
+a loop at the next step boundary, after a checkpoint; outside any loop core decides
+(`adaptdl.core.job.Job.stop_outside_loop`): one replica checkpoints at once, several
+wait for the next point they all reach, for ``ADAPTDL_STOP_WAIT`` seconds at most,
+after which a timer here wakes the main thread (`Job.stop_overdue`); never in the
+middle of a checkpoint. The exit status is 128 + the signal: 143 for SIGTERM, 130
+for SIGINT.
 
 A DataLoader worker ignores both unless they come from its training process
 (which ends its workers itself) or that process is gone: a worker killed by the
@@ -40,6 +43,9 @@ class _Handler:
         self.job = job
         self.pid = os.getpid()
         self.previous: dict[int, Any] = {}
+        # Set by the timer of a stop that waits: the next call is its wake-up, not a signal.
+        self.overdue = threading.Event()
+        self.timer: threading.Timer | None = None
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self.pid:
@@ -51,11 +57,37 @@ class _Handler:
         job = self.job()
         if job is None:
             return
+        if self.overdue.is_set():
+            self.overdue.clear()
+            self.timer = None
+            self._arm(job.stop_overdue(), signum)
+            return
         job.request_stop(128 + signum)
         if job.current_loader is None and not job.stop_deferred:
-            # No loop will reach a step boundary to act on it: act now.
-            LOG.warning("%s outside a training loop: stopping", signal.Signals(signum).name)
-            job.stop_outside_loop()
+            # No loop runs to reach a step boundary: core decides (at once, or wait).
+            self._arm(job.stop_outside_loop(), signum)
+
+    def _arm(self, seconds: float | None, signum: int) -> None:
+        """Wake the main thread in ``seconds`` (None: not at all) to ask core again."""
+        if seconds is None or self.timer is not None:
+            return
+        self.timer = threading.Timer(seconds, self._wake, args=(signum,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _wake(self, signum: int) -> None:
+        """On the timer's thread: have the main thread run `Job.stop_overdue`."""
+        self.overdue.set()
+        # A real signal, to the main thread alone: it also wakes a blocking call (a
+        # sleep), which `_thread.interrupt_main` would leave to finish first.
+        main = threading.main_thread().ident
+        if main is not None:
+            signal.pthread_kill(main, signum)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 _installed: _Handler | None = None
@@ -90,6 +122,7 @@ def restore() -> None:
     """Put back the handlers `install` replaced."""
     global _installed
     if _installed is not None:
+        _installed.cancel()
         for signum, previous in _installed.previous.items():
             signal.signal(signum, previous)
         _installed = None

@@ -73,14 +73,19 @@ def _fits(length: int) -> bool:
     return length <= _SLOT - _HEADER
 
 
-def _translate(exc: Exception, what: str) -> CollectiveError:
+def _translate(collective: TorchCollective, exc: Exception, what: str) -> BaseException:
+    """The error to raise for ``exc``: a `CollectiveError`, unless ``collective.failed``
+    makes it something else (a replica that is stopping exits instead)."""
     message = f"{what} over torch.distributed failed: {exc}"
+    error: CollectiveError
     if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-        return CollectiveTimeout(
+        error = CollectiveTimeout(
             f"{message} (a peer replica did not join in time; raise {TIMEOUT_VAR} if "
             "replicas legitimately take longer between steps)"
         )
-    return CollectiveError(message)
+    else:
+        error = CollectiveError(message)
+    return collective.failed(error)
 
 
 class _Gathered:
@@ -98,7 +103,7 @@ class _Gathered:
                 self._slots, self._tensors[-1], group=collective.group, async_op=async_op
             )
         except RuntimeError as exc:
-            raise _translate(exc, "allgather") from exc
+            raise _translate(self._collective, exc, "allgather") from exc
 
     def values(self) -> list[Any]:
         try:
@@ -122,7 +127,7 @@ class _Gathered:
             dist.all_gather(full, tensors[-1], group=self._collective.group)
             wait_released(tensors, before)
         except RuntimeError as exc:
-            raise _translate(exc, "allgather") from exc
+            raise _translate(self._collective, exc, "allgather") from exc
         return [
             decode(bytes(t[:length].numpy().tobytes()))
             for t, length in zip(full, lengths, strict=True)
@@ -148,6 +153,9 @@ class TorchCollective(GroupMember):
         self._local = LocalCollective() if self._num_replicas == 1 else None
         # As `LocalCollective.in_process`: one replica reduces in this process, at once.
         self.in_process = self._local is not None
+        #: What a failed operation raises instead of its `CollectiveError` (the job's
+        #: `Job.collective_failed`, once there is a job).
+        self.failed: Callable[[CollectiveError], BaseException] = lambda error: error
 
     def broadcast(self, value: T, root: int = 0) -> T:
         """Replica ``root``'s ``value`` on every replica."""
@@ -176,7 +184,7 @@ class TorchCollective(GroupMember):
                 wait_released([full], before)
                 data = full.numpy().tobytes()
         except RuntimeError as exc:
-            raise _translate(exc, "broadcast") from exc
+            raise _translate(self, exc, "broadcast") from exc
         result: T = decode(data)
         return result
 
