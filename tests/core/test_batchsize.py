@@ -76,6 +76,18 @@ def test_min_total_is_the_original_floor():
     assert min_total(BatchSizeQuery(1, 1, 24, local_bsz_bounds=(8, 24))) == 24
 
 
+def test_the_floor_yields_to_a_pass_too_small_to_round_up():
+    # 3 samples on 2 replicas: each replica's share is 1, so rounding the batch of 3 up
+    # to 4 would make a pass that yields no batch (drop_last) or cuts every step short.
+    q = batch_size_query(1, 2, 3, max_batch_size=3, dataset_size=3)
+    assert even_split(q) == (1, 0)
+    assert min_total(q) == 2
+    assert GoodputDecision(lambda: None)(q) == (1, 0)
+    # With the pass large enough, the floor rounds up as before.
+    q = batch_size_query(1, 2, 3, max_batch_size=3, dataset_size=4)
+    assert even_split(q) == (2, 0) and min_total(q) == 4
+
+
 def test_unreachable_batch_size_names_bounds_replicas_and_batch_size():
     q = BatchSizeQuery(1, 1, 32, max_batch_size=512, local_bsz_bounds=(4, 16))
     named = r"local_bsz_bounds=\(4, 16\).*batch_size=32 on 1 replica"

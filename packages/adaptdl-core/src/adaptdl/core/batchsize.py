@@ -35,6 +35,9 @@ class BatchSizeQuery:
     local_bsz_bounds: tuple[int | None, int | None] | None = None
     gradient_accumulation: bool = False
     current: tuple[int, int] | None = None
+    #: Samples in one pass (0: unknown): rounding the initial batch size up to the
+    #: replicas never passes a replica's share of it (`min_total`).
+    dataset_size: int = 0
 
 
 @overload
@@ -83,7 +86,14 @@ def batch_size_query(
     current = (local, check_int("accum_steps", accum_steps, min=0)) if local else None
     max_batch_size = pass_capped(max_batch_size, target, dataset_size)
     return BatchSizeQuery(
-        nodes, replicas, target, max_batch_size, local_bsz_bounds, gradient_accumulation, current
+        nodes,
+        replicas,
+        target,
+        max_batch_size,
+        local_bsz_bounds,
+        gradient_accumulation,
+        current,
+        check_int("dataset_size", dataset_size, min=0),
     )
 
 
@@ -155,6 +165,11 @@ def even_split(query: BatchSizeQuery) -> tuple[int, int]:
     if hi is not None and local > hi:
         accum = math.ceil(local / hi) - 1
         local = math.ceil(query.batch_size / (query.num_replicas * (accum + 1)))
+    share = _pass_share(query)
+    if share is not None and local * (accum + 1) > share:
+        # Rounding up passed what one pass holds per replica: the pass wins (a step
+        # larger than it is cut short, or with drop_last yields nothing at all).
+        local = share // (accum + 1)
     return max(local, lo), accum
 
 
@@ -169,7 +184,21 @@ def min_total(query: BatchSizeQuery) -> int:
     are not meant for a scale below 1).
     """
     lo, _ = _bounds(query)
-    return max(-(-query.batch_size // query.num_replicas), lo) * query.num_replicas
+    local = -(-query.batch_size // query.num_replicas)
+    share = _pass_share(query)
+    if share is not None:
+        local = min(local, share)
+    return max(local, lo) * query.num_replicas
+
+
+def _pass_share(query: BatchSizeQuery) -> int | None:
+    """Samples each replica takes in one pass, where rounding the batch size up to the
+    replicas must stay within it (None: the pass's size is unknown, or the batch size
+    itself is larger than a pass, whose steps are cut short at its end anyway)."""
+    n = query.dataset_size
+    if not n or query.batch_size > n:
+        return None
+    return n // query.num_replicas
 
 
 def check_reachable(query: BatchSizeQuery) -> None:
