@@ -18,7 +18,12 @@ nox.options.default_venv_backend = "virtualenv"
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-PACKAGES = ("packages/adaptdl-core", "packages/adaptdl-torch", "packages/adaptdl-sim[plots]")
+PACKAGES = (
+    "packages/adaptdl-core",
+    "packages/adaptdl-torch",
+    "packages/adaptdl-sched",
+    "packages/adaptdl-sim[plots]",
+)
 TEST_DEPS = (
     "pytest>=8",
     "pytest-cov>=5",
@@ -94,9 +99,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy: strict on adaptdl.core, the default rules on the adapters."""
+    """mypy: strict on adaptdl.core and adaptdl.sched, the default rules on the adapters."""
     _install(session, "mypy>=1.10", "pytest", "hypothesis")
     session.run("mypy", "packages/adaptdl-core/src/adaptdl/core")
+    session.run("mypy", "packages/adaptdl-sched/src/adaptdl/sched")
     session.run(
         "mypy",
         "packages/adaptdl-torch/src/adaptdl/torch",
