@@ -54,7 +54,8 @@ def _pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """Unit, property and end-to-end tests (real torchrun processes on CPU with gloo)."""
     _install(session, *TEST_DEPS)
-    args = session.posargs or ["tests"]
+    # The live scheduler's tests (real processes, Ray) are nox -s sched's.
+    args = session.posargs or ["tests", "--ignore=tests/sched/live"]
     _pytest(session, "--cov=adaptdl.core", "--cov-report=term", *args)
 
 
@@ -70,6 +71,20 @@ def integrations(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
     args = session.posargs or ["tests/integrations"]
     _pytest(session, *args)
+
+
+@nox.session(python=PYTHON)
+def sched(session: nox.Session) -> None:
+    """The live scheduler's tests: real replica processes, on this machine and on a
+    local Ray cluster of simulated nodes.
+
+    Only this session installs Ray (the extra ``adaptdl-sched[ray]``); ``tests``
+    runs the rest of tests/sched (the policies and the round).
+    """
+    ray = "packages/adaptdl-sched[ray]"
+    packages = [ray if p == "packages/adaptdl-sched" else p for p in PACKAGES]
+    session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
+    _pytest(session, *(session.posargs or ["tests/sched/live"]))
 
 
 @nox.session(python=PYTHON)
