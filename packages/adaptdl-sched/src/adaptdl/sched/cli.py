@@ -17,11 +17,14 @@ line on stderr naming the problem, and exit status 2; nothing is started then.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,13 +131,35 @@ def _spec(args: argparse.Namespace) -> JobSpec:
         raise UsageError(f"submit: {exc}") from None
 
 
+def _local_cluster() -> str | None:
+    """The address of the Ray cluster this machine last started, if it answers.
+
+    Ray's own "auto" keeps retrying a cluster that is gone for minutes; the address
+    file it reads outlives its cluster.
+    """
+    # Where `ray start` writes it (Ray's temp dir is /tmp/ray on Linux and macOS).
+    path = Path("/tmp/ray/ray_current_cluster")
+    try:
+        address = path.read_text().strip()
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return address
+    except (OSError, ValueError):
+        return None
+
+
 def _connect(address: str | None) -> Any:
     """The running scheduler actor, or UsageError."""
     import ray
 
     from adaptdl.sched.rayengine import NAMESPACE, SCHEDULER_NAME
 
-    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    target = address or os.environ.get("RAY_ADDRESS") or _local_cluster()
+    if target is None:
+        raise UsageError(
+            "no scheduler running: no Ray cluster on this machine "
+            "(start one with 'adaptdl scheduler start', or give --address)"
+        )
     if not ray.is_initialized():
         try:
             ray.init(
@@ -180,21 +205,11 @@ def _start(args: argparse.Namespace) -> int:
     from adaptdl.sched.rayengine import NAMESPACE, SCHEDULER_NAME, SchedulerActor
 
     address = args.start_address or args.address or os.environ.get("RAY_ADDRESS")
-    if address is None:
-        # No cluster named: start a local one that outlives this command.
-        ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-        cmd = [ray_bin, "start", "--head", "--include-dashboard=false", "--disable-usage-stats"]
-        if args.num_gpus is not None:
-            cmd.append(f"--num-gpus={args.num_gpus}")
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode == 0:
-            (storage / STARTED_RAY).write_text(json.dumps({"ray": ray_bin}))
-        elif "already" not in (done.stdout + done.stderr).lower():
-            raise UsageError(f"'ray start --head' failed: {done.stderr.strip().splitlines()[-1:]}")
-        address = "auto"
-    ray.init(
-        address=address, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False
-    )
+    address = address or _local_cluster()  # one already running on this machine
+    if address is not None:
+        _init(address)
+    else:
+        _start_local_ray(storage, args.num_gpus)
     try:
         ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
     except ValueError:
@@ -209,21 +224,85 @@ def _start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init(address: str) -> None:
+    import ray
+
+    from adaptdl.sched.rayengine import NAMESPACE
+
+    ray.init(
+        address=address, namespace=NAMESPACE, logging_level=logging.ERROR, log_to_driver=False
+    )
+
+
+def _start_local_ray(storage: Path, num_gpus: int | None) -> None:
+    """Start a Ray head on this machine that outlives this command (``ray start
+    --head --block``, in its own session); its process id goes under ``storage`` so
+    that ``scheduler stop`` stops it, and only it."""
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    cmd = [ray_bin, "start", "--head", "--block", "--include-dashboard=false"]
+    cmd.append("--disable-usage-stats")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    log = storage / "ray-head.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    (storage / STARTED_RAY).write_text(json.dumps({"pid": proc.pid}))
+    end = time.monotonic() + 120.0
+    while True:
+        if proc.poll() is not None:
+            raise UsageError(f"'ray start --head' exited with status {proc.returncode}; see {log}")
+        address = _local_cluster()
+        if address is not None:
+            _init(address)
+            return
+        if time.monotonic() > end:
+            proc.terminate()
+            raise UsageError(f"the local Ray cluster did not come up in 120 s; see {log}")
+        time.sleep(1.0)
+
+
 def _stop_scheduler(args: argparse.Namespace) -> int:
     import ray
 
     actor = _connect(args.address)
     status = _call(actor, "status")
+    marker = Path(status["storage"]) / STARTED_RAY
+    if marker.exists():
+        # The cluster goes too: let every job checkpoint first (they stay queued).
+        left = _call(actor, "drain")
+        if left:
+            print(f"not stopped in time, killed: {', '.join(left)}", file=sys.stderr)
     _call(actor, "shutdown")
     ray.kill(actor)
-    marker = Path(status["storage"]) / STARTED_RAY
     ray.shutdown()
     if marker.exists():
-        ray_bin = json.loads(marker.read_text())["ray"]
-        subprocess.run([ray_bin, "stop"], capture_output=True, check=False)
+        pid = int(json.loads(marker.read_text())["pid"])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + 60.0
+        while _alive(pid) and time.monotonic() < end:
+            time.sleep(0.5)
         marker.unlink()
     print("scheduler stopped")
     return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of ours would count as alive: reap it if it is our child.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    return True
 
 
 def _print_rows(rows: list[dict[str, Any]]) -> None:

@@ -11,6 +11,7 @@ Needs the extra ``adaptdl-sched[ray]``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -70,7 +71,7 @@ class Replica:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         return self.proc.pid
 
@@ -88,6 +89,18 @@ class Replica:
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
             self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the replica's child, before exec: be killed when the actor's process dies
+    (Linux), so that a replica whose actor or raylet is gone cannot keep writing the
+    job's checkpoint beside its relaunched self."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _group_name(job: str, number: int) -> str:
@@ -265,6 +278,19 @@ class SchedulerActor:
                 "nodes": len(self._sched.backend.nodes()),
                 "error": self._error,
             }
+
+    def drain(self, timeout: float = 120.0) -> list[str]:
+        """Checkpoint and stop every running job (they stay queued), rounds off."""
+        with self._lock:
+            self._sched.draining = True
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                left = self._sched.drain()
+            if not left:
+                return []
+            time.sleep(self._tick)
+        return left
 
     def shutdown(self) -> None:
         self._running = False

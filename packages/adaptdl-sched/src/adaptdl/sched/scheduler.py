@@ -106,6 +106,8 @@ class Scheduler:
         self.rounds = 0
         self._due = True
         self._last_round = -float("inf")
+        #: Set by :meth:`drain`: no more rounds, running jobs stop and stay queued.
+        self.draining = False
         self._nodes: tuple[str, ...] = ()
         #: Per job: when its resize was asked, waiting for its first step at the new size.
         self._resize_from: dict[str, float] = {}
@@ -219,6 +221,18 @@ class Scheduler:
             self._request_stop(job, now, "stop")
         self._save()
 
+    def drain(self) -> list[str]:
+        """Ask every running job to checkpoint and stop, to be relaunched by a later
+        scheduler (no round runs once called); return the jobs still stopping."""
+        self.draining = True
+        now = self.clock()
+        for job in self.jobs.values():
+            if job.status is Status.RUNNING and job.stop_reason is None:
+                self._request_stop(job, now, "drain")
+        self.tick()
+        self._save()
+        return [j.name for j in self.jobs.values() if j.stop_reason is not None]
+
     def rows(self) -> list[dict[str, Any]]:
         """``adaptdl ls --json``: every job, in submission order."""
         return [j.row() for j in sorted(self.jobs.values(), key=lambda j: (j.submit, j.name))]
@@ -242,7 +256,8 @@ class Scheduler:
         if changed:
             self._save()
         waiting = any(j.stop_reason == "resize" for j in self.jobs.values())
-        if (self._due or now - self._last_round >= self.interval) and not waiting:
+        due = self._due or now - self._last_round >= self.interval
+        if due and not waiting and not self.draining:
             self.run_round(nodes, now)
             self._save()
 
