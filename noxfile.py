@@ -81,9 +81,9 @@ def sched(session: nox.Session) -> None:
     Only this session installs Ray (the extra ``adaptdl-sched[ray]``); ``tests``
     runs the rest of tests/sched (the policies and the round).
     """
-    ray = "packages/adaptdl-sched[ray]"
-    packages = [ray if p == "packages/adaptdl-sched" else p for p in PACKAGES]
-    session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
+    # Core and the scheduler only: neither torch nor the simulator's plots.
+    deps = [d for d in TEST_DEPS if not d.startswith("tensorboard")]
+    session.install(*CONSTRAINTS, "packages/adaptdl-core", "packages/adaptdl-sched[ray]", *deps)
     _pytest(session, *(session.posargs or ["tests/sched/live"]))
 
 

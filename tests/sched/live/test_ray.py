@@ -80,12 +80,12 @@ def _exactly_once(sched: Scheduler, name: str, samples: int, epochs: int = 2) ->
 
 def test_jobs_run_resize_and_finish_on_ray(cluster: Any, tmp_path: Path) -> None:
     sched = Scheduler(_backend(), tmp_path, interval=1.0, restart_penalty=1.0)
-    sched.submit(_spec("a", "--samples", "1536", hi=4))
+    sched.submit(_spec("a", "--samples", "1024", hi=4))
     _run(sched, lambda: any(e["event"] == "resized" for e in _events(sched)))
     sched.submit(_spec("b", "--samples", "512"))
     _run(sched, lambda: all(j.status.done for j in sched.jobs.values()), timeout=300.0)
     assert {j.status for j in sched.jobs.values()} == {Status.SUCCEEDED}
-    _exactly_once(sched, "a", 1536)
+    _exactly_once(sched, "a", 1024)
     _exactly_once(sched, "b", 512)
     assert sched.job("a").restart_costs
 
@@ -93,7 +93,7 @@ def test_jobs_run_resize_and_finish_on_ray(cluster: Any, tmp_path: Path) -> None
 def test_a_restarted_scheduler_keeps_its_running_jobs(cluster: Any, tmp_path: Path) -> None:
     first: Scheduler | None = Scheduler(_backend(), tmp_path, interval=1.0)
     assert first is not None
-    first.submit(_spec("keep", "--samples", "1024", hi=1))
+    first.submit(_spec("keep", "--samples", "768", hi=1))
     _run(first, lambda: (first.job("keep").batch_size or 0) > 0)
     launch = first.job("keep").launch
     first = None  # killed: its replicas, detached, run on
@@ -102,12 +102,12 @@ def test_a_restarted_scheduler_keeps_its_running_jobs(cluster: Any, tmp_path: Pa
     assert job.status is Status.RUNNING and job.launch == launch and job.restarts == 0
     _run(again, lambda: again.job("keep").status.done)
     assert again.job("keep").status is Status.SUCCEEDED and again.job("keep").restarts == 0
-    _exactly_once(again, "keep", 1024)
+    _exactly_once(again, "keep", 768)
 
 
 def test_a_job_on_a_removed_node_restarts_elsewhere(cluster: Any, tmp_path: Path) -> None:
     sched = Scheduler(_backend(), tmp_path, interval=1.0)
-    sched.submit(_spec("moved", "--samples", "1024", hi=1))
+    sched.submit(_spec("moved", "--samples", "768", hi=1))
     _run(sched, lambda: (sched.job("moved").batch_size or 0) > 0)
     node_id = sched.job("moved").node_ids[0]
     node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
@@ -116,4 +116,4 @@ def test_a_job_on_a_removed_node_restarts_elsewhere(cluster: Any, tmp_path: Path
     job = sched.job("moved")
     assert job.status is Status.SUCCEEDED and job.restarts >= 1 and job.failures == 0
     assert any(e["event"] == "lost" for e in _events(sched))
-    _exactly_once(sched, "moved", 1024)
+    _exactly_once(sched, "moved", 768)

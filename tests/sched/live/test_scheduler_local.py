@@ -63,15 +63,23 @@ def test_jobs_are_resized_by_rounds_and_consume_every_sample_once(
     backend: LocalBackend, tmp_path: Path
 ) -> None:
     sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0)
-    sched.submit(_spec("a", "--samples", "1536", "--epochs", "2"))
+    sched.submit(_spec("a", "--samples", "1024", "--epochs", "2"))
     _run(sched, lambda: any(e["event"] == "resized" for e in _events(sched)))
     sched.submit(_spec("b", "--samples", "512", "--epochs", "2"))
     _run(sched, lambda: all(j.status.done for j in sched.jobs.values()), timeout=240.0)
     assert [j.status for j in sched.jobs.values()] == [Status.SUCCEEDED] * 2
-    _assert_exactly_once(sched, "a", 1536, 2)
+    _assert_exactly_once(sched, "a", 1024, 2)
     _assert_exactly_once(sched, "b", 512, 2)
     a = sched.job("a")
     assert a.restarts >= 1 and a.restart_costs  # measured, fed to later rounds
+    # Each cost spans at least its stop and relaunch: from the resize asked to the
+    # launch at the new size, and on to the first step there.
+    ours = [e for e in _events(sched) if e.get("job") == "a"]
+    for i, e in enumerate(ours):
+        if e["event"] == "resized":
+            asked = max(x["time"] for x in ours[:i] if x["event"] == "resize")
+            launched = max(x["time"] for x in ours[:i] if x["event"] == "launch")
+            assert launched > asked and e["cost"] >= launched - asked
     resizes = [e for e in _events(sched) if e["event"] == "resize" and e["job"] == "a"]
     assert {e["after"] for e in resizes} >= {2}
 

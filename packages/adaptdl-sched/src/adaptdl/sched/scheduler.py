@@ -316,7 +316,9 @@ class Scheduler:
             return
         job.batch_size = progress["batch_size"]
         since = self._resize_from.get(job.name)
-        if since is not None and progress["replicas"] == len(job.node_ids):
+        # While it stops, what it reports is the old placement's last steps.
+        stepping = job.status is Status.RUNNING and job.stop_requested is None
+        if since is not None and stepping and progress["replicas"] == len(job.node_ids):
             cost = max(progress["time"] - since, 0.0)
             job.restart_costs.append(cost)
             del self._resize_from[job.name]
@@ -358,7 +360,7 @@ class Scheduler:
         job.target = None
         job.node_ids = []
         job.restarts += 1
-        if target:
+        if target and not self.draining:
             self._launch(job, target, now)
         else:
             job.status = Status.PENDING
