@@ -18,7 +18,12 @@ nox.options.default_venv_backend = "virtualenv"
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-PACKAGES = ("packages/adaptdl-core", "packages/adaptdl-torch", "packages/adaptdl-sim[plots]")
+PACKAGES = (
+    "packages/adaptdl-core",
+    "packages/adaptdl-torch",
+    "packages/adaptdl-sched",
+    "packages/adaptdl-sim[plots]",
+)
 TEST_DEPS = (
     "pytest>=8",
     "pytest-cov>=5",
@@ -49,7 +54,8 @@ def _pytest(session: nox.Session, *args: str) -> None:
 def tests(session: nox.Session) -> None:
     """Unit, property and end-to-end tests (real torchrun processes on CPU with gloo)."""
     _install(session, *TEST_DEPS)
-    args = session.posargs or ["tests"]
+    # The live scheduler's tests (real processes, Ray) are nox -s sched's.
+    args = session.posargs or ["tests", "--ignore=tests/sched/live"]
     _pytest(session, "--cov=adaptdl.core", "--cov-report=term", *args)
 
 
@@ -65,6 +71,20 @@ def integrations(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, *packages, *TEST_DEPS)
     args = session.posargs or ["tests/integrations"]
     _pytest(session, *args)
+
+
+@nox.session(python=PYTHON)
+def sched(session: nox.Session) -> None:
+    """The live scheduler's tests: real replica processes, on this machine and on a
+    local Ray cluster of simulated nodes.
+
+    Only this session installs Ray (the extra ``adaptdl-sched[ray]``); ``tests``
+    runs the rest of tests/sched (the policies and the round).
+    """
+    # Core and the scheduler only: neither torch nor the simulator's plots.
+    deps = [d for d in TEST_DEPS if not d.startswith("tensorboard")]
+    session.install(*CONSTRAINTS, "packages/adaptdl-core", "packages/adaptdl-sched[ray]", *deps)
+    _pytest(session, *(session.posargs or ["tests/sched/live"]))
 
 
 @nox.session(python=PYTHON)
@@ -94,9 +114,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy: strict on adaptdl.core, the default rules on the adapters."""
+    """mypy: strict on adaptdl.core and adaptdl.sched, the default rules on the adapters."""
     _install(session, "mypy>=1.10", "pytest", "hypothesis")
     session.run("mypy", "packages/adaptdl-core/src/adaptdl/core")
+    session.run("mypy", "packages/adaptdl-sched/src/adaptdl/sched")
     session.run(
         "mypy",
         "packages/adaptdl-torch/src/adaptdl/torch",

@@ -21,9 +21,9 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from adaptdl.sched.policies import make_policy  # noqa: E402
 from adaptdl.sim.apps import builtin_applications  # noqa: E402
 from adaptdl.sim.cluster import ClusterConfig, simulate  # noqa: E402
-from adaptdl.sim.policies import make_policy  # noqa: E402
 from adaptdl.sim.traces import load_traces  # noqa: E402
 from adaptdl.sim.workload import read_workload, synthetic_workload  # noqa: E402
 

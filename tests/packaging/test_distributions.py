@@ -9,7 +9,12 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-DISTRIBUTIONS = {"adaptdl-core": "core", "adaptdl-torch": "torch", "adaptdl-sim": "sim"}
+DISTRIBUTIONS = {
+    "adaptdl-core": "core",
+    "adaptdl-torch": "torch",
+    "adaptdl-sched": "sched",
+    "adaptdl-sim": "sim",
+}
 
 
 def _project(dist: str) -> dict[str, object]:
@@ -38,7 +43,7 @@ def test_each_distribution_is_marked_typed(dist: str, module: str) -> None:
     assert "License :: OSI Approved :: Apache Software License" not in classifiers  # PEP 639
 
 
-@pytest.mark.parametrize("dist", ["adaptdl-torch", "adaptdl-sim"])
+@pytest.mark.parametrize("dist", ["adaptdl-torch", "adaptdl-sched", "adaptdl-sim"])
 def test_siblings_require_a_compatible_core(dist: str) -> None:
     core_version = str(_project("adaptdl-core")["version"])
     assert _project(dist)["version"] == core_version

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from adaptdl.sched.policies import make_policy
 from adaptdl.sim.apps import builtin_applications
 from adaptdl.sim.cluster import ClusterConfig, simulate
-from adaptdl.sim.policies import make_policy
 from adaptdl.sim.traces import TraceError
 from adaptdl.sim.workload import JobSpec, read_workload, synthetic_workload
 

@@ -9,10 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.sim.apps import builtin_applications
-from adaptdl.sim.cluster import AllocationError, ClusterConfig, simulate
-from adaptdl.sim.jobs import SimJob
-from adaptdl.sim.policies import (
+from adaptdl.sched.policies import (
     POLICIES,
     ClusterState,
     FifoPolicy,
@@ -23,6 +20,10 @@ from adaptdl.sim.policies import (
     make_policy,
     pack,
 )
+from adaptdl.sched.round import AllocationError
+from adaptdl.sim.apps import builtin_applications
+from adaptdl.sim.cluster import ClusterConfig, simulate
+from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.workload import JobSpec, synthetic_workload
 
 APPS = builtin_applications()
@@ -234,7 +235,7 @@ def test_an_over_allocating_policy_is_caught() -> None:
 
     jobs = synthetic_workload(APPS, 2, seed=1)
     with pytest.raises(AllocationError, match="5 GPUs on node 0"):
-        simulate(jobs, APPS, Greedy(), ClusterConfig(num_nodes=1))
+        simulate(jobs, APPS, Greedy(), ClusterConfig(num_nodes=2))
 
 
 def test_unknown_policy_is_named() -> None:

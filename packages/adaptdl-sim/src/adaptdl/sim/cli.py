@@ -21,10 +21,10 @@ from typing import Any
 import attrs
 import numpy as np
 
+from adaptdl.sched.policies import POLICIES, make_policy
 from adaptdl.sim.apps import ApplicationModel, builtin_applications
 from adaptdl.sim.cluster import ClusterConfig, simulate
 from adaptdl.sim.metrics import SimResult
-from adaptdl.sim.policies import POLICIES, make_policy
 from adaptdl.sim.replay import (
     ReplayReport,
     builtin_scenarios,

@@ -7,7 +7,6 @@ hundreds of jobs over days of simulated time runs in seconds.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,11 +14,13 @@ import attrs
 import numpy as np
 
 from adaptdl.core._validate import check_float, check_int
+from adaptdl.sched.policies import Policy
+from adaptdl.sched.round import allocation_round
+from adaptdl.sched.view import ClusterState
 from adaptdl.sim.apps import ApplicationModel
 from adaptdl.sim.engine import EventKind, EventQueue
 from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.metrics import SimResult, summarize
-from adaptdl.sim.policies.base import ClusterState, Policy
 from adaptdl.sim.workload import JobSpec
 
 
@@ -60,10 +61,6 @@ class ClusterConfig:
     @property
     def total_gpus(self) -> int:
         return self.num_nodes * self.gpus_per_node
-
-
-class AllocationError(RuntimeError):
-    """A policy returned an allocation the cluster cannot hold."""
 
 
 class ClusterSimulation:
@@ -151,7 +148,14 @@ class ClusterSimulation:
 
     def _arrive(self, spec: JobSpec) -> None:
         app = self.applications[spec.application]
-        job = SimJob(spec, app, adaptive=self.policy.adaptive)
+        cfg = self.config
+        job = SimJob(
+            spec,
+            app,
+            adaptive=self.policy.adaptive,
+            max_replicas=cfg.total_gpus,
+            restart_cost=cfg.restart_penalty,
+        )
         self.jobs[spec.name] = job
         self.active[spec.name] = job
         self._arrived += 1
@@ -172,10 +176,10 @@ class ClusterSimulation:
                 interval=cfg.interval,
                 restart_penalty=cfg.restart_penalty,
             )
-            allocation = self.policy.allocate(state)
-            self._check(allocation)
+            # Checked: a policy's answer over the cluster raises AllocationError.
+            decided = allocation_round(self.policy, state)
             for job in jobs:
-                nodes = list(allocation.get(job.name, ()))
+                nodes = list(decided.nodes(job.name))
                 if job.set_allocation(self.now, nodes, cfg.restart_penalty):
                     if nodes:
                         self.queue.push(
@@ -194,32 +198,6 @@ class ClusterSimulation:
         elif self._arrived < len(self.specs):
             nxt = self.specs[self._arrived].submit
             self.queue.push(max(self._round_at(nxt), self.now + cfg.interval), EventKind.SCHEDULE)
-
-    def _check(self, allocation: Mapping[str, Sequence[int]]) -> None:
-        cfg = self.config
-        per_node: Counter[int] = Counter()
-        for name, nodes in allocation.items():
-            if name not in self.active:
-                raise AllocationError(
-                    f"policy {self.policy.name!r} allocated GPUs to {name!r}, not an active job"
-                )
-            for n in nodes:
-                if not (isinstance(n, (int, np.integer)) and 0 <= n < cfg.num_nodes):
-                    raise AllocationError(
-                        f"policy {self.policy.name!r} gave {name!r} node {n!r}; "
-                        f"nodes are 0..{cfg.num_nodes - 1}"
-                    )
-                if not self.up[n]:
-                    raise AllocationError(
-                        f"policy {self.policy.name!r} gave {name!r} node {n}, which is down"
-                    )
-            per_node.update(nodes)
-        for n, count in per_node.items():
-            if count > cfg.gpus_per_node:
-                raise AllocationError(
-                    f"policy {self.policy.name!r} put {count} GPUs on node {n}, "
-                    f"which has {cfg.gpus_per_node}"
-                )
 
     def _push_boundary(self, job: SimJob) -> None:
         nxt = job.next_boundary()

@@ -13,9 +13,11 @@ scheduler to read.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from typing import Any
 
+from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.batchsize import (
     BatchSizeQuery,
     GoodputDecision,
@@ -192,11 +194,31 @@ class JobGoodput:
 
 
 class SimJob:
-    """State of one job in the cluster simulation (read by policies, written by the sim)."""
+    """State of one job in the cluster simulation (read by policies, written by the sim).
+
+    It is the simulator's ``adaptdl.sched.view.OracleJobView``: a policy reads it as it
+    reads a live job, plus its true speed. ``max_replicas`` bounds its GPUs (the
+    cluster's, by default: none); ``restart_cost`` is what the policy is told a
+    restart costs it (the cluster's restart penalty).
+    """
+
+    #: A simulated job runs on any number of GPUs from one.
+    min_replicas = 1
 
     def __init__(
-        self, spec: JobSpec, app: ApplicationModel, *, adaptive: bool, accumulation: bool = True
+        self,
+        spec: JobSpec,
+        app: ApplicationModel,
+        *,
+        adaptive: bool,
+        accumulation: bool = True,
+        max_replicas: int = sys.maxsize,
+        restart_cost: float = 30.0,
     ) -> None:
+        check_int("max_replicas", max_replicas, min=1)
+        check_float("restart_cost", restart_cost, min=0.0)
+        self.max_replicas = max_replicas
+        self.restart_cost = restart_cost
         self.spec = spec
         self.app = app
         self.name = spec.name
@@ -247,6 +269,21 @@ class SimJob:
     def num_nodes(self) -> int:
         """Distinct nodes allocated now."""
         return len(set(self.nodes))
+
+    @property
+    def requested_replicas(self) -> int:
+        """The GPUs its user asked for (what non-adaptive policies give it)."""
+        return self.spec.num_replicas
+
+    @property
+    def submitted_batch_size(self) -> int:
+        """The batch size its user asked for (what non-adaptive policies run it at)."""
+        return self.spec.batch_size
+
+    @property
+    def min_local_bsz(self) -> int:
+        """The smallest batch one replica may take."""
+        return self.app.local_bsz_bounds[0]
 
     @property
     def remaining_progress(self) -> float:

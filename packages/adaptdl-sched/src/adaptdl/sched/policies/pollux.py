@@ -4,17 +4,23 @@ Each job's speedup function (goodput with k GPUs over goodput with one, each at 
 batch size its own goodput engine would choose) comes from the scheduling hints the
 job publishes, as a real scheduler reads them: core's ``goodput_fn_from_hints``
 rebuilds the goodput model the job fitted to the step times it experienced, and the
-hints bound the batch sizes the job may use. GPUs go to
-maximise the p-mean of the jobs' speedups (``fairness`` p; -1, the published
-default, favours the slowest jobs; 1 is the plain sum), greedily by best gain per
-GPU; a job with no GPUs counts as a very small speedup, so every job gets one GPU
-(in submission order) before any gets a second. A change of a job's
-allocation scales its speedup by ``1 - restart_penalty / H``, H the job's own
-estimate of its remaining time (remaining epochs' progress over its goodput; or
-``restart_horizon`` if given): a change pays off only if the speedup ratio beats
-``H / (H - restart_penalty)``, so a marginal gain, or any gain near the end of a
-job, does not pay for a restart. A job may grow to at most ``explore_factor`` (4) times the most
-GPUs its profile covers (its model is untested beyond), multi-node jobs do not share
+hints bound the batch sizes the job may use. GPUs go to maximise the p-mean of the
+jobs' speedups (``fairness`` p; -1, the published default, favours the slowest jobs;
+1 is the plain sum), greedily by best gain per GPU; a job with no GPUs counts as a
+very small speedup, so every job gets one GPU (in submission order) before any gets
+a second.
+
+A change of a job's allocation scales its speedup by ``1 - restart_cost / H``:
+``restart_cost`` is the job's own (``JobView.restart_cost``: measured by the live
+scheduler, the cluster's constant in the simulator), H the job's estimate of its
+remaining time (remaining progress over its goodput where known, else unbounded; or
+``restart_horizon`` if given), at most ``max_horizon``. A change pays off only if the
+speedup ratio beats ``H / (H - restart_cost)``, so a marginal gain, or any gain near
+the end of a job, does not pay for a restart.
+
+A job may grow to at most ``explore_factor`` (4) times the most GPUs its profile
+covers (its model is untested beyond), never beyond its ``max_replicas``, and holds
+no fewer than its ``min_replicas`` when it holds any. Multi-node jobs do not share
 their partial nodes with other multi-node jobs where avoidable, and the batch size
 is chosen by each job at its new allocation.
 """
@@ -29,8 +35,8 @@ import numpy.typing as npt
 
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.hints import goodput_fn_from_hints
-from adaptdl.sim.jobs import SimJob
-from adaptdl.sim.policies.base import Allocation, ClusterState, greedy_allocate, pack
+from adaptdl.sched.policies.base import Allocation, greedy_allocate, pack
+from adaptdl.sched.view import ClusterState, JobView
 
 # Speedup a job with no GPUs counts as (finite, so that the p-mean stays finite).
 _NO_GPU_SPEEDUP = 1e-3
@@ -108,21 +114,22 @@ class PolluxPolicy:
             str, tuple[tuple[int, int], Mapping[str, Any], tuple[FloatArray, float]]
         ] = {}
 
-    def gpu_cap(self, job: SimJob, state: ClusterState) -> int:
+    def gpu_cap(self, job: JobView, state: ClusterState) -> int:
         """Most GPUs the job may receive this round (from its hints)."""
         hints = job.hints
         cap = state.total_gpus
         if self.max_gpus_per_job is not None:
             cap = min(cap, self.max_gpus_per_job)
+        cap = min(cap, job.max_replicas)
         profiled: int = hints["max_profiled_replicas"]
         cap = min(cap, max(1, self.explore_factor * profiled))
         # Every replica needs at least the smallest local batch of the largest batch.
         bounds = hints["local_bsz_bounds"]
         lo: int = bounds[0] if bounds is not None and bounds[0] is not None else 1
         top: int = hints["max_batch_size"] or hints["init_batch_size"]
-        return max(1, min(cap, top // lo))
+        return max(1, job.min_replicas, min(cap, top // lo))
 
-    def speedup(self, job: SimJob, max_gpus: int, gpus_per_node: int) -> tuple[FloatArray, float]:
+    def speedup(self, job: JobView, max_gpus: int, gpus_per_node: int) -> tuple[FloatArray, float]:
         """:func:`hints_speedup` of the job's hints, kept while the hints stay the same."""
         key = (max_gpus, gpus_per_node)
         hints = job.hints
@@ -133,28 +140,33 @@ class PolluxPolicy:
         self._speedups[job.name] = (key, hints, value)
         return value
 
-    def utility(self, job: SimJob, state: ClusterState) -> np.ndarray:
+    def utility(self, job: JobView, state: ClusterState) -> np.ndarray:
         """The job's value with 0..cap GPUs: its speedup, discounted where it restarts."""
         speedup, base_goodput = self.speedup(job, self.gpu_cap(job, state), state.gpus_per_node)
-        cur = job.num_gpus
+        cur = len(job.nodes)
         s = speedup.copy()
         if 0 < cur < len(s):
             horizon = self.restart_horizon
             if horizon is None:
                 # Progress per second = goodput / initial batch size.
                 rate = speedup[cur] * base_goodput / job.hints["init_batch_size"]
-                horizon = job.remaining_progress / rate if rate > 0 else np.inf
+                remaining = job.remaining_progress
+                # Unknown for a live job: unbounded, then max_horizon bounds it.
+                horizon = np.inf if remaining is None or rate <= 0 else remaining / rate
                 if self.max_horizon is not None:
                     # Churn hurts the other jobs too: however long this one has left,
                     # a change must pay for itself within max_horizon.
                     horizon = min(horizon, self.max_horizon)
-            discount = max(0.0, 1.0 - state.restart_penalty / max(horizon, 1e-9))
+            discount = max(0.0, 1.0 - job.restart_cost / max(horizon, 1e-9))
             s *= discount
             s[cur] = speedup[cur]
         p = self.fairness
         # Maximising the p-mean is maximising sum(s^p) for p > 0, -sum(s^p) for p < 0.
         s = np.maximum(s, _NO_GPU_SPEEDUP)
         out: np.ndarray = np.power(s, p) if p > 0 else -np.power(s, p)
+        # Fewer GPUs than the job's minimum are not an option: the greedy search,
+        # which jumps to any larger count, then goes from none straight to the minimum.
+        out[1 : min(job.min_replicas, len(out))] = -np.inf
         return out
 
     def allocate(self, state: ClusterState) -> Allocation:
@@ -162,7 +174,7 @@ class PolluxPolicy:
         alloc = greedy_allocate(utilities, state.total_gpus)
         # The current allocation, topped up with the free GPUs, is a candidate too: a
         # reshuffle restarts jobs, so it must beat keeping things by ``min_gain``.
-        current = [j.num_gpus if all(state.up[n] for n in j.nodes) else 0 for j in state.jobs]
+        current = [len(j.nodes) if all(state.up[n] for n in j.nodes) else 0 for j in state.jobs]
         if sum(current) <= state.total_gpus:
             kept = greedy_allocate(utilities, state.total_gpus, start=current)
             value_new = sum(float(u[a]) for u, a in zip(utilities, alloc, strict=True))

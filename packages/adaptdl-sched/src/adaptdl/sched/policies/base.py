@@ -1,52 +1,42 @@
-"""What a scheduling policy sees and returns, and helpers shared by the built-in ones.
+"""The policy interface, and the helpers the built-in policies share.
 
-A policy is any object with a ``name`` and a method ``allocate(state)`` returning, for
-every job that should hold GPUs, the node index of each of its GPUs. Jobs left out get
-no GPUs. The simulator checks the result never exceeds any node's GPUs.
+A policy is any object with a ``name``, an ``adaptive`` flag and a method
+``allocate(state)`` returning, for every job that should hold GPUs, the node index of
+each of its GPUs (:data:`Allocation`). Jobs left out get no GPUs. The round
+(``adaptdl.sched.round``) checks the result: no node over its GPUs, no node that is
+down, every job given GPUs within its ``min_replicas .. max_replicas``.
+
+A new policy is one module: a class with those three members, reading the jobs
+through ``adaptdl.sched.view.JobView`` (never a driver's own job type), usually
+choosing a GPU count per job and calling :func:`pack` to place the counts; register
+it in ``adaptdl.sched.policies.make_policy``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-import attrs
 import numpy as np
 
-from adaptdl.sim.jobs import SimJob
+from adaptdl.sched.view import ClusterState
 
+#: A policy's answer: each job that holds GPUs, and the node index of each of its GPUs.
 Allocation = dict[str, list[int]]
 
 
-@attrs.frozen
-class ClusterState:
-    """The cluster at a scheduling round: the active (submitted, unfinished) jobs."""
-
-    time: float
-    num_nodes: int
-    gpus_per_node: int
-    #: Whether each node is up (a failed node has no usable GPUs until repaired).
-    up: tuple[bool, ...]
-    #: Active jobs in submission order.
-    jobs: tuple[SimJob, ...]
-    interval: float
-    restart_penalty: float
-
-    @property
-    def total_gpus(self) -> int:
-        """GPUs on the nodes that are up."""
-        return self.gpus_per_node * sum(self.up)
-
-    def current(self) -> Allocation:
-        """The allocation in force before this round."""
-        return {j.name: list(j.nodes) for j in self.jobs if j.nodes}
-
-
 class Policy(Protocol):
-    """A scheduling policy: decides which GPUs each job holds until the next round."""
+    """A scheduling policy: decides which GPUs each job holds until the next round.
 
+    ``allocate`` may keep state between rounds (caches keyed by job name), but must
+    not change the jobs it reads; it is called once per round with every active job.
+    """
+
+    #: The name ``make_policy`` and the command lines know it by.
     name: str
-    #: Whether jobs under this policy adapt their batch size (goodput-driven).
+    #: Whether jobs under this policy adapt their batch size (goodput-driven); a
+    #: driver runs the jobs of a non-adaptive policy at their submitted batch size.
     adaptive: bool
 
     def allocate(self, state: ClusterState) -> Mapping[str, Sequence[int]]:
@@ -56,7 +46,7 @@ class Policy(Protocol):
 
 def free_gpus(state: ClusterState) -> list[int]:
     """GPUs free on each node when nothing is allocated (0 on nodes that are down)."""
-    return [state.gpus_per_node if ok else 0 for ok in state.up]
+    return state.capacity()
 
 
 def pack(
@@ -84,7 +74,14 @@ def pack(
         if count <= 0:
             continue
         job = by_name[name]
-        if keep and job.nodes and len(job.nodes) == count and all(state.up[n] for n in job.nodes):
+        if (
+            keep
+            and job.nodes
+            and len(job.nodes) == count
+            and all(state.up[n] for n in job.nodes)
+            # A node that shrank (a live cluster) may no longer hold the job.
+            and all(free[n] >= c for n, c in Counter(job.nodes).items())
+        ):
             out[name] = list(job.nodes)
             for n in job.nodes:
                 free[n] -= 1

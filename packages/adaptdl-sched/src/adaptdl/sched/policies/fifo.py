@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from adaptdl.sim.policies.base import Allocation, ClusterState, pack
+from adaptdl.sched.policies.base import Allocation, pack
+from adaptdl.sched.view import ClusterState, JobView
+
+
+def wanted(job: JobView, state: ClusterState) -> int:
+    """The GPUs a non-adaptive policy gives ``job``: its request, cut to the cluster
+    (0 where the cluster is below the job's minimum)."""
+    want = min(job.requested_replicas, job.max_replicas, state.total_gpus)
+    return want if want >= job.min_replicas else 0
 
 
 class FifoPolicy:
@@ -15,16 +23,21 @@ class FifoPolicy:
         counts: dict[str, int] = {}
         free = state.total_gpus
         for job in state.jobs:  # submission order
-            want = min(job.spec.num_replicas, state.total_gpus)
-            if job.nodes and len(job.nodes) == want and all(state.up[n] for n in job.nodes):
+            want = wanted(job, state)
+            if (
+                want
+                and job.nodes
+                and len(job.nodes) == want
+                and all(state.up[n] for n in job.nodes)
+            ):
                 counts[job.name] = want
                 free -= want
         blocked = False
         for job in state.jobs:
             if job.name in counts:
                 continue
-            want = min(job.spec.num_replicas, state.total_gpus)
-            if blocked or want > free:
+            want = wanted(job, state)
+            if blocked or want == 0 or want > free:
                 blocked = True
                 continue
             counts[job.name] = want

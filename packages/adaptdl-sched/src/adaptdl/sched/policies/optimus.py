@@ -3,16 +3,35 @@
 Every job (in submission order, while GPUs last) gets one GPU; then each further GPU
 goes to the job whose estimated remaining time it reduces the most. Remaining time is
 the remaining progress over the job's progress rate at its submitted batch size, from
-the application model (an oracle, as the Pollux study's "Optimus+Oracle"). Batch size
-is as submitted.
+the application model (an oracle, as the Pollux study's "Optimus+Oracle"): the jobs
+must be ``OracleJobView`` (the simulator's), with ``min_replicas`` 1. Batch size is as
+submitted.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
-from adaptdl.sim.jobs import SimJob
-from adaptdl.sim.policies.base import Allocation, ClusterState, greedy_allocate, pack
+from adaptdl.sched.policies.base import Allocation, greedy_allocate, pack
+from adaptdl.sched.view import ClusterState, JobView, OracleJobView
+
+
+def _oracle(job: JobView) -> OracleJobView:
+    # Checked by the one member only the oracle has: a protocol isinstance() would
+    # evaluate every property (the hints among them) of every job, every round.
+    if not callable(getattr(job, "estimated_rate", None)):
+        raise TypeError(
+            f"optimus needs each job's true speed (an OracleJobView, the simulator's "
+            f"jobs); job {job.name!r} is a {type(job).__name__}"
+        )
+    if job.min_replicas > 1:
+        raise ValueError(
+            f"optimus gives every job one GPU first; job {job.name!r} has "
+            f"min_replicas={job.min_replicas} (allowed: 1)"
+        )
+    return cast(OracleJobView, job)
 
 
 class OptimusPolicy:
@@ -26,7 +45,7 @@ class OptimusPolicy:
         # Rates change only with the epoch (gradient statistics): cache them per job.
         self._rates: dict[str, tuple[int, int, np.ndarray]] = {}
 
-    def remaining_times(self, job: SimJob, max_gpus: int, gpus_per_node: int) -> np.ndarray:
+    def remaining_times(self, job: OracleJobView, max_gpus: int, gpus_per_node: int) -> np.ndarray:
         """Estimated remaining seconds with 1..max_gpus GPUs (index k-1)."""
         cached = self._rates.get(job.name)
         if cached is None or cached[0] != job.epoch or cached[1] != max_gpus:
@@ -44,9 +63,11 @@ class OptimusPolicy:
         if self.max_gpus_per_job is not None:
             cap = min(cap, self.max_gpus_per_job)
         utilities = []
-        for job in state.jobs:
+        for view in state.jobs:
+            job = _oracle(view)
             # More GPUs than the batch has samples (at the smallest local batch) are useless.
-            k_max = max(1, min(cap, job.spec.batch_size // job.app.local_bsz_bounds[0]))
+            top = min(cap, job.max_replicas, job.submitted_batch_size // job.min_local_bsz)
+            k_max = max(1, top)
             t = self.remaining_times(job, k_max, state.gpus_per_node)
             # Utility: negated remaining time, offset so that 1 GPU has value t1 + 1.
             u = np.concatenate([[0.0], t[0] + 1.0 - t])

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import attrs
 
 from adaptdl.core._validate import check_float
-from adaptdl.sim.jobs import SimJob
-from adaptdl.sim.policies.base import Allocation, ClusterState, pack
+from adaptdl.sched.policies.base import Allocation, pack
+from adaptdl.sched.policies.fifo import wanted
+from adaptdl.sched.view import ClusterState, JobView
 
 
 @attrs.define
@@ -37,7 +38,7 @@ class TiresiasPolicy:
             last = float(t)
         check_float("starve_factor", self.starve_factor, min=0.0, min_exclusive=True)
 
-    def queue(self, job: SimJob, time: float) -> int:
+    def queue(self, job: JobView, time: float) -> int:
         """Index of the job's priority queue (0 is the highest)."""
         waited = time - self._waiting_since.get(job.name, time)
         if not job.nodes and job.run_time > 0 and waited > self.starve_factor * job.run_time:
@@ -54,8 +55,8 @@ class TiresiasPolicy:
         counts: dict[str, int] = {}
         free = state.total_gpus
         for job in order:
-            want = min(job.spec.num_replicas, state.total_gpus)
-            if want <= free:
+            want = wanted(job, state)
+            if 0 < want <= free:
                 counts[job.name] = want
                 free -= want
         return pack(state, counts)

@@ -1,0 +1,135 @@
+"""The live scheduler with real replica processes on this machine (``LocalBackend``):
+jobs grown and shrunk by pollux rounds, each sample of each pass consumed exactly once
+across resizes, graceful stops, failures, and a scheduler restarted mid-run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from adaptdl.sched.local import LocalBackend
+from adaptdl.sched.record import JobSpec, Status
+from adaptdl.sched.scheduler import Scheduler
+
+JOB = str(Path(__file__).with_name("emulated_job.py"))
+
+
+@pytest.fixture
+def backend() -> Iterator[LocalBackend]:
+    b = LocalBackend(gpus=2, cpus=2)
+    yield b
+    b.close()  # every replica this test started, by its own pid
+
+
+def _spec(name: str, *args: str, lo: int = 1, hi: int = 2, failures: int = 3) -> JobSpec:
+    return JobSpec(
+        name=name,
+        command=(sys.executable, JOB, *args),
+        min_replicas=lo,
+        max_replicas=hi,
+        cpus_per_replica=0.5,
+        max_failures=failures,
+    )
+
+
+def _run(sched: Scheduler, done: Callable[[], bool], timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, f"not done in {timeout} s: {sched.rows()}"
+        sched.tick()
+        time.sleep(0.1)
+
+
+def _events(sched: Scheduler) -> list[dict]:
+    return [json.loads(line) for line in sched.events_path.read_text().splitlines()]
+
+
+def _assert_exactly_once(sched: Scheduler, name: str, samples: int, epochs: int) -> None:
+    state = json.loads((Path(sched.job(name).checkpoint_path) / "emulated.json").read_text())
+    for epoch in range(epochs):
+        seen: list[int] = []
+        for e, start, end in state["consumed"]:
+            if e == epoch:
+                seen.extend(range(start, end))
+        assert sorted(seen) == list(range(samples)), f"{name} epoch {epoch}"
+
+
+def test_jobs_are_resized_by_rounds_and_consume_every_sample_once(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0)
+    sched.submit(_spec("a", "--samples", "1024", "--epochs", "2"))
+    _run(sched, lambda: any(e["event"] == "resized" for e in _events(sched)))
+    sched.submit(_spec("b", "--samples", "512", "--epochs", "2"))
+    _run(sched, lambda: all(j.status.done for j in sched.jobs.values()), timeout=240.0)
+    assert [j.status for j in sched.jobs.values()] == [Status.SUCCEEDED] * 2
+    _assert_exactly_once(sched, "a", 1024, 2)
+    _assert_exactly_once(sched, "b", 512, 2)
+    a = sched.job("a")
+    assert a.restarts >= 1 and a.restart_costs  # measured, fed to later rounds
+    # Each cost spans at least its stop and relaunch: from the resize asked to the
+    # launch at the new size, and on to the first step there.
+    ours = [e for e in _events(sched) if e.get("job") == "a"]
+    for i, e in enumerate(ours):
+        if e["event"] == "resized":
+            asked = max(x["time"] for x in ours[:i] if x["event"] == "resize")
+            launched = max(x["time"] for x in ours[:i] if x["event"] == "launch")
+            assert launched > asked and e["cost"] >= launched - asked
+    resizes = [e for e in _events(sched) if e["event"] == "resize" and e["job"] == "a"]
+    assert {e["after"] for e in resizes} >= {2}
+
+
+def test_a_failing_job_is_restarted_up_to_its_limit_then_failed(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    sched = Scheduler(backend, tmp_path, interval=1.0)
+    sched.submit(_spec("bad", "--fail-after", "2", hi=1, failures=2))
+    _run(sched, lambda: sched.job("bad").status.done)
+    job = sched.job("bad")
+    assert job.status is Status.FAILED and job.failures == 3
+    assert "failures" in job.message
+
+
+def test_a_stopped_job_checkpoints_and_is_stopped(backend: LocalBackend, tmp_path: Path) -> None:
+    sched = Scheduler(backend, tmp_path, interval=1.0)
+    sched.submit(_spec("long", "--samples", "100000", hi=1))
+    _run(sched, lambda: sched.job("long").batch_size is not None)
+    sched.stop("long")
+    _run(sched, lambda: sched.job("long").status.done)
+    job = sched.job("long")
+    assert job.status is Status.STOPPED and job.failures == 0
+    assert (Path(job.checkpoint_path) / "emulated.json").exists()
+
+
+def test_a_restarted_scheduler_resumes_its_jobs_from_their_checkpoints(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    sched = Scheduler(backend, tmp_path, interval=1.0)
+    sched.submit(_spec("r", "--samples", "768", hi=1))
+    _run(sched, lambda: (sched.job("r").batch_size or 0) > 0)
+    backend.close()  # the scheduler's processes die with it
+    again = Scheduler(backend, tmp_path, interval=1.0)
+    assert again.job("r").status is Status.PENDING and again.job("r").restarts == 1
+    _run(again, lambda: again.job("r").status.done)
+    assert again.job("r").status is Status.SUCCEEDED
+    _assert_exactly_once(again, "r", 768, 2)
+
+
+def test_bad_submissions_are_refused_naming_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="min_replicas=3 is above max_replicas=2"):
+        _spec("x", lo=3, hi=2)
+    with pytest.raises(ValueError, match="give a program"):
+        JobSpec(name="x", command=())
+    with pytest.raises(ValueError, match="job name 'Bad_Name'"):
+        JobSpec(name="Bad_Name", command=("true",))
+    sched = Scheduler(LocalBackend(gpus=1), tmp_path)
+    sched.submit(JobSpec(name="x", command=("true",)))
+    with pytest.raises(ValueError, match="'x' is taken"):
+        sched.submit(JobSpec(name="x", command=("true",)))
+    with pytest.raises(KeyError, match="no job named 'y'"):
+        sched.stop("y")
