@@ -1,0 +1,110 @@
+"""Which optimiser steps measure the gradient statistics: a share of steps under a time budget.
+
+Measuring the gradient-noise statistics costs passes over the gradients (their
+norms; on one replica a copy of the gradient to pair with the next step's). On a
+large model whose step is short that is several percent of the step. The budget
+keeps it at most ``budget`` (default 2%) of the step time: while the measured cost
+of a measured step exceeds ``budget`` times the time of a step, only a share
+``budget * step / cost`` of the steps is measured, evenly spaced (never fewer than
+``min_share``). The first ``warmup`` measured steps learn the cost and measure
+every step.
+
+Each measured step then stands for ``1 / share`` steps: the estimator folds it in
+with that much weight (`GradientNoiseScale.update`'s ``share``), so that its
+memory, in samples, stays what the smoothing says, and its spread (read off the
+weights, `GradientNoiseScale.effective_updates`) counts the fewer steps it rests
+on: the estimate's variance grows by about ``1 / share`` and the error bars say so.
+
+The share changes only on inputs every replica holds alike (the replicas' mean cost
+and step time, summed by the step contract's own collective), so that every
+replica measures the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from adaptdl.core._validate import check_float, check_int
+
+__all__ = ["MeasureBudget"]
+
+
+def _budget(value: object) -> float:
+    return check_float("budget", value, min=0.0, max=1.0, min_exclusive=True)
+
+
+def _min_share(value: object) -> float:
+    return check_float("min_share", value, min=0.0, max=1.0, min_exclusive=True)
+
+
+def _warmup(value: object) -> int:
+    return check_int("warmup", value, min=0)
+
+
+def _smoothing(value: object) -> float:
+    return check_float(
+        "smoothing", value, min=0.0, max=1.0, min_exclusive=True, max_exclusive=True
+    )
+
+
+@attrs.define
+class MeasureBudget:
+    """The share of optimiser steps that measure gradient statistics, from their cost.
+
+    ``budget``: the statistics' cost allowed, as a share of the step time;
+    ``min_share``: the smallest share of steps measured; ``warmup``: measured steps
+    that learn the cost before any is skipped; ``smoothing``: the moving averages'
+    factor per measured step.
+    """
+
+    budget: float = attrs.field(default=0.02, converter=_budget)
+    min_share: float = attrs.field(default=0.05, converter=_min_share)
+    warmup: int = attrs.field(default=20, converter=_warmup)
+    smoothing: float = attrs.field(default=0.9, converter=_smoothing)
+    share: float = attrs.field(default=1.0, init=False)
+    recorded: int = attrs.field(default=0, init=False)
+    _cost: float = attrs.field(default=0.0, init=False)
+    _step: float = attrs.field(default=0.0, init=False)
+
+    def measures(self, step: int) -> bool:
+        """Whether optimiser step ``step`` (counted from 0) is measured at the current share.
+
+        Evenly spaced: step ``k`` is measured when ``floor((k + 1) s) > floor(k s)``.
+        """
+        share = self.share
+        if share >= 1.0:
+            return True
+        return math.floor((step + 1) * share) > math.floor(step * share)
+
+    def record(self, cost: float, step_time: float) -> None:
+        """Fold in one measured step: ``cost`` seconds of statistics work, ``step_time``
+        seconds per optimiser step (both >= 0; a step time of 0 is unknown and ignored)."""
+        cost = check_float("cost", cost, min=0.0)
+        step_time = check_float("step_time", step_time, min=0.0)
+        if step_time == 0.0:
+            return
+        s = self.smoothing
+        self.recorded += 1
+        # Bias-corrected moving averages: the first values count whole.
+        weight = 1.0 - s**self.recorded
+        self._cost = s * self._cost + (1.0 - s) * cost
+        self._step = s * self._step + (1.0 - s) * step_time
+        if self.recorded <= self.warmup:
+            return
+        mean_cost, mean_step = self._cost / weight, self._step / weight
+        if mean_cost <= self.budget * mean_step:
+            self.share = 1.0
+            return
+        self.share = min(max(self.budget * mean_step / mean_cost, self.min_share), 1.0)
+
+    @property
+    def cost(self) -> float:
+        """The mean cost of a measured step, in seconds (0 before any record)."""
+        return self._cost / (1.0 - self.smoothing**self.recorded) if self.recorded else 0.0
+
+    @property
+    def step_time(self) -> float:
+        """The mean time of an optimiser step, in seconds (0 before any record)."""
+        return self._step / (1.0 - self.smoothing**self.recorded) if self.recorded else 0.0
