@@ -43,6 +43,12 @@ def _warmup(value: object) -> int:
     return check_int("warmup", value, min=0)
 
 
+def _fixed(value: object) -> float | None:
+    if value is None:
+        return None
+    return check_float("fixed", value, min=0.0, max=1.0, min_exclusive=True)
+
+
 def _smoothing(value: object) -> float:
     return check_float(
         "smoothing", value, min=0.0, max=1.0, min_exclusive=True, max_exclusive=True
@@ -56,17 +62,23 @@ class MeasureBudget:
     ``budget``: the statistics' cost allowed, as a share of the step time;
     ``min_share``: the smallest share of steps measured; ``warmup``: measured steps
     that learn the cost before any is skipped; ``smoothing``: the moving averages'
-    factor per measured step.
+    factor per measured step; ``fixed``: a share to keep whatever the cost (None:
+    follow the cost), for experiments that measure what a share does to the estimate.
     """
 
     budget: float = attrs.field(default=0.02, converter=_budget)
     min_share: float = attrs.field(default=0.05, converter=_min_share)
     warmup: int = attrs.field(default=20, converter=_warmup)
     smoothing: float = attrs.field(default=0.9, converter=_smoothing)
+    fixed: float | None = attrs.field(default=None, converter=_fixed)
     share: float = attrs.field(default=1.0, init=False)
     recorded: int = attrs.field(default=0, init=False)
     _cost: float = attrs.field(default=0.0, init=False)
     _step: float = attrs.field(default=0.0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.fixed is not None:
+            self.share = self.fixed
 
     def measures(self, step: int) -> bool:
         """Whether optimiser step ``step`` (counted from 0) is measured at the current share.
@@ -91,7 +103,7 @@ class MeasureBudget:
         weight = 1.0 - s**self.recorded
         self._cost = s * self._cost + (1.0 - s) * cost
         self._step = s * self._step + (1.0 - s) * step_time
-        if self.recorded <= self.warmup:
+        if self.recorded <= self.warmup or self.fixed is not None:
             return
         mean_cost, mean_step = self._cost / weight, self._step / weight
         if mean_cost <= self.budget * mean_step:
