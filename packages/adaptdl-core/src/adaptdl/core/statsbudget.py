@@ -68,7 +68,7 @@ class MeasureBudget:
 
     budget: float = attrs.field(default=0.02, converter=_budget)
     min_share: float = attrs.field(default=0.05, converter=_min_share)
-    warmup: int = attrs.field(default=20, converter=_warmup)
+    warmup: int = attrs.field(default=10, converter=_warmup)
     smoothing: float = attrs.field(default=0.9, converter=_smoothing)
     fixed: float | None = attrs.field(default=None, converter=_fixed)
     share: float = attrs.field(default=1.0, init=False)

@@ -85,6 +85,8 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
             id(p) in self._group_of for p in trainable
         )
         self._user_hook: tuple[object, Callable[..., Any]] | None = None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        self._alone = dist.get_world_size(group) == 1
         # A lambda: DDP checks the hook's annotations, which are strings in this module.
         hook = lambda state, bucket: self._comm_hook(state, bucket)  # noqa: E731
         DistributedDataParallel.register_comm_hook(self, None, hook)
@@ -140,6 +142,10 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
         user = self._user_hook
         if user is not None:
             fut: torch.futures.Future[torch.Tensor] = user[1](user[0], bucket)
+        elif self._alone:
+            # One replica: the mean is the bucket itself (no pass dividing it by 1).
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
         else:
             fut = allreduce_hook(self.process_group, bucket)  # type: ignore[arg-type]
         if not (self._measuring and not self._preconditions()):
