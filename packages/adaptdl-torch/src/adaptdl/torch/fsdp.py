@@ -35,6 +35,7 @@ from adaptdl.torch.sharded_state import AsyncShardedState, ShardedState
 from adaptdl.torch.state import StateDictState
 from adaptdl.torch.stepping import (
     AdaptiveSteps,
+    _cpu,
     _norm,
     _norms,
     _sum_sqr_norms,
@@ -166,14 +167,14 @@ class AdaptiveFSDP(AdaptiveSteps):
             # An unmeasured step (the same on every replica), or one replica and one
             # micro-batch: the local gradient is the step's.
             return
-        start = self._job.clock()
+        start = _cpu()
         precond = AdaptiveSteps._preconditioner(self, group, param)
         if isinstance(precond, DTensor):
             # Collective, in the same hook order on every replica: the whole
             # preconditioner, one parameter at a time, for the whole local gradient.
             precond = precond.full_tensor()
         self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
-        self._stat_cost += self._job.clock() - start
+        self._stat_cost += _cpu() - start
 
     def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
         """Adam's preconditioner of this replica's shard of ``param`` (see AdaptiveSteps)."""

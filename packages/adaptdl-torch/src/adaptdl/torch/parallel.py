@@ -22,6 +22,7 @@ from adaptdl.torch.scaling_rules import ScalingRuleBase
 from adaptdl.torch.state import StateDictState
 from adaptdl.torch.stepping import (
     AdaptiveSteps,
+    _cpu,
     _norms,
     _sqr,
     check_arguments,
@@ -163,7 +164,7 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
     ) -> None:
         """Add the squared norm of ``flat`` (``bucket``'s gradients, flattened), per group,
         to ``parts``: one norm for a bucket of one group, else one fused call per group."""
-        start = self._job.clock()
+        start = _cpu()
         if self._whole_buckets:
             parts.append((0, _sqr(flat)))
         else:
@@ -177,4 +178,4 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
                     rows.setdefault(group, []).append(piece)
             for group, row in rows.items():
                 parts.append((group, torch.stack(_norms(row)).double().square().sum()))
-        self._stat_cost += self._job.clock() - start
+        self._stat_cost += _cpu() - start

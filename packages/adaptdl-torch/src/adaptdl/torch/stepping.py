@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -173,6 +174,16 @@ def register_grad_hooks(
         for index, param in params
         if param.requires_grad
     ]
+
+
+def _cpu() -> float:
+    """This thread's CPU seconds: what the statistics' budget is measured in.
+
+    CPU time, not the wall clock: on a shared machine a norm of microseconds
+    preempted for milliseconds would read as costly; each thread times its own work
+    (the communication hook's callbacks run on the reduction's thread).
+    """
+    return time.thread_time()
 
 
 def _sqr(tensor: torch.Tensor) -> torch.Tensor:
@@ -326,10 +337,10 @@ class AdaptiveSteps:
             self._begin_backward()
         if not self._hook_local:
             return
-        start = self._job.clock()
+        start = _cpu()
         precond = self._preconditioner(group, param)
         self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
-        self._stat_cost += self._job.clock() - start
+        self._stat_cost += _cpu() - start
 
     def _preconditions(self) -> bool:
         """Whether the noise is estimated of Adam's preconditioned gradient (`AdamScale`)."""
@@ -391,8 +402,8 @@ class AdaptiveSteps:
 
     def _after_sync(self) -> None:
         job = self._job
-        now = job.clock()
-        job.record_sync_time(now - self._sync_start)
+        job.record_sync_time(job.clock() - self._sync_start)
+        now = _cpu()
         step_time = now - self._last_sync if self._last_sync is not None else 0.0
         self._last_sync = now
         loader = self._loader
@@ -428,7 +439,7 @@ class AdaptiveSteps:
                 self._prev_buf_valid = False
                 self._prev_grads = None
             return
-        start = job.clock()
+        start = _cpu()
         mp = self._mp_scale()
         mp2 = mp * mp
         count = self._num_groups
@@ -479,13 +490,14 @@ class AdaptiveSteps:
 
         if values.device.type == "cuda":
             # Read a step later, when the copy is long done: no wait for the device now.
-            cost += job.clock() - start
-            self._lagged = _Lagged(values, lambda host: build(host, cost))
+            lagged = _Lagged(values, lambda host: build(host, cost))
+            cost += _cpu() - start
+            self._lagged = lagged
             pairable = True
         else:
             host = values.tolist()
-            fold = build(host, cost + job.clock() - start)
-            pairable = fold.pairable
+            cost += _cpu() - start  # the tensor work; core's own bookkeeping is not the norms'
+            pairable = build(host, cost).pairable
         if single and pairable and self._steps.measures(ahead=1):
             self._keep(groups, 1, loader, [t / mp2 for t in total])
         else:
@@ -513,7 +525,7 @@ class AdaptiveSteps:
         computed now)."""
         if count != 1:
             return
-        start = self._job.clock()
+        start = _cpu()
         mp = self._mp_scale()
         if total is None:
             if self._preconditions():
@@ -545,7 +557,7 @@ class AdaptiveSteps:
                         torch._foreach_div_(dst, mp)
             self._prev_buf_valid = True
             self._prev_grads = None
-        self._stat_cost += self._job.clock() - start
+        self._stat_cost += _cpu() - start
 
     def _general_pairs(self, groups: list[list[torch.Tensor]]) -> bool:
         """Whether pairs need fresh copies: a preconditioner, or sparse gradients."""
