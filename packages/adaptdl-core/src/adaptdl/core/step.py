@@ -257,8 +257,8 @@ class StepStatistics:
         if m.num_replicas > 1:
             # The budget's inputs ride with the local norms (several replicas: always two
             # micro-batches or more): every replica moves the share alike, at the fold.
-            values = [*m.local_sqr, m.cost, m.step_time]
-            local = self.collective.allreduce_async(values)
+            summed = [*m.local_sqr, m.cost, m.step_time]
+            local = self.collective.allreduce_async(summed)
             self._pending = (local, m.total_sqr, m.count, m.batch_size, m.share, m.num_replicas)
             return Fold.PENDING
         self.budget.record(m.cost, m.step_time)

@@ -28,6 +28,7 @@ from adaptdl.torch.stepping import (
     check_arguments,
     register_grad_hooks,
 )
+from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
@@ -132,9 +133,7 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
             raise RuntimeError("register_comm_hook can only be called once")
         self._user_hook = (state, hook)
 
-    def _comm_hook(
-        self, state: object, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
+    def _comm_hook(self, state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         if not self._in_backward:
             self._begin_backward()
         if self._buckets_local:
@@ -148,7 +147,7 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
             fut = torch.futures.Future()
             fut.set_result(bucket.buffer())
         else:
-            fut = allreduce_hook(self.process_group, bucket)  # type: ignore[arg-type]
+            fut = allreduce_hook(self.process_group, bucket)
         if not (self._measuring and not self._preconditions()):
             return fut
 
@@ -160,7 +159,7 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
         return fut.then(measure_total)
 
     def _measure_bucket(
-        self, parts: list[tuple[int, torch.Tensor]], bucket: dist.GradBucket, flat: torch.Tensor
+        self, parts: list[tuple[int, torch.Tensor]], bucket: GradBucket, flat: torch.Tensor
     ) -> None:
         """Add the squared norm of ``flat`` (``bucket``'s gradients, flattened), per group,
         to ``parts``: one norm for a bucket of one group, else one fused call per group."""
@@ -170,7 +169,7 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
         else:
             params = bucket.parameters()
             sizes = [p.numel() for p in params]
-            pieces = flat.split(sizes) if sum(sizes) == flat.numel() else bucket.gradients()
+            pieces = torch.split(flat, sizes) if sum(sizes) == flat.numel() else bucket.gradients()
             rows: dict[int, list[torch.Tensor]] = {}
             for param, piece in zip(params, pieces, strict=True):
                 group = self._group_of.get(id(param))

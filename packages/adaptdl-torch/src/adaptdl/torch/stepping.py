@@ -211,7 +211,7 @@ class _Lagged:
     def __init__(self, values: torch.Tensor, build: Callable[[list[float]], None]) -> None:
         self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         self.host.copy_(values, non_blocking=True)
-        self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.event.record()
         self.build = build
 
