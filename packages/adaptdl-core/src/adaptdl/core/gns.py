@@ -29,6 +29,10 @@ so it moves the average as much as ``scale`` of them would. The default smoothin
 0.999 (AdaptDL's) averages over roughly the last thousand initial-batch steps'
 worth of data: long enough for the per-step estimates, which are very noisy at
 small batches, to settle, short enough to follow the drift of |G|^2 over training.
+A step measured when only a share ``s`` of the steps is (`adaptdl.core.statsbudget`)
+stands for ``1 / s`` steps: its scale is divided by ``s``, so that the memory in
+samples stays the same; the average then rests on fewer steps, and the spread below
+counts them.
 
 Preconditioning. For an optimiser that applies a diagonal preconditioner (Adam:
 ``P = sqrt(v_hat) + eps``) the caller may pass squared norms of the
