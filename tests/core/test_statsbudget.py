@@ -38,7 +38,7 @@ def test_a_cheap_statistic_is_measured_every_step() -> None:
 def test_a_costly_statistic_is_measured_on_the_share_its_budget_allows(
     cost: float, step: float, budget: float
 ) -> None:
-    b = MeasureBudget(budget=budget, warmup=3, min_share=0.01)
+    b = MeasureBudget(budget=budget, warmup=3, min_share=0.01, floor=0.0)
     for _ in range(3):
         b.record(cost, step)
     assert b.share == 1.0  # still learning the cost
@@ -49,11 +49,25 @@ def test_a_costly_statistic_is_measured_on_the_share_its_budget_allows(
     assert b.share * cost <= max(budget * step, 0.01 * cost) * (1 + 1e-9)
 
 
+@given(cost=st.floats(1e-6, 1e-2), step=st.floats(1e-4, 1.0))
+def test_the_floor_keeps_a_cheap_statistic_whole_and_the_share_continuous(
+    cost: float, step: float
+) -> None:
+    b = MeasureBudget(budget=0.02, warmup=0, floor=5e-4, min_share=0.01)
+    b.record(cost, step)
+    allowed = max(0.02 * step, 5e-4)
+    assert b.share == pytest.approx(min(max(allowed / cost, 0.01), 1.0), rel=1e-9)
+    if cost <= 5e-4:
+        assert b.share == 1.0
+
+
 def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="budget"):
         MeasureBudget(budget=0.0)
     with pytest.raises(ValueError, match="min_share"):
         MeasureBudget(min_share=1.5)
+    with pytest.raises(ValueError, match="floor"):
+        MeasureBudget(floor=-1.0)
     with pytest.raises(ValueError, match="fixed"):
         MeasureBudget(fixed=0.0)
     with pytest.raises(ValueError, match="cost"):
@@ -120,7 +134,8 @@ def test_replicas_move_the_share_alike_on_their_summed_costs() -> None:
         shares.append(steps.share)
     assert shares[0] == shares[1] == 1.0  # the mean cost, 0.02, is within the budget
     collective = _Summing([1.0, 0.2, 1.0])
-    steps = StepStatistics(MetricsState(), collective, MeasureBudget(budget=0.02, warmup=0))  # type: ignore[arg-type]
+    budget = MeasureBudget(budget=0.02, warmup=0, floor=0.0)
+    steps = StepStatistics(MetricsState(), collective, budget)  # type: ignore[arg-type]
     steps.measure(StepMeasurement((1.0,), (0.5,), 1, 2, 4, cost=0.2, step_time=1.0), 8)
     steps.drain()
     assert steps.share == pytest.approx(0.1)

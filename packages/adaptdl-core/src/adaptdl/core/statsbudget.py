@@ -3,11 +3,17 @@
 Measuring the gradient-noise statistics costs passes over the gradients (their
 norms; on one replica a copy of the gradient to pair with the next step's). On a
 large model whose step is short that is several percent of the step. The budget
-keeps it at most ``budget`` (default 2%) of the step time: while the measured cost
-of a measured step exceeds ``budget`` times the time of a step, only a share
-``budget * step / cost`` of the steps is measured, evenly spaced (never fewer than
-``min_share``). The first ``warmup`` measured steps learn the cost and measure
-every step.
+keeps it, on average over the steps, at most ``max(budget * step, floor)``
+(default: 2% of the step time, or 0.5 ms): while the measured cost of a measured
+step exceeds that, only a share ``max(budget * step, floor) / cost`` of the steps
+is measured, evenly spaced (never fewer than ``min_share``). The first ``warmup``
+measured steps learn the cost and measure every step.
+
+The floor keeps a small model's statistics whole: their cost there is Python's
+per-operation overhead, a few hundred microseconds, less than the adaptive step's
+own fixed bookkeeping (the loader, the profiler, the step contract: 1.4 ms a step
+on a 64-parameter regression, 2.25 ms against plain DDP's 0.85 ms, CPU, 2026-12-07),
+which no sampling saves, while sampling would cost the estimate accuracy.
 
 Each measured step then stands for ``1 / share`` steps: the estimator folds it in
 with that much weight (`GradientNoiseScale.update`'s ``share``), so that its
@@ -43,6 +49,10 @@ def _warmup(value: object) -> int:
     return check_int("warmup", value, min=0)
 
 
+def _floor(value: object) -> float:
+    return check_float("floor", value, min=0.0)
+
+
 def _fixed(value: object) -> float | None:
     if value is None:
         return None
@@ -59,7 +69,8 @@ def _smoothing(value: object) -> float:
 class MeasureBudget:
     """The share of optimiser steps that measure gradient statistics, from their cost.
 
-    ``budget``: the statistics' cost allowed, as a share of the step time;
+    ``budget``: the statistics' cost allowed, as a share of the step time; ``floor``:
+    the cost in seconds allowed whatever the step time;
     ``min_share``: the smallest share of steps measured; ``warmup``: measured steps
     that learn the cost before any is skipped; ``smoothing``: the moving averages'
     factor per measured step; ``fixed``: a share to keep whatever the cost (None:
@@ -67,6 +78,7 @@ class MeasureBudget:
     """
 
     budget: float = attrs.field(default=0.02, converter=_budget)
+    floor: float = attrs.field(default=5e-4, converter=_floor)
     min_share: float = attrs.field(default=0.05, converter=_min_share)
     warmup: int = attrs.field(default=10, converter=_warmup)
     smoothing: float = attrs.field(default=0.9, converter=_smoothing)
@@ -106,10 +118,11 @@ class MeasureBudget:
         if self.recorded <= self.warmup or self.fixed is not None:
             return
         mean_cost, mean_step = self._cost / weight, self._step / weight
-        if mean_cost <= self.budget * mean_step:
+        allowed = max(self.budget * mean_step, self.floor)
+        if mean_cost <= allowed:
             self.share = 1.0
             return
-        self.share = min(max(self.budget * mean_step / mean_cost, self.min_share), 1.0)
+        self.share = min(max(allowed / mean_cost, self.min_share), 1.0)
 
     @property
     def cost(self) -> float:
