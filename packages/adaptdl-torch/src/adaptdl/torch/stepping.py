@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,29 +82,6 @@ def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     if not norms:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(norms).double().square().sum()
-
-
-def _sums_of_squares(segments: list[list[torch.Tensor]]) -> list[float]:
-    """Per segment, the sum of the squares of its norms (scalar tensors of any devices).
-
-    Every norm crosses to the host in one transfer (each transfer waits for the device
-    to finish its queued work) and is squared in float64 before it; the host adds them
-    up (``math.fsum``), so that a step costs a few device operations however many
-    parameters and groups it has.
-    """
-    flat = [n for segment in segments for n in segment]
-    if not flat:
-        return [0.0] * len(segments)
-    device = flat[0].device
-    if any(n.device != device for n in flat):
-        device = next((n.device for n in flat if n.device.type != "cpu"), device)
-        flat = [n.to(device) for n in flat]
-    squares: list[float] = torch.stack(flat).double().square().tolist()
-    sums, start = [], 0
-    for segment in segments:
-        sums.append(math.fsum(squares[start : start + len(segment)]))
-        start += len(segment)
-    return sums
 
 
 def _scaled_copies(grads: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
@@ -445,9 +421,9 @@ class AdaptiveSteps:
         count = self._num_groups
         fused = self._fused_norms and not self._preconditions()
         device = next((t.device for g in groups for t in g), torch.device("cpu"))
-        if fused:
+        if fused and bucket_total:
             total = [t / (micro * micro) for t in _group_sums(bucket_total, count, device)]
-        else:
+        else:  # no bucket measured (no reduction ran through the hook): the gradients'
             total = [_sum_sqr_norms(n).to(device) for n in self._total_norms(groups)]
         if single:
             local: list[torch.Tensor] = []
