@@ -80,6 +80,7 @@ DEFAULT = {
     "smoothing": 0.99,  # None: the adapter's default (0.999)
     "exact_every": 100,
     "seed": 0,
+    "share": None,  # None: the measuring budget's own share; else a fixed share of steps
 }
 
 
@@ -248,6 +249,11 @@ def worker() -> None:
         model.weight.copy_(torch.from_numpy(p["w0"]).float()[None, :])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     adp = adl.AdaptiveDataParallel(model, optimizer)
+    if cfg.get("share") is not None:
+        from adaptdl.core.statsbudget import MeasureBudget
+
+        # The share of steps measured, fixed: what sampling does to the estimate.
+        adp._steps.budget = MeasureBudget(fixed=cfg["share"])
 
     rows: list[list[float]] = []
     exact: list[list[float]] = []
@@ -301,6 +307,7 @@ def worker() -> None:
                 "rows": rows,
                 "exact": exact,
                 "train_seconds": elapsed,
+                "share": adp._steps.share,
             }
         )
 
@@ -309,9 +316,11 @@ def worker() -> None:
 
 
 def run_mode(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
-    """Train in ``mode`` ("replicas": 2 replicas; "accumulation": 1 replica, 2 micro-batches)."""
+    """Train in ``mode`` ("replicas": 2 replicas; "accumulation": 1 replica, 2
+    micro-batches; "single": 1 replica, 1 micro-batch, each step paired with the last)."""
     nproc = 2 if mode == "replicas" else 1
-    result = launch("experiments.outcome.gns_accuracy", nproc, {**cfg, "micro_batches": 2})
+    micro = 1 if mode == "single" else 2
+    result = launch("experiments.outcome.gns_accuracy", nproc, {**cfg, "micro_batches": micro})
     result["mode"] = mode
     return result
 
@@ -349,6 +358,7 @@ def summarise(result: dict[str, Any], warmup: float = 0.25) -> dict[str, Any]:
         "lag_sqr_max": float(np.max(rel_error(lag_sqr, t_sqr)[after])),
         "lag_var_max": float(np.max(rel_error(lag_var, t_var)[after])),
         "smoothing": smoothing,
+        "share": result.get("share", 1.0),
         "population_gap_sqr": pop_gap_sqr,
         "population_gap_var": pop_gap_var,
         "train_seconds": result["train_seconds"],
@@ -358,10 +368,10 @@ def summarise(result: dict[str, Any], warmup: float = 0.25) -> dict[str, Any]:
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """The markdown table of item 1: relative errors after warm-up, median / p95 / max."""
     lines = [
-        "| mode | replicas x local bsz x micro-batches | smoothing | quantity | "
-        "error vs lag-matched truth (median / p95 / max) | "
+        "| mode | replicas x local bsz x micro-batches | smoothing | share measured | "
+        "quantity | error vs lag-matched truth (median / p95 / max) | "
         "error vs current truth (median / p95 / max) | lag alone (max) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         shape = f"{s['replicas']} x {s['local_bsz']} x {s['accum_steps'] + 1}"
@@ -369,7 +379,8 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
             lag = "/".join(f"{s[f'{key}_lag_{q}']:.1%}" for q in ("median", "p95", "max"))
             now = "/".join(f"{s[f'{key}_now_{q}']:.1%}" for q in ("median", "p95", "max"))
             lines.append(
-                f"| {s['mode']} | {shape} | {s['smoothing']} | {label} | {lag} | {now} | "
+                f"| {s['mode']} | {shape} | {s['smoothing']} | {s['share']:.2f} | {label} | "
+                f"{lag} | {now} | "
                 f"{s[f'lag_{key}_max']:.1%} |"
             )
     return "\n".join(lines)
@@ -414,9 +425,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/outcome"))
     parser.add_argument("--steps", type=int, default=DEFAULT["steps"])
+    parser.add_argument(
+        "--sampling",
+        action="store_true",
+        help="instead: what measuring a share of the steps does to the estimate",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = {**DEFAULT, "steps": args.steps}
+    if args.sampling:
+        return sampling(cfg)
     check = check_closed_form(cfg)
     results = [run_mode(cfg, "replicas"), run_mode(cfg, "accumulation")]
     # The lag of the default smoothing is steady after its warm-up: fewer steps show it.
@@ -440,6 +458,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{max(s['population_gap_var'] for s in gaps):.1%}"
     )
     return {"check": check, "summaries": summaries}
+
+
+def sampling(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The estimate's error when core's budget measures a share of the steps: one
+    replica pairing single micro-batches (the copy of the last gradient is made only
+    before a measured step) and one replica accumulating two, every step and a quarter."""
+    runs = [
+        run_mode({**cfg, "share": share}, mode)
+        for mode in ("single", "accumulation")
+        for share in (1.0, 0.25)
+    ]
+    summaries = [summarise(r) for r in runs]
+    print(table(summaries))
+    return {"summaries": summaries}
 
 
 if __name__ == "__main__":

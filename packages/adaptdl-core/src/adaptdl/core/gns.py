@@ -29,6 +29,10 @@ so it moves the average as much as ``scale`` of them would. The default smoothin
 0.999 (AdaptDL's) averages over roughly the last thousand initial-batch steps'
 worth of data: long enough for the per-step estimates, which are very noisy at
 small batches, to settle, short enough to follow the drift of |G|^2 over training.
+A step measured when only a share ``s`` of the steps is (`adaptdl.core.statsbudget`)
+stands for ``1 / s`` steps: its scale is divided by ``s``, so that the memory in
+samples stays the same; the average then rests on fewer steps, and the spread below
+counts them.
 
 Preconditioning. For an optimiser that applies a diagonal preconditioner (Adam:
 ``P = sqrt(v_hat) + eps``) the caller may pass squared norms of the
@@ -145,6 +149,10 @@ def _float_tuple(name: str, value: Any) -> tuple[float, ...]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, np.ndarray)):
         raise ArgumentTypeError(f"{name} must be a sequence of numbers, got {value!r}")
     return tuple(check_float(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+
+def _share(value: Any) -> float:
+    return check_float("share", value, min=0.0, max=1.0, min_exclusive=True)
 
 
 def _last_step(value: Any) -> tuple[float, float] | None:
@@ -383,7 +391,13 @@ class GradientNoiseScale:
     # -- updates -----------------------------------------------------------
 
     def update(
-        self, local_sqr: npt.ArrayLike, total_sqr: npt.ArrayLike, count: int, batch_size: int
+        self,
+        local_sqr: npt.ArrayLike,
+        total_sqr: npt.ArrayLike,
+        count: int,
+        batch_size: int,
+        *,
+        share: float = 1.0,
     ) -> None:
         """Fold in one optimiser step that averaged ``count >= 2`` micro-batches.
 
@@ -397,8 +411,11 @@ class GradientNoiseScale:
         * ``count``: the number of micro-batches, ``replicas * (accum_steps + 1)``;
         * ``batch_size``: the atomic batch size, samples per micro-batch.
 
-        The step's scale is ``count * batch_size / init_batch_size``.
+        The step's scale is ``count * batch_size / init_batch_size``. ``share``: the
+        share of steps measured (`adaptdl.core.statsbudget`); the step stands for
+        ``1 / share`` steps, its scale divided by ``share``.
         """
+        share = _share(share)
         count = check_int("count", count, min=1)
         if count == 1:
             raise ValueError(
@@ -414,7 +431,7 @@ class GradientNoiseScale:
         if self.differenced:
             self._restart()
         self.differenced = False
-        self._fold(sqr, var, count * b / self.init_batch_size)
+        self._fold(sqr, var, count * b / self.init_batch_size / share)
 
     def update_differenced(
         self,
@@ -423,6 +440,8 @@ class GradientNoiseScale:
         mixed_sqr: npt.ArrayLike,
         batch_size: int,
         prev_batch_size: int | None = None,
+        *,
+        share: float = 1.0,
     ) -> None:
         """Fold in one single-micro-batch step, paired with the previous one.
 
@@ -435,8 +454,10 @@ class GradientNoiseScale:
           previous one (default: the same).
 
         The step's scale is ``batch_size / init_batch_size``: each step is folded in
-        once although its gradient takes part in two pairs.
+        once although its gradient takes part in two pairs; divided by ``share`` (as in
+        :meth:`update`).
         """
+        share = _share(share)
         b_c = check_int("batch_size", batch_size, min=1)
         b_p = b_c
         if prev_batch_size is not None:
@@ -451,7 +472,7 @@ class GradientNoiseScale:
             (2.0 * (p + c) - 4.0 * m) / weight for p, c, m in zip(prev, cur, mixed, strict=True)
         )
         self.differenced = True
-        self._fold(dot, var, b_c / self.init_batch_size)
+        self._fold(dot, var, b_c / self.init_batch_size / share)
 
     def reset(self) -> None:
         """Forget the estimates."""

@@ -17,7 +17,11 @@ Three rules live here and nowhere else:
 * the non-finite skip: a step whose norms are not all finite (an overflow, a
   GradScaler's inf step) leaves the estimator untouched;
 * progress: each optimiser step adds its gain at the step's scale to the job's
-  scale-invariant progress (`MetricsState.progress`), after the step.
+  scale-invariant progress (`MetricsState.progress`), after the step;
+* the budget: which steps measure at all (`StepStatistics.measures`), a share of the
+  steps that keeps the statistics' cost within a share of the step time
+  (`adaptdl.core.statsbudget`); a measured step stands for ``1 / share`` steps in
+  the estimator.
 
 An adapter that measures and steps at different moments (torch measures after the
 backward pass, steps in ``optimizer.step()``) calls `StepStatistics.measure`, then
@@ -40,6 +44,7 @@ from adaptdl.core.collective import Collective, Future
 from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.metrics import MetricsState
 from adaptdl.core.scaling import ScalingRule
+from adaptdl.core.statsbudget import MeasureBudget
 
 LOG = logging.getLogger("adaptdl.core.step")
 
@@ -108,6 +113,10 @@ class StepMeasurement:
     ``num_replicas``: replicas in the step; ``batch_size``: samples per micro-batch
     (the atomic batch size). ``pair``: for a step of one micro-batch in all, the norms
     that pair it with the previous such step (None: no previous step to pair with).
+    ``share``: the share of steps measured when this one was chosen
+    (`StepStatistics.share`): it stands for ``1 / share`` steps. ``cost``: seconds the
+    replica spent on the statistics' work of this step; ``step_time``: seconds per
+    optimiser step lately (0: unknown); both feed the budget.
     """
 
     local_sqr: tuple[float, ...]
@@ -116,9 +125,17 @@ class StepMeasurement:
     num_replicas: int
     batch_size: int
     pair: PairedNorms | None = None
+    share: float = 1.0
+    cost: float = 0.0
+    step_time: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         _set_norms(self, "local_sqr", "total_sqr")
+        object.__setattr__(
+            self, "share", check_float("share", self.share, min=0.0, max=1.0, min_exclusive=True)
+        )
+        object.__setattr__(self, "cost", check_float("cost", self.cost, min=0.0))
+        object.__setattr__(self, "step_time", check_float("step_time", self.step_time, min=0.0))
         check_int("micro_batches", self.micro_batches, min=1)
         check_int("num_replicas", self.num_replicas, min=1)
         check_int("batch_size", self.batch_size, min=1)
@@ -187,20 +204,42 @@ class StepDecision:
     progress: float
 
 
-_Pending = tuple[Future[Any], tuple[float, ...], int, int]
+_Pending = tuple[Future[Any], tuple[float, ...], int, int, float, int]
 
 
 class StepStatistics:
     """The per-step statistics path of one job replica: noise update, lag, skip, rule, progress.
 
     ``metrics`` holds the job's estimator and progress; ``collective`` sums the
-    replicas' local norms (every replica must call `measure` at the same steps).
+    replicas' local norms (every replica must call `measure` at the same steps, the
+    ones `measures` names). ``budget``: which steps measure (default `MeasureBudget()`).
     """
 
-    def __init__(self, metrics: MetricsState, collective: Collective) -> None:
+    def __init__(
+        self,
+        metrics: MetricsState,
+        collective: Collective,
+        budget: MeasureBudget | None = None,
+    ) -> None:
         self.metrics = metrics
         self.collective = collective
+        self.budget = budget if budget is not None else MeasureBudget()
+        #: Optimiser steps committed so far (the index of the next step).
+        self.taken = 0
         self._pending: _Pending | None = None
+
+    @property
+    def share(self) -> float:
+        """The share of steps measured now (1: every step)."""
+        return self.budget.share
+
+    def measures(self, ahead: int = 0) -> bool:
+        """Whether the optimiser step ``ahead`` steps after the next one is measured.
+
+        The same answer on every replica: the share moves only in `measure`, on the
+        replicas' summed inputs.
+        """
+        return self.budget.measures(self.taken + check_int("ahead", ahead, min=0))
 
     def measure(self, measurement: StepMeasurement, init_batch_size: int) -> Fold:
         """Fold one step's measurement into the estimator (made for ``init_batch_size``).
@@ -215,12 +254,16 @@ class StepStatistics:
         self._fold_pending()
         m = measurement
         gns = self.metrics.ensure_gns(init_batch_size, m.num_groups)
+        if m.num_replicas > 1:
+            # The budget's inputs ride with the local norms (several replicas: always two
+            # micro-batches or more): every replica moves the share alike, at the fold.
+            summed = [*m.local_sqr, m.cost, m.step_time]
+            local = self.collective.allreduce_async(summed)
+            self._pending = (local, m.total_sqr, m.count, m.batch_size, m.share, m.num_replicas)
+            return Fold.PENDING
+        self.budget.record(m.cost, m.step_time)
         if m.count >= 2:
-            if m.num_replicas > 1:
-                local = self.collective.allreduce_async(list(m.local_sqr))
-                self._pending = (local, m.total_sqr, m.count, m.batch_size)
-                return Fold.PENDING
-            return self._fold(gns, m.local_sqr, m.total_sqr, m.count, m.batch_size)
+            return self._fold(gns, m.local_sqr, m.total_sqr, m.count, m.batch_size, m.share)
         if not _finite(m.total_sqr):
             _warn_skip()
             return Fold.SKIPPED
@@ -231,7 +274,12 @@ class StepStatistics:
             _warn_skip()
             return Fold.UNPAIRED
         gns.update_differenced(
-            m.pair.prev_sqr, m.total_sqr, m.pair.mixed_sqr, m.batch_size, m.pair.prev_batch_size
+            m.pair.prev_sqr,
+            m.total_sqr,
+            m.pair.mixed_sqr,
+            m.batch_size,
+            m.pair.prev_batch_size,
+            share=m.share,
         )
         return Fold.FOLDED
 
@@ -256,6 +304,7 @@ class StepStatistics:
         batch adds no second step of progress (`MetricsState.add_progress`).
         """
         self.metrics.add_progress(decision.gain, step=step)
+        self.taken += 1
 
     def step(
         self,
@@ -281,8 +330,15 @@ class StepStatistics:
         gns = self.metrics.gns
         if pending is None or gns is None:
             return
-        future, total, count, bsz = pending
-        self._fold(gns, tuple(future.result()), total, count, bsz)
+        future, total, count, bsz, share, replicas = pending
+        values = list(future.result())
+        self._record(values, replicas)
+        self._fold(gns, tuple(values[:-2]), total, count, bsz, share)
+
+    def _record(self, summed: Sequence[float], num_replicas: int) -> None:
+        """Feed the budget the replicas' mean cost and step time (``summed`` over them)."""
+        cost, step_time = summed[-2:]
+        self.budget.record(max(cost, 0.0) / num_replicas, max(step_time, 0.0) / num_replicas)
 
     @staticmethod
     def _fold(
@@ -291,11 +347,12 @@ class StepStatistics:
         total: tuple[float, ...],
         count: int,
         batch_size: int,
+        share: float = 1.0,
     ) -> Fold:
         if not (_finite(local) and _finite(total)):
             _warn_skip()
             return Fold.SKIPPED
-        gns.update(local, total, count, batch_size)
+        gns.update(local, total, count, batch_size, share=share)
         return Fold.FOLDED
 
 

@@ -35,6 +35,7 @@ from adaptdl.torch.sharded_state import AsyncShardedState, ShardedState
 from adaptdl.torch.state import StateDictState
 from adaptdl.torch.stepping import (
     AdaptiveSteps,
+    _cpu,
     _norm,
     _norms,
     _sum_sqr_norms,
@@ -141,6 +142,8 @@ class AdaptiveFSDP(AdaptiveSteps):
     def _set_sync(self, module: torch.nn.Module, args: Any) -> None:
         self._sync = not self._job.accumulating()
         module.set_requires_gradient_sync(self._sync)  # type: ignore[operator]
+        if self._measuring is None and torch.is_grad_enabled():
+            self._plan_step(armable=True)
 
     def _hook_unsharded(self, fqn: str, module: torch.nn.Module, args: Any) -> None:
         # FSDP2 keeps one unsharded parameter object per parameter for the model's
@@ -160,14 +163,18 @@ class AdaptiveFSDP(AdaptiveSteps):
         """``grad`` is the unsharded gradient of sharded ``param``: this replica's, unreduced."""
         if not self._in_backward:
             self._begin_backward()
-        if not self._need_local:
-            return  # one replica, one micro-batch: the local gradient is the step's
+        if not self._hook_local:
+            # An unmeasured step (the same on every replica), or one replica and one
+            # micro-batch: the local gradient is the step's.
+            return
+        start = _cpu()
         precond = AdaptiveSteps._preconditioner(self, group, param)
         if isinstance(precond, DTensor):
             # Collective, in the same hook order on every replica: the whole
             # preconditioner, one parameter at a time, for the whole local gradient.
             precond = precond.full_tensor()
         self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
+        self._stat_cost += _cpu() - start
 
     def _preconditioner(self, group: int, param: torch.Tensor) -> torch.Tensor | None:
         """Adam's preconditioner of this replica's shard of ``param`` (see AdaptiveSteps)."""

@@ -1,18 +1,30 @@
 """The torch side of core's step contract, shared by the data-parallel and sharded wrappers.
 
 `AdaptiveSteps` is what `AdaptiveDataParallel` (DDP) and `AdaptiveFSDP` (FSDP2)
-have in common. Per micro-batch, a hook on every parameter's gradient adds the
-squared norm of the local gradient (before any reduction) to a per-group sum.
-After the optimiser-step micro-batch's backward pass, once the wrapper has
-reduced the gradients, the squared norm of the reduced gradient (the wrapper's
-`AdaptiveSteps._total_norms`) and the local sums go to core as a `StepMeasurement`
-(`adaptdl.core.step`); the time spent waiting for the reduction after the
-backward computation goes to the profiler. Accumulation micro-batches leave the
-gradients summing in ``.grad`` without a reduction; on the step they are divided
-by the number of micro-batches, so the optimiser always sees the mean gradient of
-the whole batch. ``optimizer.step()`` asks core for the step's `StepDecision`,
-multiplies each group's learning rate by its factor for that step only, then
-commits the step's gain to the job's progress. Losses the program reports
+have in common. Core decides which optimiser steps measure the gradient-noise
+statistics (`StepStatistics.measures`: all of them while their cost is within its
+budget, a share of them otherwise). On a measured step the local squared norms
+(before any reduction) and the squared norm of the reduced gradient go to core
+as a `StepMeasurement` (`adaptdl.core.step`) after the step's last backward
+pass, with the seconds the statistics cost; an unmeasured step computes no norm.
+
+Where the norms come from is the wrapper's: DDP measures each flattened bucket in
+its communication hook, before and after its all-reduce (one norm per bucket,
+however many tensors it holds); a replica's accumulation micro-batches, a
+preconditioned gradient (`AdamScale(preconditioned=True)`) and FSDP2's unsharded
+gradients are measured per parameter by gradient hooks, armed only for measured
+steps (DDP) or returning at once on others (FSDP2). With one replica and one
+micro-batch, a measured step pairs with the step before it, whose gradient is
+copied (into a buffer kept for it) only when the next step is measured. On a GPU
+the norms stay on the device and core reads them one step later.
+
+The time spent waiting for the reduction after the backward computation goes to
+the profiler. Accumulation micro-batches leave the gradients summing in ``.grad``
+without a reduction; on the step they are divided by the number of
+micro-batches, so the optimiser always sees the mean gradient of the whole batch.
+``optimizer.step()`` asks core for the step's `StepDecision`, multiplies each
+group's learning rate by its factor for that step only, then commits the step's
+gain to the job's progress. Losses the program reports
 (`AdaptiveSteps.report_loss`) are folded there into core's noise floor.
 """
 
@@ -20,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,29 +82,6 @@ def _sum_sqr_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     if not norms:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack(norms).double().square().sum()
-
-
-def _sums_of_squares(segments: list[list[torch.Tensor]]) -> list[float]:
-    """Per segment, the sum of the squares of its norms (scalar tensors of any devices).
-
-    Every norm crosses to the host in one transfer (each transfer waits for the device
-    to finish its queued work) and is squared in float64 before it; the host adds them
-    up (``math.fsum``), so that a step costs a few device operations however many
-    parameters and groups it has.
-    """
-    flat = [n for segment in segments for n in segment]
-    if not flat:
-        return [0.0] * len(segments)
-    device = flat[0].device
-    if any(n.device != device for n in flat):
-        device = next((n.device for n in flat if n.device.type != "cpu"), device)
-        flat = [n.to(device) for n in flat]
-    squares: list[float] = torch.stack(flat).double().square().tolist()
-    sums, start = [], 0
-    for segment in segments:
-        sums.append(math.fsum(squares[start : start + len(segment)]))
-        start += len(segment)
-    return sums
 
 
 def _scaled_copies(grads: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
@@ -151,19 +140,69 @@ def check_arguments(optimizer: Any, scaling_rule: Any, mp_scaler: Any = None) ->
         )
 
 
-def register_grad_hooks(steps: AdaptiveSteps, params: list[tuple[int, torch.Tensor]]) -> None:
-    """Have the gradient of each ``(group, param)`` feed ``steps``' local squared norms."""
-    for index, param in params:
-        if param.requires_grad:
-            param.register_hook(functools.partial(steps._grad_hook, index, param))  # type: ignore[no-untyped-call]
+def register_grad_hooks(
+    steps: AdaptiveSteps, params: list[tuple[int, torch.Tensor]]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Have the gradient of each ``(group, param)`` feed ``steps``' local squared norms;
+    return the hooks' handles."""
+    return [
+        param.register_hook(functools.partial(steps._grad_hook, index, param))  # type: ignore[no-untyped-call]
+        for index, param in params
+        if param.requires_grad
+    ]
+
+
+def _cpu() -> float:
+    """This thread's CPU seconds: what the statistics' budget is measured in.
+
+    CPU time, not the wall clock: on a shared machine a norm of microseconds
+    preempted for milliseconds would read as costly; each thread times its own work
+    (the communication hook's callbacks run on the reduction's thread).
+    """
+    return time.thread_time()
+
+
+def _sqr(tensor: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of ``tensor`` as a float64 scalar tensor on its device (no sync)."""
+    return _norm(tensor).double().square()
+
+
+def _group_sums(
+    parts: list[tuple[int, torch.Tensor]], num_groups: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Per group, the sum of the ``(group, squared norm)`` parts (0 for a group with none)."""
+    rows: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+    for group, value in parts:
+        rows[group].append(value.to(device))
+    return [
+        torch.stack(row).sum() if row else torch.zeros((), dtype=torch.float64, device=device)
+        for row in rows
+    ]
+
+
+class _Lagged:
+    """A step's squared norms on their way from the device to the host, and what goes
+    with them into the `StepMeasurement` core is handed one step later."""
+
+    def __init__(self, values: torch.Tensor, build: Callable[[list[float]], None]) -> None:
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self.host.copy_(values, non_blocking=True)
+        self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.event.record()
+        self.build = build
+
+    def finish(self) -> None:
+        self.event.synchronize()  # the copy was queued a step ago: long done
+        self.build(self.host.tolist())
 
 
 class AdaptiveSteps:
     """Gradient statistics, accumulation, learning-rate factors and metrics of one wrapper.
 
     A wrapper calls :meth:`_init_steps`, registers its gradient hooks
-    (:func:`register_grad_hooks`) and provides :meth:`_will_sync` (and, for a
-    sharded model, :meth:`_local_grad` and :meth:`_total_norms`).
+    (:func:`register_grad_hooks`; or, for a replicated model, a communication
+    hook that fills ``_bucket_local`` and ``_bucket_total``) and provides
+    :meth:`_will_sync` (and, for a sharded model, :meth:`_local_grad` and :meth:`_total_norms`).
     """
 
     _job: Job
@@ -189,10 +228,26 @@ class AdaptiveSteps:
         self.adaptdl_mp_scaler = mp_scaler
         self.scaling_rule: ScalingRuleBase = scaling_rule or AdaScale()
         self._num_groups = len(optimizer.param_groups)
-        # Per group, squared norms of the local micro-batch gradients since the last step.
+        # Per group, squared norms of the local micro-batch gradients since the last step
+        # (from the gradient hooks).
         self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
+        # (group, squared norm) of each bucket before and after its reduction, this
+        # backward pass (the communication hook of a wrapper with `_fused_norms`).
+        self._bucket_local: list[tuple[int, torch.Tensor]] = []
+        self._bucket_total: list[tuple[int, torch.Tensor]] = []
+        self._fused_norms = False  # whether the wrapper measures whole buckets
         self._in_backward = False
-        self._need_local = True  # whether the gradient hooks measure local norms
+        self._need_local = True  # whether the step needs local norms at all
+        # The plan of the step under way (None: not planned yet): whether core has it
+        # measured, whether the gradient hooks measure local norms, whether the buckets do.
+        self._measuring: bool | None = None
+        self._hook_local = False
+        self._buckets_local = False
+        # The hooks a wrapper arms only for a measured step (`_hook_params`).
+        self._hook_params: list[tuple[int, torch.Tensor]] = []
+        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._stat_cost = 0.0  # seconds spent on the step's statistics so far
+        self._last_sync: float | None = None
         # Loop positions of the micro-batches accumulated in .grad since the last step:
         # several backward passes on one micro-batch add up, they are not averaged.
         self._micro: set[int] = set()
@@ -202,10 +257,16 @@ class AdaptiveSteps:
         self._loader: LoaderHelper | None = None
         self._sync_start = 0.0
         self._steps = StepStatistics(job.metrics, job.collective)
-        job.on_drain(self._steps.drain)
+        job.on_drain(self._drain)
+        # The previous single-micro-batch step's gradient (divided by the loss scale),
+        # kept only when the next step is measured, and its squared norms (per group,
+        # on the device); the general path's fresh copies (a preconditioner, sparse).
+        self._prev_buf: list[list[torch.Tensor]] | None = None
+        self._prev_buf_valid = False
         self._prev_grads: list[list[torch.Tensor]] | None = None
         self._prev_bsz = 0
-        self._prev_sqr: tuple[float, ...] = ()  # the squared norms of `_prev_grads`
+        self._prev_total: list[torch.Tensor] = []
+        self._lagged: _Lagged | None = None
         self.last_lr_factor = 1.0
         self.last_gain = 1.0
         self._plain = False
@@ -215,14 +276,47 @@ class AdaptiveSteps:
         self._target_loss: float | None = None
         self._floor_checked = False
 
+    # -- the step's plan -----------------------------------------------------------------
+    def _plan_step(self, armable: bool) -> None:
+        """Decide what the step under way measures, before its first backward pass
+        (``armable``: early enough to arm gradient hooks for it)."""
+        loader = self._job.current_loader
+        if loader is None:
+            return
+        self._need_local = (
+            self._job.topology.num_replicas > 1
+            or bool(self._micro)
+            or loader.accumulation_steps > 0
+        )
+        measuring = self._steps.measures()
+        fused = self._fused_norms and not self._preconditions()
+        # Whole buckets serve a replica's single micro-batch; anything else is measured
+        # per parameter, by the hooks.
+        self._buckets_local = measuring and fused and self._need_local
+        self._buckets_local &= loader.accumulation_steps == 0 and not self._micro
+        self._hook_local = measuring and self._need_local and not self._buckets_local
+        if self._hook_local and self._hook_params and not self._hook_handles:
+            if not armable:
+                measuring = self._hook_local = False  # too late to arm: skip this step
+            else:
+                self._hook_handles = register_grad_hooks(self, self._hook_params)
+        self._measuring = measuring
+
+    def _disarm(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
     # -- backward hooks ----------------------------------------------------------------
     def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
         if not self._in_backward:
             self._begin_backward()
-        if not self._need_local:
+        if not self._hook_local:
             return
+        start = _cpu()
         precond = self._preconditioner(group, param)
         self._local_parts[group].append(_norm(grad if precond is None else grad / precond))
+        self._stat_cost += _cpu() - start
 
     def _preconditions(self) -> bool:
         """Whether the noise is estimated of Adam's preconditioned gradient (`AdamScale`)."""
@@ -259,15 +353,12 @@ class AdaptiveSteps:
         self._drop_stale_accumulation()
         self._in_backward = True
         self._loader = loader
-        # The local norms count only in a step of several micro-batches in all (replicas
-        # x accumulated): a single one's local gradient is the step's, paired instead.
-        # (`accumulation_steps` is the count of the batch in hand, so it also covers
-        # `Job.accumulating`.)
-        self._need_local = (
-            self._job.topology.num_replicas > 1
-            or bool(self._micro)
-            or loader.accumulation_steps > 0
-        )
+        if self._measuring is None:
+            self._plan_step(armable=False)
+        # Each backward pass's buckets hold the gradients accumulated so far: the last
+        # pass's are the step's.
+        self._bucket_local = []
+        self._bucket_total = []
         # Runs after the backward computation; it queues the step after the wrapper's
         # own callback (DDP's, queued later; FSDP2's, queued earlier), which waits for
         # the gradients' reduction.
@@ -288,10 +379,19 @@ class AdaptiveSteps:
     def _after_sync(self) -> None:
         job = self._job
         job.record_sync_time(job.clock() - self._sync_start)
+        now = _cpu()
+        step_time = now - self._last_sync if self._last_sync is not None else 0.0
+        self._last_sync = now
         loader = self._loader
         assert loader is not None
         micro, self._micro = max(len(self._micro), 1), set()
         parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
+        bucket_local, self._bucket_local = self._bucket_local, []
+        bucket_total, self._bucket_total = self._bucket_total, []
+        measuring, self._measuring = bool(self._measuring), None
+        buckets_local, self._buckets_local = self._buckets_local, False
+        self._hook_local = False
+        self._disarm()
         groups = self._grad_groups()
         if len(groups) != self._num_groups:
             raise ValueError(
@@ -302,65 +402,174 @@ class AdaptiveSteps:
         if micro > 1:
             for grads in groups:
                 torch._foreach_div_(grads, float(micro))
-        mp2 = self._mp_scale() ** 2
+        self._finish_lagged()
         replicas = job.topology.num_replicas
         single = replicas * micro == 1
-        current = [_scaled_copies(g, mp2**0.5) for g in groups] if single else None
-        pair = self._pair(current) if current is not None else None
-        # Per group: the local norms (several micro-batches in all), the total's; then
-        # the pair's |prev + current| and (with a preconditioner) |prev|.
+        if buckets_local and micro > 1:
+            measuring = False  # the buckets summed micro-batches the plan did not expect
+        cost, self._stat_cost = self._stat_cost, 0.0
+        if not measuring:
+            if single and self._steps.measures(ahead=1):
+                self._keep(groups, replicas * micro, loader)
+            else:
+                self._prev_buf_valid = False
+                self._prev_grads = None
+            return
+        start = _cpu()
+        mp = self._mp_scale()
+        mp2 = mp * mp
         count = self._num_groups
-        measured = (parts if not single else []) + self._total_norms(groups)
-        sums = _sums_of_squares(measured + (pair[0] + pair[1] if pair is not None else []))
-        # The gradients' norms carry the loss scale; the pair's are of scaled copies.
-        values = [v / mp2 for v in sums[: len(measured)]]
-        rest = sums[len(measured) :]
-        # A single micro-batch's local gradient is the step's own.
-        total = tuple(values[-count:])
-        local = tuple(values[:count]) if not single else total
-        paired = None
-        if pair is not None:
-            # |prev + current|^2 first: the squared norm of their mean is a quarter.
-            paired = PairedNorms(
-                prev_sqr=tuple(rest[count:]) if pair[1] else self._prev_sqr,
-                mixed_sqr=tuple(v / 4 for v in rest[:count]),
-                prev_batch_size=self._prev_bsz,
-            )
+        fused = self._fused_norms and not self._preconditions()
+        device = next((t.device for g in groups for t in g), torch.device("cpu"))
+        if fused and bucket_total:
+            total = [t / (micro * micro) for t in _group_sums(bucket_total, count, device)]
+        else:  # no bucket measured (no reduction ran through the hook): the gradients'
+            total = [_sum_sqr_norms(n).to(device) for n in self._total_norms(groups)]
+        if single:
+            local: list[torch.Tensor] = []
+        elif buckets_local:
+            local = _group_sums(bucket_local, count, device)
+        else:
+            local = [_sum_sqr_norms(p).to(device) for p in parts]
+        pair = self._pair(groups, mp, total) if single else None
+        flat = total + local + (pair if pair is not None else [])
+        values = torch.stack(flat) / mp2
         training = job.training_loader or loader
         bsz = max(loader.current_local_bsz, 1)
-        measurement = StepMeasurement(
-            local_sqr=local,
-            total_sqr=total,
-            micro_batches=micro,
-            num_replicas=replicas,
-            batch_size=bsz,
-            pair=paired,
-        )
-        fold = self._steps.measure(measurement, training.batch_size)
-        if current is not None and fold.pairable:
-            self._prev_grads = current  # fresh tensors already (the scaled copies)
-            self._prev_bsz = bsz
-            self._prev_sqr = total
+        prev_bsz = self._prev_bsz
+        share = self._steps.share
+
+        def build(host: list[float], cost: float) -> Any:
+            totals = tuple(host[:count])
+            locals_ = tuple(host[count : 2 * count]) if not single else totals
+            paired = None
+            if pair is not None:
+                rest = host[len(host) - 2 * count :]
+                # |prev + current|^2 first: the squared norm of their mean is a quarter.
+                paired = PairedNorms(
+                    prev_sqr=tuple(rest[count:]),
+                    mixed_sqr=tuple(v / 4 for v in rest[:count]),
+                    prev_batch_size=prev_bsz,
+                )
+            measurement = StepMeasurement(
+                local_sqr=locals_,
+                total_sqr=totals,
+                micro_batches=micro,
+                num_replicas=replicas,
+                batch_size=bsz,
+                pair=paired,
+                share=share,
+                cost=cost,
+                step_time=step_time,
+            )
+            return self._steps.measure(measurement, training.batch_size)
+
+        if values.device.type == "cuda":
+            # Read a step later, when the copy is long done: no wait for the device now.
+            lagged = _Lagged(values, lambda host: build(host, cost))
+            cost += _cpu() - start
+            self._lagged = lagged
+            pairable = True
         else:
+            host = values.tolist()
+            cost += _cpu() - start  # the tensor work; core's own bookkeeping is not the norms'
+            pairable = build(host, cost).pairable
+        if single and pairable and self._steps.measures(ahead=1):
+            self._keep(groups, 1, loader, [t / mp2 for t in total])
+        else:
+            self._prev_buf_valid = False
             self._prev_grads = None
 
+    def _finish_lagged(self) -> None:
+        lagged, self._lagged = self._lagged, None
+        if lagged is not None:
+            lagged.finish()
+
+    def _drain(self) -> None:
+        self._finish_lagged()
+        self._steps.drain()
+
+    def _keep(
+        self,
+        groups: list[list[torch.Tensor]],
+        count: int,
+        loader: LoaderHelper,
+        total: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Keep this single-micro-batch step's gradient (divided by the loss scale) for
+        the next step to pair with; ``total``: its squared norms per group (None: unmeasured,
+        computed now)."""
+        if count != 1:
+            return
+        start = _cpu()
+        mp = self._mp_scale()
+        if total is None:
+            if self._preconditions():
+                total = []  # measured again under the next step's preconditioner
+            else:
+                total = [_sum_sqr_norms(_norms(g)) / (mp * mp) for g in groups]
+        self._prev_total = total
+        self._prev_bsz = max(loader.current_local_bsz, 1)
+        if self._general_pairs(groups):
+            self._prev_grads = [_scaled_copies(g, mp) for g in groups]
+            self._prev_buf_valid = False
+        else:
+            buf = self._prev_buf
+            if (
+                buf is None
+                or not _same_shapes(buf, groups)
+                or any(
+                    b.dtype != g.dtype or b.device != g.device
+                    for bg, gg in zip(buf, groups, strict=True)
+                    for b, g in zip(bg, gg, strict=True)
+                )
+            ):
+                buf = [[torch.empty_like(g) for g in grads] for grads in groups]
+                self._prev_buf = buf
+            for dst, src in zip(buf, groups, strict=True):
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                    if mp != 1.0:
+                        torch._foreach_div_(dst, mp)
+            self._prev_buf_valid = True
+            self._prev_grads = None
+        self._stat_cost += _cpu() - start
+
+    def _general_pairs(self, groups: list[list[torch.Tensor]]) -> bool:
+        """Whether pairs need fresh copies: a preconditioner, or sparse gradients."""
+        return self._preconditions() or any(t.is_sparse for g in groups for t in g)
+
     def _pair(
-        self, current: list[list[torch.Tensor]]
-    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]] | None:
-        """The norms (on the device) that pair this single-micro-batch step with the
-        previous one, if any: per group those of prev + current, then those of prev
-        (none where the previous step's total is its squared norm: without a
-        preconditioner)."""
-        prev = self._prev_grads
-        if prev is None or not _same_shapes(prev, current):
+        self, current: list[list[torch.Tensor]], mp: float, total: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """Per group the squared norms (on the device, times the loss scale squared)
+        that pair this single-micro-batch step with the previous one, if any: of
+        prev + current, then of prev."""
+        mp2 = mp * mp
+        if self._prev_grads is not None:
+            prev = self._prev_grads
+            if not _same_shapes(prev, current):
+                return None
+            scaled = [_scaled_copies(g, mp) for g in current]
+            # Both gradients with this step's preconditioner, as the estimator requires.
+            prev = self._preconditioned(prev)
+            pairs = zip(prev, self._preconditioned(scaled), strict=True)
+            summed = [_sum_sqr_norms(_norms(_sums(pg, cg))) * mp2 for pg, cg in pairs]
+            if self._preconditions():
+                return summed + [_sum_sqr_norms(_norms(pg)) * mp2 for pg in prev]
+            return summed + [t * mp2 for t in self._prev_total]
+        buf = self._prev_buf
+        if buf is None or not self._prev_buf_valid:
             return None
-        # Both gradients with this step's preconditioner, as the estimator requires.
-        prev = self._preconditioned(prev)
-        pairs = zip(prev, self._preconditioned(current), strict=True)
-        summed = [_norms(_sums(pg, cg)) for pg, cg in pairs]
-        if not self._preconditions():
-            return summed, []  # no preconditioner: |prev|^2 is the last step's total
-        return summed, [_norms(pg) for pg in prev]
+        if not _same_shapes(buf, current) or len(self._prev_total) != len(current):
+            return None
+        self._prev_buf_valid = False  # the buffer becomes prev + current here
+        summed = []
+        for dst, src in zip(buf, current, strict=True):
+            if dst:
+                torch._foreach_add_(dst, src, alpha=1.0 / mp)
+            summed.append(_sum_sqr_norms(_norms(dst)) * mp2)
+        return summed + [t * mp2 for t in self._prev_total]
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """``groups`` (gradients of the params with grads) divided by their preconditioners."""
@@ -426,6 +635,10 @@ class AdaptiveSteps:
             self._losses = []  # reported for the dropped micro-batches
             self._micro = set()
             self._local_parts = [[] for _ in range(self._num_groups)]
+            self._bucket_local, self._bucket_total = [], []
+            self._measuring, self._hook_local, self._buckets_local = None, False, False
+            self._stat_cost = 0.0
+            self._disarm()
             self.adaptdl_optimizer.zero_grad(set_to_none=True)
             self._drop_local_gradients()
 
