@@ -242,8 +242,17 @@ class PersistentSignalScale(GradientNoiseScale):
     decision_only: bool = attrs.field(default=False)
     persistent: GradientNoiseScale | None = attrs.field(default=None)
 
-    def update(self, local_sqr: Any, total_sqr: Any, count: int, batch_size: int) -> None:
-        """`GradientNoiseScale.update` with |G|^2 replaced by the queued product."""
+    def update(
+        self,
+        local_sqr: Any,
+        total_sqr: Any,
+        count: int,
+        batch_size: int,
+        *,
+        share: float = 1.0,
+    ) -> None:
+        """`GradientNoiseScale.update` with |G|^2 replaced by the queued product (a
+        measured step standing for ``1 / share`` steps, as there)."""
         if self.num_groups != 1:
             raise ValueError("PersistentSignalScale takes one parameter group")
         local = float(np.asarray(local_sqr).reshape(-1)[0])
@@ -254,14 +263,14 @@ class PersistentSignalScale(GradientNoiseScale):
             product = self.pending.popleft()
             if math.isfinite(product):
                 signal = product
-        scale = count * batch_size / self.init_batch_size
+        scale = count * batch_size / self.init_batch_size / share
         if self.decision_only:
             if self.persistent is None:
                 self.persistent = GradientNoiseScale(
                     self.init_batch_size, smoothing=self.smoothing
                 )
             self.persistent._fold((signal,), (var,), scale)
-            super().update(local, total, count, batch_size)
+            super().update(local, total, count, batch_size, share=share)
             return
         if self.differenced:
             self._restart()
