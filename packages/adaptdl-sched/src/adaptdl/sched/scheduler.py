@@ -31,7 +31,7 @@ from adaptdl.core.hints import hints as make_hints
 from adaptdl.core.profiler import Profiler
 from adaptdl.sched.backend import LOST, PREEMPTED, Backend, Launch, LaunchError, Node, by_rank
 from adaptdl.sched.policies import LIVE_POLICIES, make_policy
-from adaptdl.sched.progress import read_job_hints, read_progress
+from adaptdl.sched.progress import HINTS_FILE, read_job_hints, read_progress
 from adaptdl.sched.record import JobRecord, JobSpec, Status, node_indices
 from adaptdl.sched.round import ChangeKind, allocation_round
 from adaptdl.sched.view import ClusterState
@@ -300,7 +300,7 @@ class Scheduler:
         return False  # some exited 0, the others are finishing
 
     def _read_job_files(self, job: JobRecord, now: float) -> None:
-        hints_file = Path(job.share_path) / "hints.json"
+        hints_file = Path(job.share_path) / HINTS_FILE
         try:
             mtime = hints_file.stat().st_mtime
         except OSError:
