@@ -27,7 +27,7 @@ from adaptdl.core.collective import Collective, Future, LocalCollective, logical
 from adaptdl.core.config import DEFAULT_STOP_WAIT
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.jobloops import JobLoops
-from adaptdl.core.jobreport import Reporter, Share
+from adaptdl.core.jobreport import REPORT_INTERVAL, Reporter, Share
 from adaptdl.core.jobstate import JobState
 from adaptdl.core.journal import Journal
 from adaptdl.core.metrics import MetricsState
@@ -79,6 +79,7 @@ class Job(JobLoops):
         allow_missing_state: Collection[str] = (),
         stop_wait: float = DEFAULT_STOP_WAIT,
         share: Share | None = None,
+        report_interval: float = REPORT_INTERVAL,
     ) -> None:
         self.topology = topology or Topology()
         self.allow_missing_state = frozenset(allow_missing_state)
@@ -142,7 +143,11 @@ class Job(JobLoops):
         self.boundaries = 0  # step boundaries passed in this process
         self.journal = journal if self.topology.rank == 0 else None
         # Rank 0 tells a scheduler about the job through its share directory.
-        self.reporter = Reporter(share) if share is not None and self._rank0 else None
+        self.reporter = (
+            Reporter(share, interval=report_interval)
+            if share is not None and self._rank0
+            else None
+        )
         self._record: Callable[[int], None] | None = None  # `samples_recorder`'s
         self._count_replay()
         self.epoch = EpochState()

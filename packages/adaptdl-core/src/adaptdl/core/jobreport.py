@@ -12,10 +12,11 @@ A job run by a cluster scheduler (``ADAPTDL_SHARE_PATH`` set) publishes, from ra
 
 `Reporter` decides when: at the first training step of each process (a start or a
 restart, which the resize-cost measurement needs), at the first step after the
-batch size changed, and otherwise every :data:`REPORT_INTERVAL` seconds, as the
-original AdaptDL's jobs did. Both files go through a `Share` (``localfs.LocalShare``
-for a directory): a reader sees the old document or the new one. The scheduler
-reads them back with :func:`read_hints` and :func:`read_progress`.
+batch size changed, and otherwise every :data:`REPORT_INTERVAL` seconds (as the
+original AdaptDL's jobs did; ``ADAPTDL_REPORT_INTERVAL`` sets it). Both files go
+through a `Share` (``localfs.LocalShare`` for a directory): a reader sees the old
+document or the new one. The scheduler reads them back with :func:`read_hints` and
+:func:`read_progress`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from adaptdl.core._validate import ArgumentTypeError, check_float, check_int, check_keys
+from adaptdl.core.config import DEFAULT_REPORT_INTERVAL
 from adaptdl.core.hints import hints, validate_hints
 
 if TYPE_CHECKING:
@@ -59,8 +61,9 @@ HINTS_FILE = "hints.json"
 PROGRESS_FILE = "progress.json"
 #: The keys of a progress record, in order.
 PROGRESS_KEYS = ("replicas", "step", "batch_size", "time")
-#: Seconds between a job's reports when nothing else makes one due.
-REPORT_INTERVAL = 30.0
+#: Seconds between a job's reports when nothing else makes one due
+#: (``ADAPTDL_REPORT_INTERVAL`` sets it for a job).
+REPORT_INTERVAL = DEFAULT_REPORT_INTERVAL
 # A share file larger than this is not a document of ours: never read whole.
 _READ_LIMIT = 1 << 20
 

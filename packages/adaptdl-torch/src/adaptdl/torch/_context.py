@@ -149,6 +149,7 @@ def init_process_group(
             stop_wait=config.stop_wait,
             # Under a scheduler: rank 0 reports the job's hints and progress there.
             share=LocalShare(config.share_path) if config.share_path is not None else None,
+            report_interval=config.report_interval,
         )
     except BaseException:
         # A failed restore must not leave this process holding the directory: a retry
