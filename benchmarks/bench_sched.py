@@ -1,16 +1,18 @@
 """Benchmark of the live scheduler (figures and ratios, no assertions).
 
-A mini-trace of emulated jobs (``tests/sched/live/emulated_job.py``: real processes
-whose steps sleep for a performance model's time, so that two cores suffice)
-submitted over a few seconds to the live scheduler on this machine (``LocalBackend``,
-4 declared GPUs, rounds every 2 s), once under pollux and once under fifo, in
-alternating rounds. Prints each policy's average job completion time (wall seconds,
-submission to success), pollux's over fifo's (the median over rounds), and the
-median restart cost pollux measured (stop requested to the first step at the new
-size; target at most 10 s for a tiny job).
-
-Not yet here (issue #33): the same trace through the simulator, for the live
-average JCT against the simulated one.
+A mini-trace of emulated jobs (``tests/sched/live/emulated_job.py --model``: real
+processes that follow an application model, so that two cores suffice: each step
+they pick their batch size by core's goodput model, sleep for core's step time of
+that configuration and gain AdaScale progress at the model's gradient noise, ending
+at the model's target progress) submitted over a few seconds to the live scheduler
+on this machine (``LocalBackend``, 4 declared GPUs, rounds every 2 s), once under
+pollux and once under fifo, in alternating rounds; and the same trace, the same
+application models (``adaptdl.sim.apps.ParametricApplication``), through the
+simulator on the same cluster with the same round interval. Prints each policy's
+average job completion time live and simulated (seconds, submission to success;
+medians over rounds), pollux's over fifo's, and the median restart cost pollux
+measured live (stop requested to the first step at the new size; target at most
+10 s for a tiny job), which is also the simulator's restart penalty.
 
     python benchmarks/bench_sched.py [--rounds N] [--jobs N]
 """
@@ -18,6 +20,7 @@ average JCT against the simulated one.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -25,31 +28,83 @@ import tempfile
 import time
 from pathlib import Path
 
+from adaptdl.core.goodput import PerfParams
 from adaptdl.sched.local import LocalBackend
+from adaptdl.sched.policies import make_policy
 from adaptdl.sched.record import JobSpec, Status
 from adaptdl.sched.scheduler import Scheduler
+from adaptdl.sim.apps import ParametricApplication
+from adaptdl.sim.cluster import ClusterConfig, simulate
+from adaptdl.sim.workload import JobSpec as SimJobSpec
 
 JOB = Path(__file__).resolve().parents[1] / "tests" / "sched" / "live" / "emulated_job.py"
+GPUS, INTERVAL, GAP = 4, 2.0, 2.0  # declared GPUs, seconds between rounds and arrivals
+# Core's throughput model of the emulated jobs: ~0.08 s a step of 32 on one GPU.
+PERF = PerfParams(
+    alpha_c=0.02, beta_c=0.002, alpha_n=0.03, beta_n=0.01, alpha_r=0.005, beta_r=0.001, gamma=1.5
+)
+
+
+def model(samples: int) -> dict:
+    """The application model of an emulated job that trains 2 epochs of ``samples``."""
+    return {
+        "init_batch_size": 32,
+        "max_batch_size": 1024,
+        "local_bsz_bounds": [8, 128],
+        "dataset_size": samples,
+        "epochs": 2,
+        "perf_params": PERF.to_dict(),
+        "noise_start": 100.0,
+        "noise_end": 1000.0,
+    }
+
+
+def trace(jobs: int) -> list[tuple[float, str, dict]]:
+    """(submission second, name, application model) of each job of the mini-trace."""
+    return [(GAP * i, f"job-{i}", model(2048 * (1 + i % 3))) for i in range(jobs)]
+
+
+def simulate_trace(policy: str, jobs: int, restart_penalty: float) -> float:
+    """Average JCT of the same trace through the simulator (seconds)."""
+    apps, specs = {}, []
+    for at, name, m in trace(jobs):
+        apps[name] = ParametricApplication(
+            name,
+            m["init_batch_size"],
+            m["max_batch_size"],
+            tuple(m["local_bsz_bounds"]),
+            m["dataset_size"],
+            m["epochs"],
+            perf_params=PERF,
+            noise_start=m["noise_start"],
+            noise_end=m["noise_end"],
+        )
+        # fifo gives a job what it asks: the live scheduler's max_replicas.
+        specs.append(SimJobSpec(name, at, name, GPUS, m["init_batch_size"]))
+    config = ClusterConfig(
+        num_nodes=1, gpus_per_node=GPUS, interval=INTERVAL, restart_penalty=restart_penalty
+    )
+    return float(simulate(specs, apps, make_policy(policy), config).avg_jct)
 
 
 def run_trace(policy: str, jobs: int, storage: Path) -> tuple[float, list[float]]:
     """(average JCT in seconds, every restart cost measured) of one run of the trace."""
-    backend = LocalBackend(gpus=4)
-    sched = Scheduler(backend, storage, policy=policy, interval=2.0, restart_penalty=2.0)
+    backend = LocalBackend(gpus=GPUS)
+    sched = Scheduler(backend, storage, policy=policy, interval=INTERVAL, restart_penalty=2.0)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    arrivals = [(2.0 * i, f"job-{i}", 512 * (1 + i % 3)) for i in range(jobs)]
+    arrivals = trace(jobs)
     start = time.monotonic()
     try:
         while not (len(sched.jobs) == jobs and all(j.status.done for j in sched.jobs.values())):
             now = time.monotonic() - start
-            for at, name, samples in arrivals:
+            for at, name, m in arrivals:
                 if at <= now and name not in sched.jobs:
-                    command = (sys.executable, str(JOB), "--samples", str(samples))
+                    command = (sys.executable, str(JOB), "--model", json.dumps(m))
                     sched.submit(
                         JobSpec(
                             name=name,
                             command=command,
-                            max_replicas=4,
+                            max_replicas=GPUS,
                             cpus_per_replica=0.25,
                             env=env,
                         )
@@ -87,7 +142,14 @@ def main(argv: list[str] | None = None) -> None:
                 costs.extend(measured)
             print(f"round {r}: {policy} average JCT {jct:.1f} s")
     pollux, fifo = statistics.median(jcts["pollux"]), statistics.median(jcts["fifo"])
-    print(f"average JCT: pollux {pollux:.1f} s, fifo {fifo:.1f} s, ratio {pollux / fifo:.2f}")
+    print(f"average JCT live: pollux {pollux:.1f} s, fifo {fifo:.1f} s, ratio {pollux / fifo:.2f}")
+    penalty = statistics.median(costs) if costs else 2.0
+    for policy, live in (("pollux", pollux), ("fifo", fifo)):
+        sim = simulate_trace(policy, args.jobs, penalty)
+        print(
+            f"{policy}: live {live:.1f} s, simulated {sim:.1f} s (restart penalty "
+            f"{penalty:.1f} s), live / simulated {live / sim:.2f} (target within 15%)"
+        )
     if costs:
         print(
             f"restart cost under pollux: median {statistics.median(costs):.1f} s over "
