@@ -99,6 +99,8 @@ def run_trace(policy: str, jobs: int, storage: Path) -> tuple[float, list[float]
             now = time.monotonic() - start
             for at, name, m in arrivals:
                 if at <= now and name not in sched.jobs:
+                    # A non-adaptive policy runs the submitted batch size, as simulated.
+                    m = {**m, "fixed_batch": not make_policy(policy).adaptive}
                     command = (sys.executable, str(JOB), "--model", json.dumps(m))
                     sched.submit(
                         JobSpec(

@@ -16,7 +16,9 @@ launch (a crash).
 ``perf_params``, ``noise_start``, ``noise_end``): each step it picks its batch size by
 core's goodput model of the true parameters, sleeps for core's step time of that
 configuration, and gains AdaScale progress at the model's gradient noise; it ends
-once the model's target progress is reached, as a simulated job does.
+once the model's target progress is reached, as a simulated job does. With
+``"fixed_batch": true`` it keeps the submitted (initial) batch size instead, as the
+simulator runs a job under a non-adaptive policy (fifo).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from adaptdl.core.batchsize import batch_size_query, even_split
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.goodput.model import compute_time, optim_step_time
 from adaptdl.core.hints import hints
@@ -142,14 +145,24 @@ def run_model(model: dict) -> int:
         # sqr fixed at 1: B_noise = M0 * var / sqr.
         grad = GradParams(1.0, _noise(model, epoch) / init)
         if decided is None or decided[0] != epoch:
-            fn = GoodputFunction(perf, grad, init)
-            _, local, _ = fn.optimize(1, world, max_batch_size=top, atomic_bsz_range=bounds)
-            decided = (epoch, int(local))
-        local = decided[1]
+            if model.get("fixed_batch"):
+                # What a non-adaptive policy runs (the simulator's `SimJob.fixed_config`):
+                # the submitted batch, split evenly, accumulating above the upper bound.
+                query = batch_size_query(
+                    1, world, init, local_bsz_bounds=(None, bounds[1]), gradient_accumulation=True
+                )
+                local, accum = even_split(query)
+            else:
+                fn = GoodputFunction(perf, grad, init)
+                _, local, _ = fn.optimize(1, world, max_batch_size=top, atomic_bsz_range=bounds)
+                accum = 0
+            decided = (epoch, int(local), int(accum))
+        _, local, accum = decided
         compute = float(compute_time(perf, local))
-        step_time = compute if world == 1 else float(optim_step_time(perf, 1, world, local))
+        optim = compute if world == 1 else float(optim_step_time(perf, 1, world, local))
+        step_time = accum * compute + optim
         time.sleep(step_time)
-        batch = local * world
+        batch = local * (accum + 1) * world
         if rank == 0:
             start = state["pos"]
             state["consumed"].append([start, start + batch])  # positions over passes
@@ -158,12 +171,7 @@ def run_model(model: dict) -> int:
             state["progress"] += adascale_gain(grad.sqr, grad.var, batch / init)
             profiler.record(1, world, local, accum_step=True, step_time=compute)
             profiler.record(
-                1,
-                world,
-                local,
-                accum_step=False,
-                step_time=step_time,
-                sync_time=step_time - compute,
+                1, world, local, accum_step=False, step_time=optim, sync_time=optim - compute
             )
             state["profile"] = profiler.to_json()
             tmp = ckpt.with_suffix(".tmp")
