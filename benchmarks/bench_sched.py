@@ -10,7 +10,9 @@ pollux and once under fifo, in alternating rounds; and the same trace, the same
 application models (``adaptdl.sim.apps.ParametricApplication``), through the
 simulator on the same cluster with the same round interval. Prints each policy's
 average job completion time live and simulated (seconds, submission to success;
-medians over rounds), pollux's over fifo's, and the median restart cost pollux
+medians over rounds), each job's live and simulated JCT (the simulator replays the
+live run's event log: `adaptdl.sim.workload.workload_from_events`), pollux's over
+fifo's, and the median restart cost pollux
 measured live (stop requested to the first step at the new size; target at most
 10 s for a tiny job), which is also the simulator's restart penalty.
 
@@ -35,7 +37,7 @@ from adaptdl.sched.record import JobSpec, Status
 from adaptdl.sched.scheduler import Scheduler
 from adaptdl.sim.apps import ParametricApplication
 from adaptdl.sim.cluster import ClusterConfig, simulate
-from adaptdl.sim.workload import JobSpec as SimJobSpec
+from adaptdl.sim.workload import workload_from_events
 
 JOB = Path(__file__).resolve().parents[1] / "tests" / "sched" / "live" / "emulated_job.py"
 GPUS, INTERVAL, GAP = 4, 2.0, 2.0  # declared GPUs, seconds between rounds and arrivals
@@ -64,11 +66,10 @@ def trace(jobs: int) -> list[tuple[float, str, dict]]:
     return [(GAP * i, f"job-{i}", model(2048 * (1 + i % 3))) for i in range(jobs)]
 
 
-def simulate_trace(policy: str, jobs: int, restart_penalty: float) -> float:
-    """Average JCT of the same trace through the simulator (seconds)."""
-    apps, specs = {}, []
-    for at, name, m in trace(jobs):
-        apps[name] = ParametricApplication(
+def applications(jobs: int) -> dict[str, ParametricApplication]:
+    """The simulator's model of each job of the trace, by job name."""
+    return {
+        name: ParametricApplication(
             name,
             m["init_batch_size"],
             m["max_batch_size"],
@@ -79,16 +80,24 @@ def simulate_trace(policy: str, jobs: int, restart_penalty: float) -> float:
             noise_start=m["noise_start"],
             noise_end=m["noise_end"],
         )
-        # fifo gives a job what it asks: the live scheduler's max_replicas.
-        specs.append(SimJobSpec(name, at, name, GPUS, m["init_batch_size"]))
+        for _, name, m in trace(jobs)
+    }
+
+
+def replay(policy: str, jobs: int, events: Path, restart_penalty: float) -> dict[str, float]:
+    """Each job's JCT when the live run's event log (``events.jsonl``: its arrivals) is
+    replayed by the simulator on the same cluster under ``policy``."""
+    apps = applications(jobs)
     config = ClusterConfig(
         num_nodes=1, gpus_per_node=GPUS, interval=INTERVAL, restart_penalty=restart_penalty
     )
-    return float(simulate(specs, apps, make_policy(policy), config).avg_jct)
+    result = simulate(workload_from_events(events, apps), apps, make_policy(policy), config)
+    return {j.name: float(j.finish - j.submit) for j in result.jobs if j.finish is not None}
 
 
-def run_trace(policy: str, jobs: int, storage: Path) -> tuple[float, list[float]]:
-    """(average JCT in seconds, every restart cost measured) of one run of the trace."""
+def run_trace(policy: str, jobs: int, storage: Path) -> tuple[dict[str, float], list[float], str]:
+    """(each job's JCT in seconds, every restart cost measured, the event log) of one
+    run of the trace."""
     backend = LocalBackend(gpus=GPUS)
     sched = Scheduler(backend, storage, policy=policy, interval=INTERVAL, restart_penalty=2.0)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -121,9 +130,9 @@ def run_trace(policy: str, jobs: int, storage: Path) -> tuple[float, list[float]
     bad = [j.name for j in records if j.status is not Status.SUCCEEDED]
     if bad:
         raise RuntimeError(f"jobs did not succeed under {policy}: {bad}")
-    jct = statistics.mean(j.finished - j.submit for j in records if j.finished is not None)
+    jct = {j.name: j.finished - j.submit for j in records if j.finished is not None}
     costs = [c for j in records for c in j.restart_costs]
-    return jct, costs
+    return jct, costs, sched.events_path.read_text()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,25 +142,45 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print("Wall seconds (the jobs sleep their modelled step times); medians over rounds.")
     jcts: dict[str, list[float]] = {"pollux": [], "fifo": []}
+    last: dict[str, tuple[dict[str, float], str]] = {}  # each policy's last run
     costs: list[float] = []
     for r in range(args.rounds):
         order = ["pollux", "fifo"] if r % 2 == 0 else ["fifo", "pollux"]
         for policy in order:
             with tempfile.TemporaryDirectory(prefix=f"bench-sched-{policy}-") as tmp:
-                jct, measured = run_trace(policy, args.jobs, Path(tmp))
-            jcts[policy].append(jct)
+                per_job, measured, events = run_trace(policy, args.jobs, Path(tmp))
+            jcts[policy].append(statistics.mean(per_job.values()))
+            last[policy] = (per_job, events)
             if policy == "pollux":
                 costs.extend(measured)
-            print(f"round {r}: {policy} average JCT {jct:.1f} s")
+            print(f"round {r}: {policy} average JCT {jcts[policy][-1]:.1f} s")
     pollux, fifo = statistics.median(jcts["pollux"]), statistics.median(jcts["fifo"])
     print(f"average JCT live: pollux {pollux:.1f} s, fifo {fifo:.1f} s, ratio {pollux / fifo:.2f}")
+    # The simulator replays each policy's last live run from its event log, with the
+    # restart penalty pollux measured live.
     penalty = statistics.median(costs) if costs else 2.0
-    for policy, live in (("pollux", pollux), ("fifo", fifo)):
-        sim = simulate_trace(policy, args.jobs, penalty)
+    simulated: dict[str, float] = {}
+    for policy in ("pollux", "fifo"):
+        per_job, events = last[policy]
+        with tempfile.TemporaryDirectory(prefix="bench-sched-replay-") as tmp:
+            log = Path(tmp) / "events.jsonl"
+            log.write_text(events)
+            sim = replay(policy, args.jobs, log, penalty)
+        simulated[policy] = statistics.mean(sim.values())
+        live = statistics.median(jcts[policy])
         print(
-            f"{policy}: live {live:.1f} s, simulated {sim:.1f} s (restart penalty "
-            f"{penalty:.1f} s), live / simulated {live / sim:.2f} (target within 15%)"
+            f"{policy}: live {live:.1f} s, simulated {simulated[policy]:.1f} s (restart "
+            f"penalty {penalty:.1f} s), live / simulated {live / simulated[policy]:.2f} "
+            "(target within 15%)"
         )
+        print(
+            "  job by job (last run), live / simulated: "
+            + ", ".join(f"{name} {per_job[name]:.1f}/{sim[name]:.1f}" for name in sorted(per_job))
+        )
+    print(
+        f"pollux over fifo: live {pollux / fifo:.2f}, "
+        f"simulated {simulated['pollux'] / simulated['fifo']:.2f}"
+    )
     if costs:
         print(
             f"restart cost under pollux: median {statistics.median(costs):.1f} s over "
