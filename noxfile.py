@@ -75,15 +75,23 @@ def integrations(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def sched(session: nox.Session) -> None:
-    """The live scheduler's tests: real replica processes, on this machine and on a
-    local Ray cluster of simulated nodes.
+    """The live scheduler's tests: real replica processes (emulated jobs and real
+    adaptdl.torch gloo jobs), on this machine and on a local Ray cluster of simulated
+    nodes.
 
     Only this session installs Ray (the extra ``adaptdl-sched[ray]``); ``tests``
     runs the rest of tests/sched (the policies and the round).
     """
-    # Core and the scheduler only: neither torch nor the simulator's plots.
+    # Core, the scheduler and the torch adapter (torch at constraints.txt's pin: the
+    # end-to-end test runs real gloo jobs); not the simulator's plots.
     deps = [d for d in TEST_DEPS if not d.startswith("tensorboard")]
-    session.install(*CONSTRAINTS, "packages/adaptdl-core", "packages/adaptdl-sched[ray]", *deps)
+    session.install(
+        *CONSTRAINTS,
+        "packages/adaptdl-core",
+        "packages/adaptdl-torch",
+        "packages/adaptdl-sched[ray]",
+        *deps,
+    )
     _pytest(session, *(session.posargs or ["tests/sched/live"]))
 
 

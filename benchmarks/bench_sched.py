@@ -1,16 +1,20 @@
 """Benchmark of the live scheduler (figures and ratios, no assertions).
 
-A mini-trace of emulated jobs (``tests/sched/live/emulated_job.py``: real processes
-whose steps sleep for a performance model's time, so that two cores suffice)
-submitted over a few seconds to the live scheduler on this machine (``LocalBackend``,
-4 declared GPUs, rounds every 2 s), once under pollux and once under fifo, in
-alternating rounds. Prints each policy's average job completion time (wall seconds,
-submission to success), pollux's over fifo's (the median over rounds), and the
-median restart cost pollux measured (stop requested to the first step at the new
-size; target at most 10 s for a tiny job).
-
-Not yet here (issue #33): the same trace through the simulator, for the live
-average JCT against the simulated one.
+A mini-trace of emulated jobs (``tests/sched/live/emulated_job.py --model``: real
+processes that follow an application model, so that two cores suffice: each step
+they pick their batch size by core's goodput model, sleep for core's step time of
+that configuration and gain AdaScale progress at the model's gradient noise, ending
+at the model's target progress) submitted over a few seconds to the live scheduler
+on this machine (``LocalBackend``, 4 declared GPUs, rounds every 2 s), once under
+pollux and once under fifo, in alternating rounds; and the same trace, the same
+application models (``adaptdl.sim.apps.ParametricApplication``), through the
+simulator on the same cluster with the same round interval. Prints each policy's
+average job completion time live and simulated (seconds, submission to success;
+medians over rounds), each job's live and simulated JCT (the simulator replays the
+live run's event log: `adaptdl.sim.workload.workload_from_events`), pollux's over
+fifo's, and the median restart cost pollux
+measured live (stop requested to the first step at the new size; target at most
+10 s for a tiny job), which is also the simulator's restart penalty.
 
     python benchmarks/bench_sched.py [--rounds N] [--jobs N]
 """
@@ -18,6 +22,7 @@ average JCT against the simulated one.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -25,31 +30,92 @@ import tempfile
 import time
 from pathlib import Path
 
+from adaptdl.core.goodput import PerfParams
 from adaptdl.sched.local import LocalBackend
+from adaptdl.sched.policies import make_policy
 from adaptdl.sched.record import JobSpec, Status
 from adaptdl.sched.scheduler import Scheduler
+from adaptdl.sim.apps import ParametricApplication
+from adaptdl.sim.cluster import ClusterConfig, simulate
+from adaptdl.sim.workload import workload_from_events
 
 JOB = Path(__file__).resolve().parents[1] / "tests" / "sched" / "live" / "emulated_job.py"
+GPUS, INTERVAL, GAP = 4, 2.0, 2.0  # declared GPUs, seconds between rounds and arrivals
+# Core's throughput model of the emulated jobs: ~0.08 s a step of 32 on one GPU.
+PERF = PerfParams(
+    alpha_c=0.02, beta_c=0.002, alpha_n=0.03, beta_n=0.01, alpha_r=0.005, beta_r=0.001, gamma=1.5
+)
 
 
-def run_trace(policy: str, jobs: int, storage: Path) -> tuple[float, list[float]]:
-    """(average JCT in seconds, every restart cost measured) of one run of the trace."""
-    backend = LocalBackend(gpus=4)
-    sched = Scheduler(backend, storage, policy=policy, interval=2.0, restart_penalty=2.0)
+def model(samples: int) -> dict:
+    """The application model of an emulated job that trains 2 epochs of ``samples``."""
+    return {
+        "init_batch_size": 32,
+        "max_batch_size": 1024,
+        "local_bsz_bounds": [8, 128],
+        "dataset_size": samples,
+        "epochs": 2,
+        "perf_params": PERF.to_dict(),
+        "noise_start": 100.0,
+        "noise_end": 1000.0,
+    }
+
+
+def trace(jobs: int) -> list[tuple[float, str, dict]]:
+    """(submission second, name, application model) of each job of the mini-trace."""
+    return [(GAP * i, f"job-{i}", model(2048 * (1 + i % 3))) for i in range(jobs)]
+
+
+def applications(jobs: int) -> dict[str, ParametricApplication]:
+    """The simulator's model of each job of the trace, by job name."""
+    return {
+        name: ParametricApplication(
+            name,
+            m["init_batch_size"],
+            m["max_batch_size"],
+            tuple(m["local_bsz_bounds"]),
+            m["dataset_size"],
+            m["epochs"],
+            perf_params=PERF,
+            noise_start=m["noise_start"],
+            noise_end=m["noise_end"],
+        )
+        for _, name, m in trace(jobs)
+    }
+
+
+def replay(policy: str, jobs: int, events: Path, restart_penalty: float) -> dict[str, float]:
+    """Each job's JCT when the live run's event log (``events.jsonl``: its arrivals) is
+    replayed by the simulator on the same cluster under ``policy``."""
+    apps = applications(jobs)
+    config = ClusterConfig(
+        num_nodes=1, gpus_per_node=GPUS, interval=INTERVAL, restart_penalty=restart_penalty
+    )
+    result = simulate(workload_from_events(events, apps), apps, make_policy(policy), config)
+    return {j.name: float(j.finish - j.submit) for j in result.jobs if j.finish is not None}
+
+
+def run_trace(policy: str, jobs: int, storage: Path) -> tuple[dict[str, float], list[float], str]:
+    """(each job's JCT in seconds, every restart cost measured, the event log) of one
+    run of the trace."""
+    backend = LocalBackend(gpus=GPUS)
+    sched = Scheduler(backend, storage, policy=policy, interval=INTERVAL, restart_penalty=2.0)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    arrivals = [(2.0 * i, f"job-{i}", 512 * (1 + i % 3)) for i in range(jobs)]
+    arrivals = trace(jobs)
     start = time.monotonic()
     try:
         while not (len(sched.jobs) == jobs and all(j.status.done for j in sched.jobs.values())):
             now = time.monotonic() - start
-            for at, name, samples in arrivals:
+            for at, name, m in arrivals:
                 if at <= now and name not in sched.jobs:
-                    command = (sys.executable, str(JOB), "--samples", str(samples))
+                    # A non-adaptive policy runs the submitted batch size, as simulated.
+                    m = {**m, "fixed_batch": not make_policy(policy).adaptive}
+                    command = (sys.executable, str(JOB), "--model", json.dumps(m))
                     sched.submit(
                         JobSpec(
                             name=name,
                             command=command,
-                            max_replicas=4,
+                            max_replicas=GPUS,
                             cpus_per_replica=0.25,
                             env=env,
                         )
@@ -64,9 +130,9 @@ def run_trace(policy: str, jobs: int, storage: Path) -> tuple[float, list[float]
     bad = [j.name for j in records if j.status is not Status.SUCCEEDED]
     if bad:
         raise RuntimeError(f"jobs did not succeed under {policy}: {bad}")
-    jct = statistics.mean(j.finished - j.submit for j in records if j.finished is not None)
+    jct = {j.name: j.finished - j.submit for j in records if j.finished is not None}
     costs = [c for j in records for c in j.restart_costs]
-    return jct, costs
+    return jct, costs, sched.events_path.read_text()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,18 +142,45 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print("Wall seconds (the jobs sleep their modelled step times); medians over rounds.")
     jcts: dict[str, list[float]] = {"pollux": [], "fifo": []}
+    last: dict[str, tuple[dict[str, float], str]] = {}  # each policy's last run
     costs: list[float] = []
     for r in range(args.rounds):
         order = ["pollux", "fifo"] if r % 2 == 0 else ["fifo", "pollux"]
         for policy in order:
             with tempfile.TemporaryDirectory(prefix=f"bench-sched-{policy}-") as tmp:
-                jct, measured = run_trace(policy, args.jobs, Path(tmp))
-            jcts[policy].append(jct)
+                per_job, measured, events = run_trace(policy, args.jobs, Path(tmp))
+            jcts[policy].append(statistics.mean(per_job.values()))
+            last[policy] = (per_job, events)
             if policy == "pollux":
                 costs.extend(measured)
-            print(f"round {r}: {policy} average JCT {jct:.1f} s")
+            print(f"round {r}: {policy} average JCT {jcts[policy][-1]:.1f} s")
     pollux, fifo = statistics.median(jcts["pollux"]), statistics.median(jcts["fifo"])
-    print(f"average JCT: pollux {pollux:.1f} s, fifo {fifo:.1f} s, ratio {pollux / fifo:.2f}")
+    print(f"average JCT live: pollux {pollux:.1f} s, fifo {fifo:.1f} s, ratio {pollux / fifo:.2f}")
+    # The simulator replays each policy's last live run from its event log, with the
+    # restart penalty pollux measured live.
+    penalty = statistics.median(costs) if costs else 2.0
+    simulated: dict[str, float] = {}
+    for policy in ("pollux", "fifo"):
+        per_job, events = last[policy]
+        with tempfile.TemporaryDirectory(prefix="bench-sched-replay-") as tmp:
+            log = Path(tmp) / "events.jsonl"
+            log.write_text(events)
+            sim = replay(policy, args.jobs, log, penalty)
+        simulated[policy] = statistics.mean(sim.values())
+        live = statistics.median(jcts[policy])
+        print(
+            f"{policy}: live {live:.1f} s, simulated {simulated[policy]:.1f} s (restart "
+            f"penalty {penalty:.1f} s), live / simulated {live / simulated[policy]:.2f} "
+            "(target within 15%)"
+        )
+        print(
+            "  job by job (last run), live / simulated: "
+            + ", ".join(f"{name} {per_job[name]:.1f}/{sim[name]:.1f}" for name in sorted(per_job))
+        )
+    print(
+        f"pollux over fifo: live {pollux / fifo:.2f}, "
+        f"simulated {simulated['pollux'] / simulated['fifo']:.2f}"
+    )
     if costs:
         print(
             f"restart cost under pollux: median {statistics.median(costs):.1f} s over "

@@ -49,6 +49,7 @@ def test_every_variable_is_read() -> None:
         "ADAPTDL_CHECKPOINT_STEPS": "50",
         "ADAPTDL_COLLECTIVE_TIMEOUT": "2.5",
         "ADAPTDL_STOP_WAIT": "7.5",
+        "ADAPTDL_REPORT_INTERVAL": "2",
     }
     config = JobConfig.from_env(env)
     assert config.topology == Topology(
@@ -62,6 +63,8 @@ def test_every_variable_is_read() -> None:
     assert (config.checkpoint_every_seconds, config.checkpoint_every_steps) == (None, 50)
     assert config.collective_timeout == 2.5
     assert config.stop_wait == 7.5
+    assert config.report_interval == 2.0
+    assert JobConfig.from_env({}).report_interval == 30.0
     assert (config.master_addr, config.master_port) == ("10.0.0.1", 29500)
     assert (config.elastic_restart, config.use_agent_store) == (3, True)
 
@@ -92,6 +95,7 @@ def test_an_adaptdl_variable_wins_over_its_torchrun_counterpart(
         ({"ADAPTDL_CHECKPOINT_STEPS": "1e3"}, "ADAPTDL_CHECKPOINT_STEPS='1e3' must be"),
         ({"ADAPTDL_COLLECTIVE_TIMEOUT": "inf"}, "ADAPTDL_COLLECTIVE_TIMEOUT='inf' must be"),
         ({"ADAPTDL_STOP_WAIT": "-1"}, "ADAPTDL_STOP_WAIT='-1' must be a number of seconds"),
+        ({"ADAPTDL_REPORT_INTERVAL": "nan"}, "ADAPTDL_REPORT_INTERVAL='nan' must be"),
         ({"MASTER_ADDR": "h", "MASTER_PORT": "0"}, "MASTER_PORT='0' must be a port number"),
         ({"MASTER_ADDR": "h"}, "MASTER_PORT='' must be a port number"),
         ({"RANK": "x"}, "RANK='x' must be an integer"),

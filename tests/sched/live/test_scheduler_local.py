@@ -133,3 +133,25 @@ def test_bad_submissions_are_refused_naming_the_problem(tmp_path: Path) -> None:
         sched.submit(JobSpec(name="x", command=("true",)))
     with pytest.raises(KeyError, match="no job named 'y'"):
         sched.stop("y")
+
+
+def test_a_job_relaunched_at_a_new_size_keeps_it_until_it_steps_there(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0)
+    sched.submit(_spec("a", "--samples", "4096", "--epochs", "1"))
+
+    def launches() -> int:
+        return sum(1 for e in _events(sched) if e["event"] == "launch" and e["job"] == "a")
+
+    _run(sched, lambda: launches() == 2)  # relaunched at 2 replicas, not stepping yet
+    assert len(sched.job("a").node_ids) == 2 and "a" in sched._resize_from
+    # A newcomer and a round at once: the relaunched job is left alone (a stop now
+    # would reach a program still starting), and its GPUs are not the round's.
+    sched.submit(_spec("b", "--samples", "64", "--epochs", "1", hi=1))
+    sched.run_round()
+    assert sched.job("a").stop_requested is None and sched.job("b").node_ids == []
+    _run(sched, lambda: "a" not in sched._resize_from)  # it stepped at 2
+    _run(sched, lambda: sched.job("b").status.done, timeout=180.0)
+    assert sched.job("b").status is Status.SUCCEEDED
+    assert sched.job("a").failures == 0

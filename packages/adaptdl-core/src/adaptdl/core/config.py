@@ -25,6 +25,7 @@ nodes variable, nodes are ``ceil(replicas / LOCAL_WORLD_SIZE)``. The rest are
 AdaptDL's alone: ``ADAPTDL_CHECKPOINT_PATH``, ``ADAPTDL_SHARE_PATH``,
 ``ADAPTDL_JOB_ID``, ``ADAPTDL_CHECKPOINT_INTERVAL``, ``ADAPTDL_CHECKPOINT_STEPS``,
 ``ADAPTDL_COLLECTIVE_TIMEOUT``, ``ADAPTDL_STOP_WAIT``, ``ADAPTDL_ALLOW_MISSING_STATE``,
+``ADAPTDL_REPORT_INTERVAL``,
 ``ADAPTDL_LOG_LEVEL``;
 and torchrun's rendezvous: ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_USE_AGENT_STORE``. An empty variable counts as unset.
@@ -46,6 +47,7 @@ __all__ = [
     "DEFAULT_CHECKPOINT_INTERVAL",
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "DEFAULT_LOG_LEVEL",
+    "DEFAULT_REPORT_INTERVAL",
     "DEFAULT_STOP_WAIT",
     "ENV_VARS",
     "LOG_LEVELS",
@@ -67,6 +69,7 @@ CHECKPOINT_INTERVAL_VAR = "ADAPTDL_CHECKPOINT_INTERVAL"
 CHECKPOINT_STEPS_VAR = "ADAPTDL_CHECKPOINT_STEPS"
 COLLECTIVE_TIMEOUT_VAR = "ADAPTDL_COLLECTIVE_TIMEOUT"
 STOP_WAIT_VAR = "ADAPTDL_STOP_WAIT"
+REPORT_INTERVAL_VAR = "ADAPTDL_REPORT_INTERVAL"
 ALLOW_MISSING_STATE_VAR = "ADAPTDL_ALLOW_MISSING_STATE"
 MASTER_ADDR_VAR = "MASTER_ADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
@@ -87,6 +90,7 @@ ENV_VARS: tuple[str, ...] = (
     CHECKPOINT_STEPS_VAR,
     COLLECTIVE_TIMEOUT_VAR,
     STOP_WAIT_VAR,
+    REPORT_INTERVAL_VAR,
     ALLOW_MISSING_STATE_VAR,
     LOG_LEVEL_VAR,
     MASTER_ADDR_VAR,
@@ -105,6 +109,10 @@ DEFAULT_STOP_WAIT = 20.0
 """Seconds a stop outside any loop waits for the replicas to meet when ``ADAPTDL_STOP_WAIT``
 is unset: well inside the 30 s that torchrun, Kubernetes and Slurm give a signalled process
 before they kill it, leaving time for the checkpoint."""
+
+DEFAULT_REPORT_INTERVAL = 30.0
+"""Seconds between a job's reports to its scheduler (`jobreport`) when
+``ADAPTDL_REPORT_INTERVAL`` is unset, as the original AdaptDL's jobs reported."""
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """The values ``ADAPTDL_LOG_LEVEL`` takes (in any case): the level of the ``adaptdl`` logger."""
@@ -134,7 +142,8 @@ class JobConfig:
     registered states that may start fresh when the restored checkpoint lacks
     them (``"*"``: any); every other missing state is an error.
     ``log_level`` is the ``adaptdl`` logger's level (one of `LOG_LEVELS`), None
-    when ``ADAPTDL_LOG_LEVEL`` is unset.
+    when ``ADAPTDL_LOG_LEVEL`` is unset. ``report_interval`` is the seconds between
+    the job's reports to its scheduler (under ``ADAPTDL_SHARE_PATH``; `jobreport`).
     """
 
     topology: Topology = attrs.field(factory=Topology)
@@ -145,6 +154,7 @@ class JobConfig:
     checkpoint_every_steps: int | None = attrs.field(default=None)
     collective_timeout: float = attrs.field(default=DEFAULT_COLLECTIVE_TIMEOUT)
     stop_wait: float = attrs.field(default=DEFAULT_STOP_WAIT)
+    report_interval: float = attrs.field(default=DEFAULT_REPORT_INTERVAL)
     master_addr: str | None = None
     master_port: int | None = attrs.field(default=None)
     elastic_restart: int | None = attrs.field(default=None)
@@ -187,6 +197,10 @@ class JobConfig:
     def _check_stop_wait(self, attribute: attrs.Attribute[float], value: float) -> None:
         check_float("stop_wait", value, min=0.0, max=MAX_COLLECTIVE_TIMEOUT)
 
+    @report_interval.validator
+    def _check_report_interval(self, attribute: attrs.Attribute[float], value: float) -> None:
+        check_float("report_interval", value, min=0.0)
+
     @checkpoint_path.validator
     def _check_path(self, attribute: attrs.Attribute[str | None], value: str | None) -> None:
         if value is not None and value != value.strip():
@@ -224,6 +238,7 @@ class JobConfig:
             checkpoint_every_steps=_read_steps(env),
             collective_timeout=_read_timeout(env),
             stop_wait=_read_stop_wait(env),
+            report_interval=_read_report_interval(env),
             master_addr=master_addr,
             # Only a configured rendezvous uses the port (torchrun sets both).
             master_port=_read_port(env) if master_addr is not None else None,
@@ -369,6 +384,12 @@ def _read_stop_wait(env: Mapping[str, str]) -> float:
         "a loop does not wait for the replicas to meet)",
     )
     return DEFAULT_STOP_WAIT if seconds is None else seconds
+
+
+def _read_report_interval(env: Mapping[str, str]) -> float:
+    rule = "a number of seconds >= 0 (0: report at every step)"
+    seconds = _read(env, REPORT_INTERVAL_VAR, float, lambda v: v >= 0, rule)
+    return DEFAULT_REPORT_INTERVAL if seconds is None else seconds
 
 
 def _read_port(env: Mapping[str, str]) -> int:

@@ -27,6 +27,7 @@ from adaptdl.core.collective import Collective, Future, LocalCollective, logical
 from adaptdl.core.config import DEFAULT_STOP_WAIT
 from adaptdl.core.epoch import EpochState
 from adaptdl.core.jobloops import JobLoops
+from adaptdl.core.jobreport import REPORT_INTERVAL, Reporter, Share
 from adaptdl.core.jobstate import JobState
 from adaptdl.core.journal import Journal
 from adaptdl.core.metrics import MetricsState
@@ -60,7 +61,9 @@ class Job(JobLoops):
 
     Core keeps no module-level state: a process may hold many jobs (tests and the
     simulator do). States registered with the job are restored from its newest
-    checkpoint the moment they register, and saved by `checkpoint`.
+    checkpoint the moment they register, and saved by `checkpoint`. Given a
+    ``share`` (the scheduler's share directory of the job), rank 0 publishes the
+    job's hints and progress there at step boundaries (`jobreport.Reporter`).
     """
 
     def __init__(
@@ -75,6 +78,8 @@ class Job(JobLoops):
         journal: Journal | None = None,
         allow_missing_state: Collection[str] = (),
         stop_wait: float = DEFAULT_STOP_WAIT,
+        share: Share | None = None,
+        report_interval: float = REPORT_INTERVAL,
     ) -> None:
         self.topology = topology or Topology()
         self.allow_missing_state = frozenset(allow_missing_state)
@@ -137,6 +142,12 @@ class Job(JobLoops):
         self._on_resume: list[Callable[[], None]] = []
         self.boundaries = 0  # step boundaries passed in this process
         self.journal = journal if self.topology.rank == 0 else None
+        # Rank 0 tells a scheduler about the job through its share directory.
+        self.reporter = (
+            Reporter(share, interval=report_interval)
+            if share is not None and self._rank0
+            else None
+        )
         self._record: Callable[[int], None] | None = None  # `samples_recorder`'s
         self._count_replay()
         self.epoch = EpochState()
@@ -542,6 +553,15 @@ class Job(JobLoops):
             due_now = self.store is not None and self.checkpoint_policy.due(
                 self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
+            reporter = self.reporter
+            if training and reporter is not None and now >= reporter.due:
+                reporter.report(
+                    now,
+                    topology=self.topology,
+                    step=self.state.steps,
+                    loader=self.training_loader or self.current_loader,
+                    metrics=self.metrics,
+                )
             if training and now >= self._next_redecide:
                 redecide_now = True
                 interval = self.redecide_schedule.next_interval(self._redecide_interval)
@@ -664,6 +684,11 @@ class Job(JobLoops):
     def on_drain(self, drain: Callable[[], None]) -> None:
         """Have `drain` also wait for a reduction an adapter keeps in flight."""
         self._drains.append(drain)
+
+    def batch_size_changed(self) -> None:
+        """The training loader's total batch size changed: report it at the next step."""
+        if self.reporter is not None:
+            self.reporter.report_soon()
 
     def drain(self) -> None:
         """Wait for the reduction the last step boundary started, at the end of training.

@@ -232,6 +232,8 @@ class LoaderHelper(LoaderView):
         self._state.num_replicas = topo.num_replicas
         # Any change of the total, a restart on other replicas included.
         if (local, accum, topo.num_replicas) != before and topo.rank == 0:
+            if self.job.training_loader in (None, self):
+                self.job.batch_size_changed()  # the scheduler hears of it at the next step
             lifecycle.batch_size_changed(
                 self.name,
                 local=local,

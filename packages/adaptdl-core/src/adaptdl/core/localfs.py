@@ -48,6 +48,7 @@ from adaptdl.core.storage import (
 )
 
 __all__ = [
+    "LocalShare",
     "LocalStorage",
     "exclusive",
     "file_record",
@@ -161,6 +162,48 @@ def replace_durably(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class LocalShare:
+    """A job's share directory (``ADAPTDL_SHARE_PATH``): a `jobreport.Share` of files.
+
+    :meth:`publish` writes a file under a name of its own and renames it over the
+    old one, so a reader (the scheduler) sees the old report or the new one. It is
+    not flushed to disk: a report is rewritten within seconds, and a torn one after
+    a machine crash reads as none.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        if not isinstance(root, (str, os.PathLike)):
+            raise TypeError(f"root must be a path, got {root!r}")
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.root)!r})"
+
+    def publish(self, name: str, data: bytes) -> None:
+        check_name("name", name)
+        path = self.root / name
+        tmp = path.with_name(f"{TMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        check_name("name", name)
+        fd = open_regular(self.root / name, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            return f.read() if limit is None else f.read(limit)
 
 
 class LocalStorage:

@@ -68,6 +68,11 @@ class MetricsState(JsonState):
         """The estimator's statistics (None before its first update)."""
         return self.gns.grad_params() if self.gns is not None else None
 
+    def model_grad_params(self) -> GradParams | None:
+        """The noise statistics the goodput model uses (`goodput_fn`): the estimator's,
+        with the floor's share credited (None before its first update)."""
+        return self._credited(self.grad_params())
+
     def claim_loss(self, reporter: str) -> None:
         """Let ``reporter`` (a model's name) report the job's training loss: one per job,
         since the floor is the job's (a second, e.g. a GAN's other model, is a
@@ -105,7 +110,7 @@ class MetricsState(JsonState):
 
         Its noise scale credits the floor's share, if any (`shared_params`).
         """
-        return self.profiler.goodput_fn(self._credited(self.grad_params()), init_batch_size)
+        return self.profiler.goodput_fn(self.model_grad_params(), init_batch_size)
 
     def bound_goodput_fn(self, z: float, init_batch_size: int) -> GoodputFunction | None:
         """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors).

@@ -31,7 +31,7 @@ from adaptdl.core.hints import hints as make_hints
 from adaptdl.core.profiler import Profiler
 from adaptdl.sched.backend import LOST, PREEMPTED, Backend, Launch, LaunchError, Node, by_rank
 from adaptdl.sched.policies import LIVE_POLICIES, make_policy
-from adaptdl.sched.progress import read_job_hints, read_progress
+from adaptdl.sched.progress import HINTS_FILE, read_job_hints, read_progress
 from adaptdl.sched.record import JobRecord, JobSpec, Status, node_indices
 from adaptdl.sched.round import ChangeKind, allocation_round
 from adaptdl.sched.view import ClusterState
@@ -300,7 +300,7 @@ class Scheduler:
         return False  # some exited 0, the others are finishing
 
     def _read_job_files(self, job: JobRecord, now: float) -> None:
-        hints_file = Path(job.share_path) / "hints.json"
+        hints_file = Path(job.share_path) / HINTS_FILE
         try:
             mtime = hints_file.stat().st_mtime
         except OSError:
@@ -450,18 +450,28 @@ class Scheduler:
         self._due = False
         self._last_round = now
         self.rounds += 1
+        # A job relaunched at a new size keeps it until it steps there (or the stop
+        # timeout passes): its resize's cost is still being measured, and a stop
+        # before the program installed its handlers would kill it as a crash.
+        settling = {
+            name for name, since in self._resize_from.items() if now - since < self.stop_timeout
+        }
         active = sorted(
-            (j for j in self.jobs.values() if not j.status.done and j.stop_reason is None),
+            (
+                j
+                for j in self.jobs.values()
+                if not j.status.done and j.stop_reason is None and j.name not in settling
+            ),
             key=lambda j: (j.submit, j.name),
         )
         nodes = sorted(nodes, key=lambda n: n.node_id)
         if not active or not nodes:
             return
         order = [n.node_id for n in nodes]
-        # GPUs still held by jobs that are stopping are not the round's to give.
+        # GPUs still held by jobs that are stopping or settling are not the round's to give.
         held = {n.node_id: 0 for n in nodes}
         for job in self.jobs.values():
-            if job.stop_reason is not None:
+            if job.stop_reason is not None or (job.name in settling and not job.status.done):
                 for n in job.node_ids:
                     if n in held:
                         held[n] += 1

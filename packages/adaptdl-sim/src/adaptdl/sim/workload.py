@@ -1,7 +1,9 @@
-"""Workloads: the jobs submitted to a simulated cluster, read from CSV or generated."""
+"""Workloads: the jobs submitted to a simulated cluster, read from CSV, from a live
+scheduler's event log, or generated."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -61,6 +63,46 @@ def read_workload(path: Path | str, applications: Mapping[str, ApplicationModel]
                 batch_size=parse_int(path, line, "batch_size", row["batch_size"], min=1),
             )
         )
+    return sorted(jobs, key=lambda j: (j.submit, j.name))
+
+
+def workload_from_events(
+    path: Path | str, applications: Mapping[str, ApplicationModel]
+) -> list[JobSpec]:
+    """The jobs of a live scheduler's event log (``events.jsonl``), to replay them here.
+
+    Each ``arrival`` event is a job submitted at its offset from the first arrival,
+    asking for its ``max_replicas`` (what a non-adaptive policy gives it) at its
+    application's initial batch size; ``applications`` names each job's model, by
+    job name. Raises :class:`TraceError` naming the file and line for a line that
+    is not JSON, an arrival without its fields, or a job with no application.
+    """
+    path = Path(path)
+    arrivals: list[tuple[int, dict[str, object]]] = []
+    for line, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            event = json.loads(text)
+        except ValueError as exc:
+            raise TraceError(path, line, f"not a JSON event: {exc}") from None
+        if isinstance(event, dict) and event.get("event") == "arrival":
+            arrivals.append((line, event))
+    if not arrivals:
+        return []
+    jobs = []
+    times = [t for _, e in arrivals if isinstance(t := e.get("time"), (int, float))]
+    start = float(min(times)) if times else 0.0
+    for line, event in arrivals:
+        name, at, replicas = event.get("job"), event.get("time"), event.get("max_replicas")
+        if not isinstance(name, str) or not isinstance(at, (int, float)):
+            raise TraceError(path, line, "an arrival needs its 'job' and 'time'")
+        if not isinstance(replicas, int):
+            raise TraceError(path, line, f"arrival of {name!r} has no 'max_replicas'")
+        app = applications.get(name)
+        if app is None:
+            raise TraceError(path, line, f"no application model for job {name!r}")
+        jobs.append(JobSpec(name, float(at) - start, name, replicas, app.init_batch_size))
     return sorted(jobs, key=lambda j: (j.submit, j.name))
 
 

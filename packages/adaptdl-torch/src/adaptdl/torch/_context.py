@@ -19,7 +19,7 @@ from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
 from adaptdl.core.job import Job
 from adaptdl.core.journal import Journal, journal_name
-from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.localfs import LocalShare, LocalStorage
 from adaptdl.core.shardedfiles import ShardedCheckpointStore
 from adaptdl.core.storage import StagingStorage, Storage
 from adaptdl.core.topology import Topology
@@ -147,6 +147,9 @@ def init_process_group(
             journal=journal,
             allow_missing_state=config.allow_missing_state,
             stop_wait=config.stop_wait,
+            # Under a scheduler: rank 0 reports the job's hints and progress there.
+            share=LocalShare(config.share_path) if config.share_path is not None else None,
+            report_interval=config.report_interval,
         )
     except BaseException:
         # A failed restore must not leave this process holding the directory: a retry

@@ -1,8 +1,10 @@
 """Scheduling hints on disk: core builds and checks the document, this stores it.
 
 The document itself (schema ``adaptdl.hints/1``) is plain data from
-:func:`adaptdl.core.hints.hints`; :func:`write_hints` stores it atomically for a
-scheduler, :func:`read_hints` loads and checks it.
+:func:`adaptdl.core.hints.hints`; :func:`write_hints` stores it atomically at any
+path (in core's encoding, `adaptdl.core.jobreport.encode`), :func:`read_hints`
+loads and checks it. A job under a scheduler publishes its hints by itself
+(`adaptdl.core.jobreport`).
 """
 
 from __future__ import annotations
@@ -10,43 +12,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from adaptdl.core.hints import validate_hints
+from adaptdl.core.jobreport import encode
+from adaptdl.core.localfs import fsync_directory, replace_durably
 
 __all__ = ["read_hints", "write_hints"]
 
 
 def write_hints(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
-    """Validate ``data`` and write it to ``path`` atomically.
+    """Validate ``data`` and write it to ``path`` atomically and durably.
 
-    The document goes to a temporary file in the same directory, is flushed to
-    disk, then renamed over ``path``: a reader sees the old document or the new
-    one, never a part.
+    A reader sees the old document or the new one, never a part
+    (`localfs.replace_durably`); the rename itself is flushed where the platform
+    can open a directory.
     """
-    text = json.dumps(validate_hints(data), indent=2, allow_nan=False) + "\n"
-    target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    fd, tmp = tempfile.mkstemp(prefix=".hints-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # Persist the rename itself; not every platform can open a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    target = Path(os.path.abspath(os.fspath(path)))
+    replace_durably(target, encode(validate_hints(data)))
+    with contextlib.suppress(OSError):  # not every platform can open a directory
+        fsync_directory(target.parent)
 
 
 def read_hints(path: str | os.PathLike[str]) -> dict[str, Any]:
