@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
+from tests.sched.live.driving import events, run_until  # noqa: E402
 
 from adaptdl.sched.record import JobSpec, Status  # noqa: E402
 from adaptdl.sched.scheduler import Scheduler  # noqa: E402
@@ -60,15 +60,7 @@ def _spec(name: str, *args: str, hi: int = 2) -> JobSpec:
 
 
 def _run(sched: Scheduler, done: Callable[[], bool], timeout: float = 180.0) -> None:
-    end = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < end, f"not done in {timeout} s: {sched.rows()}"
-        sched.tick()
-        time.sleep(0.2)
-
-
-def _events(sched: Scheduler) -> list[dict]:
-    return [json.loads(line) for line in sched.events_path.read_text().splitlines()]
+    run_until(sched, done, timeout, poll=0.2)
 
 
 def _exactly_once(sched: Scheduler, name: str, samples: int, epochs: int = 2) -> None:
@@ -81,7 +73,7 @@ def _exactly_once(sched: Scheduler, name: str, samples: int, epochs: int = 2) ->
 def test_jobs_run_resize_and_finish_on_ray(cluster: Any, tmp_path: Path) -> None:
     sched = Scheduler(_backend(), tmp_path, interval=1.0, restart_penalty=1.0)
     sched.submit(_spec("a", "--samples", "1024", hi=4))
-    _run(sched, lambda: any(e["event"] == "resized" for e in _events(sched)))
+    _run(sched, lambda: any(e["event"] == "resized" for e in events(sched)))
     sched.submit(_spec("b", "--samples", "512"))
     _run(sched, lambda: all(j.status.done for j in sched.jobs.values()), timeout=300.0)
     assert {j.status for j in sched.jobs.values()} == {Status.SUCCEEDED}
@@ -115,5 +107,5 @@ def test_a_job_on_a_removed_node_restarts_elsewhere(cluster: Any, tmp_path: Path
     _run(sched, lambda: sched.job("moved").status.done, timeout=240.0)
     job = sched.job("moved")
     assert job.status is Status.SUCCEEDED and job.restarts >= 1 and job.failures == 0
-    assert any(e["event"] == "lost" for e in _events(sched))
+    assert any(e["event"] == "lost" for e in events(sched))
     _exactly_once(sched, "moved", 768)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.sched.live.driving import events, run_until
 
 from adaptdl.sched.local import LocalBackend
 from adaptdl.sched.record import JobSpec, Status
@@ -38,15 +38,7 @@ def _spec(name: str, *args: str, lo: int = 1, hi: int = 2, failures: int = 3) ->
 
 
 def _run(sched: Scheduler, done: Callable[[], bool], timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < end, f"not done in {timeout} s: {sched.rows()}"
-        sched.tick()
-        time.sleep(0.1)
-
-
-def _events(sched: Scheduler) -> list[dict]:
-    return [json.loads(line) for line in sched.events_path.read_text().splitlines()]
+    run_until(sched, done, timeout, poll=0.1)
 
 
 def _assert_exactly_once(sched: Scheduler, name: str, samples: int, epochs: int) -> None:
@@ -64,7 +56,7 @@ def test_jobs_are_resized_by_rounds_and_consume_every_sample_once(
 ) -> None:
     sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0)
     sched.submit(_spec("a", "--samples", "1024", "--epochs", "2"))
-    _run(sched, lambda: any(e["event"] == "resized" for e in _events(sched)))
+    _run(sched, lambda: any(e["event"] == "resized" for e in events(sched)))
     sched.submit(_spec("b", "--samples", "512", "--epochs", "2"))
     _run(sched, lambda: all(j.status.done for j in sched.jobs.values()), timeout=240.0)
     assert [j.status for j in sched.jobs.values()] == [Status.SUCCEEDED] * 2
@@ -74,13 +66,13 @@ def test_jobs_are_resized_by_rounds_and_consume_every_sample_once(
     assert a.restarts >= 1 and a.restart_costs  # measured, fed to later rounds
     # Each cost spans at least its stop and relaunch: from the resize asked to the
     # launch at the new size, and on to the first step there.
-    ours = [e for e in _events(sched) if e.get("job") == "a"]
+    ours = [e for e in events(sched) if e.get("job") == "a"]
     for i, e in enumerate(ours):
         if e["event"] == "resized":
             asked = max(x["time"] for x in ours[:i] if x["event"] == "resize")
             launched = max(x["time"] for x in ours[:i] if x["event"] == "launch")
             assert launched > asked and e["cost"] >= launched - asked
-    resizes = [e for e in _events(sched) if e["event"] == "resize" and e["job"] == "a"]
+    resizes = [e for e in events(sched) if e["event"] == "resize" and e["job"] == "a"]
     assert {e["after"] for e in resizes} >= {2}
 
 
@@ -142,7 +134,7 @@ def test_a_job_relaunched_at_a_new_size_keeps_it_until_it_steps_there(
     sched.submit(_spec("a", "--samples", "4096", "--epochs", "1"))
 
     def launches() -> int:
-        return sum(1 for e in _events(sched) if e["event"] == "launch" and e["job"] == "a")
+        return sum(1 for e in events(sched) if e["event"] == "launch" and e["job"] == "a")
 
     _run(sched, lambda: launches() == 2)  # relaunched at 2 replicas, not stepping yet
     assert len(sched.job("a").node_ids) == 2 and "a" in sched._resize_from

@@ -14,11 +14,11 @@ from __future__ import annotations
 import collections
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.sched.live.driving import events, run_until
 
 from adaptdl.sched.local import LocalBackend
 from adaptdl.sched.record import JobSpec, Status
@@ -53,19 +53,11 @@ def _spec(name: str, records: Path, epochs: int) -> JobSpec:
 
 
 def _run(sched: Scheduler, done: Callable[[], bool], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < end, f"not done in {timeout} s: {sched.rows()}"
-        sched.tick()
-        time.sleep(0.2)
-
-
-def _events(sched: Scheduler) -> list[dict]:
-    return [json.loads(line) for line in sched.events_path.read_text().splitlines()]
+    run_until(sched, done, timeout)
 
 
 def _resized(sched: Scheduler, name: str) -> int:
-    return sum(1 for e in _events(sched) if e["event"] == "resized" and e.get("job") == name)
+    return sum(1 for e in events(sched) if e["event"] == "resized" and e.get("job") == name)
 
 
 def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
@@ -86,7 +78,7 @@ def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
     assert [j.status for j in sched.jobs.values()] == [Status.SUCCEEDED] * 3, sched.rows()
     for name in "abc":
         job = sched.job(name)
-        assert _resized(sched, name) >= 1, f"{name} was never resized: {_events(sched)}"
+        assert _resized(sched, name) >= 1, f"{name} was never resized: {events(sched)}"
         assert job.restart_costs and job.failures == 0
         consumed: dict[tuple[int, int], collections.Counter[int]] = collections.defaultdict(
             collections.Counter
