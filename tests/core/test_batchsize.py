@@ -83,6 +83,20 @@ def test_the_floor_yields_to_a_pass_too_small_to_round_up():
     assert even_split(q) == (1, 0)
     assert min_total(q) == 2
     assert GoodputDecision(lambda: None)(q) == (1, 0)
+    # With accumulation the floor is the split that fits the share, and it is admissible
+    # (a current choice at it is kept).
+    q = batch_size_query(
+        1,
+        3,
+        100,
+        max_batch_size=400,
+        local_bsz_bounds=(1, 10),
+        gradient_accumulation=True,
+        dataset_size=101,
+    )
+    local, accum = even_split(q)
+    assert local * (accum + 1) <= 101 // 3
+    assert min_total(q) == 3 * local * (accum + 1)
     # With the pass large enough, the floor rounds up as before.
     q = batch_size_query(1, 2, 3, max_batch_size=3, dataset_size=4)
     assert even_split(q) == (2, 0) and min_total(q) == 4

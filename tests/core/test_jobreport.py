@@ -170,3 +170,24 @@ def test_a_share_that_fails_is_logged_once_and_training_goes_on(caplog):
     warnings = [r for r in caplog.records if "cannot publish" in r.getMessage()]
     assert len(warnings) == 1
     assert job.global_step == 3
+
+
+def test_the_hints_carry_the_estimators_statistics_not_the_floors_credit(monkeypatch):
+    """The scheduler rates a job by its estimator's noise statistics, as the adapters'
+    hints do: the loss floor's credit (`model_grad_params`) stays the job's own."""
+    from adaptdl.core.goodput import GradParams
+    from adaptdl.core.metrics import MetricsState
+
+    own, credited = GradParams(sqr=2.0, var=3.0), GradParams(sqr=2.0, var=30.0)
+    monkeypatch.setattr(MetricsState, "grad_params", lambda self: own)
+    monkeypatch.setattr(MetricsState, "model_grad_params", lambda self: credited)
+    share, clock = MemoryShare(), ManualClock(tick=0.01)
+    job = job_with(share, clock)
+    loader = LoaderHelper(job, batch_size=4)
+    loader.autoscale_batch_size(16, local_bsz_bounds=(2, 8))
+    loader.train()
+    for _epoch in job.epoch.remaining_epochs_until(1):
+        for _batch in loader.iterate(12, shard_batches(12, 0, 1)):
+            job.metrics.add_progress(1.0)
+    hints = validate_hints(json.loads(share.files[HINTS_FILE]))
+    assert hints["grad_params"] == own.to_dict()

@@ -186,8 +186,10 @@ def min_total(query: BatchSizeQuery) -> int:
     lo, _ = _bounds(query)
     local = -(-query.batch_size // query.num_replicas)
     share = _pass_share(query)
-    if share is not None:
-        local = min(local, share)
+    if share is not None and local > share:
+        # The pass caps the floor: it is what `even_split` fits in each replica's share
+        # (with accumulation, micro-batches that divide it), so the fallback is admissible.
+        return _total(query, *even_split(query))
     return max(local, lo) * query.num_replicas
 
 

@@ -188,7 +188,9 @@ class Reporter:
             if loader is not None:
                 document = hints(
                     metrics.profiler,
-                    metrics.model_grad_params(),
+                    # The estimator's own statistics, as the adapters' hints: the cluster
+                    # scheduler does not see the loss floor's credit (ARCHITECTURE).
+                    metrics.grad_params(),
                     loader.batch_size,
                     loader.max_batch_size,
                     loader.local_bsz_bounds,
@@ -199,7 +201,9 @@ class Reporter:
                 replicas=replicas, step=step, batch_size=max(batch_size, 1), time=self.wall()
             )
             publish_progress(self.share, record)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
+            # A report that cannot be made (a share not writable, a document that does not
+            # validate) never ends training: the scheduler then sees the last one.
             if not self._failed:
                 LOG.warning("cannot publish the job's report for its scheduler: %s", exc)
             self._failed = True

@@ -241,6 +241,7 @@ class AdaptiveSteps:
         # The plan of the step under way (None: not planned yet): whether core has it
         # measured, whether the gradient hooks measure local norms, whether the buckets do.
         self._measuring: bool | None = None
+        self._plan_share = 1.0  # the budget's share when the step was planned
         self._hook_local = False
         self._buckets_local = False
         # The hooks a wrapper arms only for a measured step (`_hook_params`).
@@ -301,6 +302,9 @@ class AdaptiveSteps:
             else:
                 self._hook_handles = register_grad_hooks(self, self._hook_params)
         self._measuring = measuring
+        # The share the step was chosen under: a lagged fold finished before this step's
+        # own may move the budget's share, and the step stands for 1 / its own share.
+        self._plan_share = self._steps.share
 
     def _disarm(self) -> None:
         for handle in self._hook_handles:
@@ -437,7 +441,7 @@ class AdaptiveSteps:
         training = job.training_loader or loader
         bsz = max(loader.current_local_bsz, 1)
         prev_bsz = self._prev_bsz
-        share = self._steps.share
+        share = self._plan_share
 
         def build(host: list[float], cost: float) -> Any:
             totals = tuple(host[:count])
