@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import pytest
 from hypothesis import assume, given
@@ -296,6 +297,34 @@ def test_a_stop_between_loops_of_several_replicas_waits_for_the_epoch_loop_to_mo
         for _ in again.remaining_epochs_until(3)
     ]
     assert [len(batches) for batches in seen] == [2, 2]  # epochs 1 and 2, whole
+
+
+def test_an_agreed_stop_is_every_replicas_own():
+    """A replica that got no signal but agreed to stop is stopping as one asked: a peer
+    leaving during the checkpoint is then the stop, not a failure (`collective_failed`
+    answers `Preempted`), and no deadline of a waiting stop acts after the agreement."""
+    store = MemoryCheckpointStore()
+    seen = {}
+
+    def replica(collective):
+        job = Job(Topology(collective.rank, 2), collective=collective, store=store)
+        loader = LoaderHelper(job, batch_size=4)
+        try:
+            for epoch in job.remaining_epochs_until(3):
+                list(loader.iterate(8, drop_last_batches(8, collective.rank, 2)))
+                if collective.rank == 0 and epoch == 0:
+                    job.request_stop()
+                    job.stop_outside_loop()
+        except Preempted:
+            failed = job.collective_failed(ConnectionError("peer left"))
+            seen[collective.rank] = (job.stop_requested, type(failed), job.stop_overdue())
+            if collective.rank == 0:
+                time.sleep(0.5)  # rank 1 gets to record before the group is torn down
+            raise
+
+    with pytest.raises(Preempted):
+        run_replicas(2, replica)
+    assert seen.get(1) == (True, Preempted, None), seen  # rank 1 got no signal
 
 
 def test_a_stop_between_the_loops_of_an_epoch_checkpoints_in_the_next_loop():

@@ -511,6 +511,12 @@ class Job(JobLoops):
         stop = self._stop_requested
         if not self._one_replica:
             stop = bool(self.collective.allreduce([stop], logical_or)[0])
+        if stop:
+            # Agreed: no deadline acts on it any more (rank 0 would write alone while its
+            # peers checkpoint together), and a replica that got no signal stops as one
+            # asked (a peer's exit during the checkpoint is the stop, not a failure).
+            self._stop_waiting_since = None
+            self._stop_requested = True
         return stop
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
