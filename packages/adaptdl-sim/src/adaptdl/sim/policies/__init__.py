@@ -1,18 +1,21 @@
-"""Scheduling policies: ``pollux``, ``tiresias``, ``optimus``, ``fifo``, and the base API."""
+"""Scheduling policies: ``adaptdl``, ``pollux``, ``tiresias``, ``optimus``, ``fifo``, and the base API."""
 
 from __future__ import annotations
 
+from adaptdl.sim.policies.adaptdl import AdaptDLPolicy
 from adaptdl.sim.policies.base import Allocation, ClusterState, Policy, greedy_allocate, pack
 from adaptdl.sim.policies.fifo import FifoPolicy
 from adaptdl.sim.policies.optimus import OptimusPolicy
 from adaptdl.sim.policies.pollux import PolluxPolicy
 from adaptdl.sim.policies.tiresias import TiresiasPolicy
 
-POLICIES = ("pollux", "tiresias", "optimus", "fifo")
+POLICIES = ("pollux", "tiresias", "optimus", "fifo", "adaptdl")
 
 
 def make_policy(name: str) -> Policy:
     """Return a fresh built-in policy by name."""
+    if name == "adaptdl":
+        return AdaptDLPolicy()
     if name == "pollux":
         return PolluxPolicy()
     if name == "tiresias":
@@ -26,6 +29,7 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "POLICIES",
+    "AdaptDLPolicy",
     "Allocation",
     "ClusterState",
     "FifoPolicy",

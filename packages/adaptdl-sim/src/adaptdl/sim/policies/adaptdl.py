@@ -1,0 +1,269 @@
+"""AdaptDL's own policy: an exact allocation over candidate configurations per job,
+restart costs amortised over each job's predicted remaining time, short jobs first
+with a response-ratio guard against starvation.
+
+Each round, every job ``j`` gets a value ``v_j(k)`` for each candidate configuration
+``k`` (a count of GPUs packed onto the fewest nodes, ``ceil(k / gpus_per_node)``; 0 for
+none), and the allocation maximises ``sum_j v_j(k_j)`` under the cluster's capacity:
+
+* **speedup** ``s_j(k)``: the job's goodput with ``k`` GPUs over its goodput with one,
+  each at the batch size the job's own goodput engine would pick there (core's model,
+  rebuilt from the job's hints by ``goodput_fn_from_hints``, as pollux does);
+* **restart cost, amortised**: a configuration other than the job's current one costs
+  it its restart cost ``R_j`` once. Over the job's predicted remaining time at ``k``,
+  ``T_j(k)`` (its remaining progress over its rate there, capped at ``horizon``: the
+  allocation will not be held longer than that anyway), the effective speedup is
+  ``s_j(k) * T_j(k) / (T_j(k) + R_j)``: a change pays off only if it buys back its
+  restart before the job ends;
+* **fairness**: values are ``-w_j * s^p`` (a p-mean with ``fairness`` p < 0; a job
+  without GPUs counts as speedup ``1e-3``, so every job gets a first GPU before any
+  gets a second where the cluster allows), weighted by the job's response ratio
+  ``w_j = ((age_j + T_j(1)) / T_j(1)) ** priority``: a job predicted to finish soon
+  weighs more (shortest remaining time first, which lowers the average JCT), and
+  every waiting job's weight grows with its age, so none starves (a long job waits at
+  most until its ratio passes the short ones');
+* **exact where cheap**: the multiple-choice knapsack is solved as an integer program
+  by ``scipy.optimize.milp`` (HiGHS) within ``time_budget`` seconds; the greedy
+  best-gain-per-GPU allocation is always computed too and the better of the two kept,
+  so a solver stopped by its budget never does worse than the fallback;
+* **hysteresis**: a new allocation must beat keeping the current one (topped up with
+  the free GPUs) by ``min_gain`` of the objective, as in pollux.
+
+Every ingredient can be switched off (``amortise``, ``priority=0``, ``exact``,
+``min_gain=0``) for the ablation (``adaptdl-sim ablation``).
+
+What the policy reads of each job (the job view the live scheduler will carry):
+
+* ``job.name``: its identity (the key of the returned allocation);
+* ``job.submit``: submission time (its age, for the response ratio);
+* ``job.hints``: core's scheduling hints (``adaptdl.hints/1``), read only through
+  ``goodput_fn_from_hints`` and the hints' own bounds (``hints_speedup``);
+* ``job.nodes``: its current placement, one node index per GPU;
+* ``job.remaining_progress``: its own estimate of the work left (scale-invariant
+  progress, as pollux reads it);
+* ``job.min_replicas``, ``job.max_replicas`` where the job has them (``None``: no bound);
+* ``job.restart_cost`` where the job has it (its measured seconds per restart); the
+  simulator's jobs have none, and the cluster's ``restart_penalty`` is used: the
+  cost the simulator charges every policy's restarts alike.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csr_matrix
+
+from adaptdl.core._validate import check_float, check_int
+from adaptdl.sim.policies.base import Allocation, ClusterState, greedy_allocate, pack
+from adaptdl.sim.policies.pollux import hints_speedup
+
+FloatArray = npt.NDArray[np.float64]
+
+# Speedup a job with no GPUs counts as (finite, so that the p-mean stays finite).
+_NO_GPU_SPEEDUP = 1e-3
+
+
+def objective(values: Sequence[FloatArray], alloc: Sequence[int]) -> float:
+    """``sum_j values[j][alloc[j]]``, -inf where an entry is not allowed (-inf)."""
+    return float(sum(float(v[a]) for v, a in zip(values, alloc, strict=True)))
+
+
+def solve_milp(
+    values: Sequence[FloatArray], capacity: int, time_limit: float
+) -> tuple[list[int], bool] | None:
+    """Choose one count per job (``values[j][k]``: job j's value with k GPUs; -inf: not
+    allowed) maximising the sum within ``capacity`` GPUs, as an integer program.
+
+    Returns ``(counts, optimal)``: ``optimal`` is False where HiGHS stopped at
+    ``time_limit`` with a feasible but unproven answer; None where it found none.
+    Only non-dominated counts become variables (a count worth no more than a smaller
+    one is never better), which keeps the program small.
+    """
+    check_int("capacity", capacity, min=0)
+    check_float("time_limit", time_limit, min=0.0, min_exclusive=True)
+    cols_job: list[int] = []
+    cols_k: list[int] = []
+    cost: list[float] = []
+    for j, v in enumerate(values):
+        best = -math.inf
+        for k, value in enumerate(v):
+            if k > capacity or not math.isfinite(value) or value <= best:
+                continue
+            best = float(value)
+            cols_job.append(j)
+            cols_k.append(k)
+            cost.append(-best)
+    n = len(values)
+    if n == 0:
+        return [], True
+    if len(set(cols_job)) < n:
+        return None  # a job with no allowed count within capacity
+    m = len(cost)
+    # Shift each job's values so the smallest is 0: same optimum, better conditioning.
+    c = np.array(cost)
+    jobs = np.array(cols_job)
+    ks = np.array(cols_k, dtype=np.float64)
+    shift = np.zeros(n)
+    np.maximum.at(shift, jobs, c)
+    c = c - shift[jobs]
+    one = csr_matrix((np.ones(m), (jobs, np.arange(m))), shape=(n, m))
+    cap = csr_matrix(ks.reshape(1, -1))
+    res = milp(
+        c,
+        integrality=np.ones(m),
+        bounds=Bounds(0, 1),
+        constraints=[
+            LinearConstraint(one, np.ones(n), np.ones(n)),
+            LinearConstraint(cap, -np.inf, capacity),
+        ],
+        options={"time_limit": time_limit, "presolve": True},
+    )
+    if res.x is None:
+        return None
+    chosen = np.flatnonzero(res.x > 0.5)
+    counts = [0] * n
+    for col in chosen:
+        counts[cols_job[col]] = cols_k[col]
+    if sum(counts) > capacity:
+        return None
+    return counts, bool(res.status == 0)
+
+
+class AdaptDLPolicy:
+    """Exact, restart-aware, short-first allocation (see the module's docstring)."""
+
+    name = "adaptdl"
+    adaptive = True
+
+    def __init__(
+        self,
+        *,
+        fairness: float = -1.0,
+        priority: float = 1.0,
+        amortise: bool = True,
+        horizon: float | None = 3600.0,
+        exact: bool = True,
+        time_budget: float = 0.5,
+        min_gain: float = 0.01,
+        explore_factor: int = 4,
+    ) -> None:
+        check_float("fairness", fairness, min=-10.0, max=-1e-3)
+        check_float("priority", priority, min=0.0, max=10.0)
+        if horizon is not None:
+            check_float("horizon", horizon, min=0.0, min_exclusive=True)
+        check_float("time_budget", time_budget, min=0.0, min_exclusive=True)
+        check_float("min_gain", min_gain, min=0.0)
+        check_int("explore_factor", explore_factor, min=1)
+        self.fairness = fairness
+        self.priority = priority
+        self.amortise = amortise
+        self.horizon = horizon
+        self.exact = exact
+        self.time_budget = time_budget
+        self.min_gain = min_gain
+        self.explore_factor = explore_factor
+        #: Per round: (CPU seconds of allocate, jobs, whether the MILP proved its optimum).
+        self.rounds: list[tuple[float, int, bool]] = []
+        self._speedups: dict[str, tuple[tuple[int, int], Any, tuple[FloatArray, float]]] = {}
+
+    # -- per-job view --------------------------------------------------------------
+
+    def replica_bounds(self, job: Any, state: ClusterState) -> tuple[int, int]:
+        """(fewest GPUs when running, most GPUs) for the job this round."""
+        hints = job.hints
+        cap = state.total_gpus
+        hi = getattr(job, "max_replicas", None)
+        if hi is not None:
+            cap = min(cap, int(hi))
+        profiled: int = hints["max_profiled_replicas"]
+        cap = min(cap, max(1, self.explore_factor * profiled))
+        bounds = hints["local_bsz_bounds"]
+        lo_bsz: int = bounds[0] if bounds is not None and bounds[0] is not None else 1
+        top: int = hints["max_batch_size"] or hints["init_batch_size"]
+        cap = min(cap, max(1, top // lo_bsz))
+        lo = max(1, int(getattr(job, "min_replicas", None) or 1))
+        return lo, cap
+
+    def _speedup(self, job: Any, cap: int, gpus_per_node: int) -> tuple[FloatArray, float]:
+        key = (cap, gpus_per_node)
+        hints = job.hints
+        cached = self._speedups.get(job.name)
+        if cached is not None and cached[0] == key and cached[1] == hints:
+            return cached[2]
+        value = hints_speedup(hints, cap, gpus_per_node)
+        self._speedups[job.name] = (key, hints, value)
+        return value
+
+    def values(self, job: Any, state: ClusterState) -> FloatArray:
+        """The job's value with 0..cap GPUs (-inf where its bounds forbid the count)."""
+        lo, cap = self.replica_bounds(job, state)
+        speedup, base = self._speedup(job, cap, state.gpus_per_node)
+        restart = float(getattr(job, "restart_cost", None) or state.restart_penalty)
+        k = np.arange(len(speedup))
+        # Seconds left at each count: progress left over progress per second there
+        # (goodput over the initial batch size; unknown before a profile).
+        rate = speedup * base / job.hints["init_batch_size"]
+        with np.errstate(divide="ignore"):
+            left = np.where(rate > 0, job.remaining_progress / np.maximum(rate, 1e-300), np.inf)
+        s = speedup.copy()
+        cur = len(job.nodes)
+        if self.amortise:
+            held = left if self.horizon is None else np.minimum(left, self.horizon)
+            changed = k != cur
+            s = np.where(changed & (k > 0), s * held / (held + restart), s)
+        s = np.maximum(s, _NO_GPU_SPEEDUP)
+        out: FloatArray = -np.power(s, self.fairness)
+        if self.priority > 0:
+            # Response ratio: (age + time alone on one GPU) over that time. Before a
+            # profile the job's time is unknown: it counts as one round, so that a
+            # new job runs (and profiles) soon.
+            alone = float(left[1]) if len(left) > 1 and math.isfinite(left[1]) else state.interval
+            alone = max(alone, state.interval)
+            age = max(state.time - job.submit, 0.0)
+            out = out * ((age + alone) / alone) ** self.priority
+        out[(k > 0) & (k < lo)] = -np.inf
+        return out
+
+    # -- the round -------------------------------------------------------------------
+
+    def allocate(self, state: ClusterState) -> Allocation:
+        start = time.process_time()
+        values = [self.values(job, state) for job in state.jobs]
+        capacity = state.total_gpus
+        alloc = self._greedy(values, capacity)
+        optimal = False
+        if self.exact:
+            solved = solve_milp(values, capacity, self.time_budget)
+            if solved is not None:
+                counts, optimal = solved
+                if objective(values, counts) >= objective(values, alloc):
+                    alloc = counts
+        if self.min_gain > 0:
+            current = [
+                len(j.nodes) if all(state.up[n] for n in j.nodes) else 0 for j in state.jobs
+            ]
+            if sum(current) <= capacity and math.isfinite(objective(values, current)):
+                kept = self._greedy(values, capacity, start=current)
+                value_new, value_kept = objective(values, alloc), objective(values, kept)
+                if value_new <= value_kept + self.min_gain * abs(value_kept):
+                    alloc = kept
+        counts = {j.name: a for j, a in zip(state.jobs, alloc, strict=True) if a > 0}
+        out = pack(state, counts)
+        self.rounds.append((time.process_time() - start, len(state.jobs), optimal))
+        return out
+
+    @staticmethod
+    def _greedy(
+        values: Sequence[FloatArray], capacity: int, start: Sequence[int] | None = None
+    ) -> list[int]:
+        """Greedy best gain per GPU, never landing on a forbidden count."""
+        # A forbidden count (below min replicas) is bridged: the jump from 0 straight
+        # to the minimum is one of the greedy's steps.
+        finite = [np.where(np.isfinite(v), v, -1e300) for v in values]
+        return greedy_allocate(finite, capacity, start=start)
