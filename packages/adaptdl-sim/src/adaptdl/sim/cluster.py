@@ -7,6 +7,7 @@ hundreds of jobs over days of simulated time runs in seconds.
 from __future__ import annotations
 
 import math
+import time as _time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -94,6 +95,8 @@ class ClusterSimulation:
         self.up = [True] * self.config.num_nodes
         self.utilization: list[tuple[float, int]] = []  # (time, GPUs allocated) per round
         self.rounds = 0
+        #: CPU seconds the policy took to decide, per round.
+        self.policy_seconds: list[float] = []
         self.now = 0.0
         self._arrived = 0
         self._finished = 0
@@ -172,7 +175,9 @@ class ClusterSimulation:
                 interval=cfg.interval,
                 restart_penalty=cfg.restart_penalty,
             )
+            started = _time.process_time()
             allocation = self.policy.allocate(state)
+            self.policy_seconds.append(_time.process_time() - started)
             self._check(allocation)
             for job in jobs:
                 nodes = list(allocation.get(job.name, ()))

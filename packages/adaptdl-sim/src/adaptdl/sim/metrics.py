@@ -59,6 +59,18 @@ class SimResult:
     total_gpus: int
     end_time: float
     rounds: int
+    #: CPU seconds the policy took per round.
+    policy_seconds: tuple[float, ...] = ()
+
+    @property
+    def max_round_seconds(self) -> float:
+        """The longest CPU time the policy took to decide one round."""
+        return max(self.policy_seconds, default=float("nan"))
+
+    @property
+    def mean_round_seconds(self) -> float:
+        """The mean CPU time the policy took to decide one round."""
+        return float(np.mean(self.policy_seconds)) if self.policy_seconds else float("nan")
 
     @property
     def jcts(self) -> np.ndarray:
@@ -117,6 +129,8 @@ class SimResult:
             "avg_restarts": self.avg_restarts,
             "unfinished": self.unfinished,
             "rounds": self.rounds,
+            "max_round_seconds": _num(self.max_round_seconds),
+            "mean_round_seconds": _num(self.mean_round_seconds),
             "jobs": [j.to_json(history=history) for j in self.jobs],
             "utilization": [list(u) for u in self.utilization] if history else None,
         }
@@ -165,4 +179,5 @@ def summarize(sim: ClusterSimulation) -> SimResult:
         total_gpus=sim.config.total_gpus,
         end_time=sim.now,
         rounds=sim.rounds,
+        policy_seconds=tuple(sim.policy_seconds),
     )

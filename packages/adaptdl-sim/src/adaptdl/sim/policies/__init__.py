@@ -1,4 +1,4 @@
-"""Scheduling policies: ``adaptdl``, ``pollux``, ``tiresias``, ``optimus``, ``fifo``, and the base API."""
+"""Scheduling policies (``adaptdl``, ``pollux``, ``tiresias``, ``optimus``, ``fifo``), base API."""
 
 from __future__ import annotations
 

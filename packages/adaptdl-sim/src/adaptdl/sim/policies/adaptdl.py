@@ -135,6 +135,17 @@ def solve_milp(
     return counts, bool(res.status == 0)
 
 
+#: The ablation (``adaptdl-sim ablation``): the policy, then each ingredient off in turn.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "adaptdl": {},
+    "no amortised restarts": {"amortise": False},
+    "greedy, no MILP": {"exact": False},
+    "FIFO admission": {"priority": False},
+    "unweighted p-mean": {"weight": 0.0},
+    "no hysteresis": {"min_gain": 0.0},
+}
+
+
 class AdaptDLPolicy:
     """Exact, restart-aware, short-first allocation (see the module's docstring)."""
 
@@ -144,8 +155,9 @@ class AdaptDLPolicy:
     def __init__(
         self,
         *,
-        fairness: float = -1.0,
-        priority: float = 1.0,
+        fairness: float = -0.5,
+        priority: bool = True,
+        weight: float = -0.5,
         amortise: bool = True,
         horizon: float | None = 3600.0,
         exact: bool = True,
@@ -154,7 +166,7 @@ class AdaptDLPolicy:
         explore_factor: int = 4,
     ) -> None:
         check_float("fairness", fairness, min=-10.0, max=-1e-3)
-        check_float("priority", priority, min=0.0, max=10.0)
+        check_float("weight", weight, min=-2.0, max=2.0)
         if horizon is not None:
             check_float("horizon", horizon, min=0.0, min_exclusive=True)
         check_float("time_budget", time_budget, min=0.0, min_exclusive=True)
@@ -162,6 +174,7 @@ class AdaptDLPolicy:
         check_int("explore_factor", explore_factor, min=1)
         self.fairness = fairness
         self.priority = priority
+        self.weight = weight
         self.amortise = amortise
         self.horizon = horizon
         self.exact = exact
@@ -200,43 +213,87 @@ class AdaptDLPolicy:
         self._speedups[job.name] = (key, hints, value)
         return value
 
+    def remaining_alone(self, job: Any, state: ClusterState) -> float:
+        """Predicted seconds the job needs on one GPU from now; ``state.interval`` before
+        its hints carry a model (unknown: a new job counts as short, so that it runs
+        and profiles soon)."""
+        _, cap = self.replica_bounds(job, state)
+        _, base = self._speedup(job, cap, state.gpus_per_node)
+        rate = base / float(job.hints["init_batch_size"])
+        if rate <= 0:
+            return state.interval
+        return max(float(job.remaining_progress) / rate, state.interval)
+
+    def response_ratio(self, job: Any, state: ClusterState) -> float:
+        """(age + remaining time alone) / remaining time alone: highest first."""
+        alone = self.remaining_alone(job, state)
+        return (max(state.time - float(job.submit), 0.0) + alone) / alone
+
     def values(self, job: Any, state: ClusterState) -> FloatArray:
-        """The job's value with 0..cap GPUs (-inf where its bounds forbid the count)."""
+        """The job's value with 0..cap GPUs once admitted (-inf where its bounds forbid
+        the count; 0 GPUs is forbidden: an admitted job keeps at least its minimum)."""
         lo, cap = self.replica_bounds(job, state)
         speedup, base = self._speedup(job, cap, state.gpus_per_node)
         restart = float(getattr(job, "restart_cost", None) or state.restart_penalty)
         k = np.arange(len(speedup))
-        # Seconds left at each count: progress left over progress per second there
-        # (goodput over the initial batch size; unknown before a profile).
-        rate = speedup * base / job.hints["init_batch_size"]
-        with np.errstate(divide="ignore"):
-            left = np.where(rate > 0, job.remaining_progress / np.maximum(rate, 1e-300), np.inf)
         s = speedup.copy()
         cur = len(job.nodes)
         if self.amortise:
+            # Seconds left at each count: progress left over progress per second
+            # there (goodput over the initial batch size; unknown before a profile).
+            rate = speedup * base / job.hints["init_batch_size"]
+            with np.errstate(divide="ignore"):
+                left = np.where(
+                    rate > 0, job.remaining_progress / np.maximum(rate, 1e-300), np.inf
+                )
             held = left if self.horizon is None else np.minimum(left, self.horizon)
             changed = k != cur
-            s = np.where(changed & (k > 0), s * held / (held + restart), s)
+            with np.errstate(invalid="ignore"):
+                kept = np.where(np.isfinite(held), held / (held + restart), 1.0)
+            s = np.where(changed & (k > 0), s * kept, s)
         s = np.maximum(s, _NO_GPU_SPEEDUP)
         out: FloatArray = -np.power(s, self.fairness)
-        if self.priority > 0:
-            # Response ratio: (age + time alone on one GPU) over that time. Before a
-            # profile the job's time is unknown: it counts as one round, so that a
-            # new job runs (and profiles) soon.
-            alone = float(left[1]) if len(left) > 1 and math.isfinite(left[1]) else state.interval
-            alone = max(alone, state.interval)
-            age = max(state.time - job.submit, 0.0)
-            out = out * ((age + alone) / alone) ** self.priority
-        out[(k > 0) & (k < lo)] = -np.inf
+        if self.weight != 0:
+            # Weighted by the time the job still needs: with fairness -1 and weight 1
+            # the sum is the jobs' total predicted remaining time, which the sum of
+            # completion times (the average JCT) is made of.
+            out = out * (self.remaining_alone(job, state) / 3600.0) ** self.weight
+        out[k < lo] = -np.inf
         return out
 
     # -- the round -------------------------------------------------------------------
 
+    def admit(self, state: ClusterState) -> list[bool]:
+        """Which jobs hold GPUs this round: the running ones keep theirs (no
+        preemption), then the waiting ones by response ratio while GPUs are left
+        (by submission with ``priority`` off)."""
+        free = state.total_gpus
+        admitted = [False] * len(state.jobs)
+        bounds = [self.replica_bounds(job, state) for job in state.jobs]
+        # A job whose minimum exceeds its most GPUs cannot run this round.
+        mins = [lo if lo <= hi else state.total_gpus + 1 for lo, hi in bounds]
+        running = [bool(j.nodes) and all(state.up[n] for n in j.nodes) for j in state.jobs]
+        for i in range(len(state.jobs)):
+            if running[i] and mins[i] <= free:
+                admitted[i] = True
+                free -= mins[i]
+        waiting = [i for i in range(len(state.jobs)) if not running[i]]
+        if self.priority:
+            waiting.sort(key=lambda i: -self.response_ratio(state.jobs[i], state))
+        for i in waiting:
+            if mins[i] <= free:
+                admitted[i] = True
+                free -= mins[i]
+        return admitted
+
     def allocate(self, state: ClusterState) -> Allocation:
         start = time.process_time()
-        values = [self.values(job, state) for job in state.jobs]
+        admitted = self.admit(state)
+        jobs = [j for j, a in zip(state.jobs, admitted, strict=True) if a]
+        values = [self.values(job, state) for job in jobs]
         capacity = state.total_gpus
-        alloc = self._greedy(values, capacity)
+        floor = [int(np.argmax(np.isfinite(v))) for v in values]
+        alloc = self._greedy(values, capacity, start=floor)
         optimal = False
         if self.exact:
             solved = solve_milp(values, capacity, self.time_budget)
@@ -246,15 +303,16 @@ class AdaptDLPolicy:
                     alloc = counts
         if self.min_gain > 0:
             current = [
-                len(j.nodes) if all(state.up[n] for n in j.nodes) else 0 for j in state.jobs
+                min(max(len(j.nodes) if all(state.up[n] for n in j.nodes) else 0, lo), len(v) - 1)
+                for j, lo, v in zip(jobs, floor, values, strict=True)
             ]
             if sum(current) <= capacity and math.isfinite(objective(values, current)):
                 kept = self._greedy(values, capacity, start=current)
                 value_new, value_kept = objective(values, alloc), objective(values, kept)
                 if value_new <= value_kept + self.min_gain * abs(value_kept):
                     alloc = kept
-        counts = {j.name: a for j, a in zip(state.jobs, alloc, strict=True) if a > 0}
-        out = pack(state, counts)
+        chosen = {j.name: a for j, a in zip(jobs, alloc, strict=True) if a > 0}
+        out = pack(state, chosen)
         self.rounds.append((time.process_time() - start, len(state.jobs), optimal))
         return out
 
