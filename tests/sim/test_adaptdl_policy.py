@@ -5,8 +5,10 @@ belong to ``adaptdl-sim ablation`` and the benchmark)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptdl.sim.apps import builtin_applications
+from adaptdl.sim.cli import main
 from adaptdl.sim.cluster import ClusterConfig, simulate
 from adaptdl.sim.jobs import SimJob
 from adaptdl.sim.policies import AdaptDLPolicy, ClusterState, make_policy
-from adaptdl.sim.policies.adaptdl import objective, solve_milp
+from adaptdl.sim.policies.adaptdl import ABLATIONS, objective, solve_milp
 from adaptdl.sim.workload import JobSpec, synthetic_workload
 
 APPS = builtin_applications()
@@ -208,3 +211,16 @@ def test_rounds_record_the_solver_time() -> None:
 def test_bad_constants_are_rejected_by_name(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         AdaptDLPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_ablation_prints_pollux_and_each_ingredient_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "w.csv").write_text(
+        "name,time,application,num_replicas,batch_size\na,0,resnet-small,1,256\nb,30,speech,2,40\n"
+    )
+    assert main(["ablation", str(tmp_path / "w.csv"), "--nodes", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["mean"]) == ["pollux", *ABLATIONS]
+    for summary in out["mean"].values():
+        assert summary["unfinished"] == 0 and summary["max_round_seconds"] >= 0
