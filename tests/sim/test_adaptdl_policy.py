@@ -19,6 +19,7 @@ from adaptdl.sim.apps import builtin_applications
 from adaptdl.sim.cli import main
 from adaptdl.sim.cluster import ClusterConfig, simulate
 from adaptdl.sim.jobs import SimJob
+from adaptdl.sim.metrics import alone_seconds
 from adaptdl.sim.policies import AdaptDLPolicy, ClusterState, make_policy
 from adaptdl.sim.policies.adaptdl import ABLATIONS, objective, solve_milp
 from adaptdl.sim.workload import JobSpec, synthetic_workload
@@ -224,3 +225,14 @@ def test_ablation_prints_pollux_and_each_ingredient_off(
     assert list(out["mean"]) == ["pollux", *ABLATIONS]
     for summary in out["mean"].values():
         assert summary["unfinished"] == 0 and summary["max_round_seconds"] >= 0
+
+
+def test_slowdown_against_running_alone() -> None:
+    # The oracle never gets slower with more GPUs, and a job run alone is near it.
+    small = alone_seconds(APP, 4, 4)
+    assert alone_seconds(APP, 16, 4) <= small
+    jobs = synthetic_workload(APPS, 1, duration=60.0, seed=0, max_replicas=4)
+    result = simulate(jobs, APPS, make_policy("adaptdl"), ClusterConfig(num_nodes=1))
+    (job,) = result.jobs
+    assert job.slowdown is not None and 0.9 < job.slowdown < 5.0
+    assert result.max_slowdown == job.slowdown

@@ -369,6 +369,7 @@ def _summary(results: Sequence[SimResult]) -> dict[str, float]:
         "avg_restarts": mean([r.avg_restarts for r in results]),
         "unfinished": float(sum(r.unfinished for r in results)),
         "max_round_seconds": max((r.max_round_seconds for r in results), default=float("nan")),
+        "max_slowdown": mean([r.max_slowdown for r in results]),
     }
 
 
@@ -405,7 +406,7 @@ def _print_compare(
         _summary([by["pollux"] for by in results.values()]) if "pollux" in policies else None
     )
     columns = ["policy", "avg JCT", "p50 JCT", "p99 JCT", "makespan", "GPU util", "restarts/job"]
-    columns.append("max s/round")
+    columns += ["worst slowdown", "max s/round"]
     if base_summary is not None:
         columns += ["avg/pollux", "p99/pollux", "makespan/pollux"]
     for col in columns:
@@ -421,6 +422,7 @@ def _print_compare(
             _hours(s["makespan"]),
             f"{100 * s['avg_utilization']:.0f}%",
             f"{s['avg_restarts']:.1f}",
+            f"{s['max_slowdown']:.1f}",
             f"{s['max_round_seconds']:.3f}",
         ]
         if base_summary is not None:
