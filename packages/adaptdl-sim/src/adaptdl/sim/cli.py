@@ -433,9 +433,13 @@ def _print_compare(
         for p in policies:
             if p != "pollux":
                 other = _summary([by[p] for by in results.values()])["avg_jct"]
-                if other > 0:
+                if other > base:
                     console.print(
                         f"pollux average JCT is {100 * (1 - base / other):.0f}% lower than {p}'s"
+                    )
+                elif other > 0:
+                    console.print(
+                        f"{p} average JCT is {100 * (1 - other / base):.0f}% lower than pollux's"
                     )
 
 
