@@ -1,10 +1,21 @@
-"""AdaptDL's own policy: an exact allocation over candidate configurations per job,
-restart costs amortised over each job's predicted remaining time, short jobs first
-with a response-ratio guard against starvation.
+"""AdaptDL's own policy: admission by response ratio, then an exact allocation over
+candidate configurations per job, with restart costs amortised over each job's
+predicted remaining time.
 
-Each round, every job ``j`` gets a value ``v_j(k)`` for each candidate configuration
-``k`` (a count of GPUs packed onto the fewest nodes, ``ceil(k / gpus_per_node)``; 0 for
-none), and the allocation maximises ``sum_j v_j(k_j)`` under the cluster's capacity:
+Each round has two steps.
+
+**Admission.** Jobs holding GPUs keep at least their minimum (no preemption to
+zero). Waiting jobs are admitted, while GPUs are left, by response ratio
+``(age_j + T1_j) / T1_j``, ``T1_j`` the job's predicted remaining time on one GPU
+(its remaining progress over its goodput there; one round before its hints carry a
+model, so a new job starts and profiles): short jobs first, and a waiting job's ratio
+grows with its age, so none starves (a long job waits at most until its ratio passes
+the short ones'). With ``priority=False``, by submission order.
+
+**Scaling.** Every admitted job ``j`` gets a value ``v_j(k)`` for each candidate
+configuration ``k`` (a count of GPUs from its minimum to its cap, packed onto the
+fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
+``sum_j v_j(k_j)`` within the cluster's GPUs:
 
 * **speedup** ``s_j(k)``: the job's goodput with ``k`` GPUs over its goodput with one,
   each at the batch size the job's own goodput engine would pick there (core's model,
@@ -15,13 +26,9 @@ none), and the allocation maximises ``sum_j v_j(k_j)`` under the cluster's capac
   allocation will not be held longer than that anyway), the effective speedup is
   ``s_j(k) * T_j(k) / (T_j(k) + R_j)``: a change pays off only if it buys back its
   restart before the job ends;
-* **fairness**: values are ``-w_j * s^p`` (a p-mean with ``fairness`` p < 0; a job
-  without GPUs counts as speedup ``1e-3``, so every job gets a first GPU before any
-  gets a second where the cluster allows), weighted by the job's response ratio
-  ``w_j = ((age_j + T_j(1)) / T_j(1)) ** priority``: a job predicted to finish soon
-  weighs more (shortest remaining time first, which lowers the average JCT), and
-  every waiting job's weight grows with its age, so none starves (a long job waits at
-  most until its ratio passes the short ones');
+* **objective**: ``v_j(k) = -(T1_j / 1 h) ** weight * s_j(k) ** fairness``, a p-mean
+  (``fairness`` p < 0 protects the slowest jobs) weighted towards the jobs nearer
+  their end (``weight`` < 0), which lowers the average JCT;
 * **exact where cheap**: the multiple-choice knapsack is solved as an integer program
   by ``scipy.optimize.milp`` (HiGHS) within ``time_budget`` seconds; the greedy
   best-gain-per-GPU allocation is always computed too and the better of the two kept,
@@ -29,8 +36,9 @@ none), and the allocation maximises ``sum_j v_j(k_j)`` under the cluster's capac
 * **hysteresis**: a new allocation must beat keeping the current one (topped up with
   the free GPUs) by ``min_gain`` of the objective, as in pollux.
 
-Every ingredient can be switched off (``amortise``, ``priority=0``, ``exact``,
-``min_gain=0``) for the ablation (``adaptdl-sim ablation``).
+Every ingredient can be switched off (``amortise=False``, ``priority=False``,
+``exact=False``, ``weight=0``, ``min_gain=0``): :data:`ABLATIONS`, run by
+``adaptdl-sim ablation``.
 
 What the policy reads of each job (the job view the live scheduler will carry):
 
