@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Discrete-event simulator of elastic, goodput-driven training: replay one job "
             "through resizes, preemptions and crashes on the real adaptdl.core, or run a "
-            "cluster of jobs under the pollux, tiresias, optimus and fifo policies."
+            "cluster of jobs under the pollux, tiresias, optimus, fifo and adaptdl policies."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
