@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--address", dest="start_address", default=None)
     start.add_argument("--num-gpus", type=int, default=None, help="GPUs this machine declares")
     start.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
-    start.add_argument("--policy", default="pollux", help=f"one of {', '.join(LIVE_POLICIES)}")
+    start.add_argument("--policy", default="adaptdl", help=f"one of {', '.join(LIVE_POLICIES)}")
     start.add_argument("--storage", default=None, help="state, checkpoints and logs")
     ssub.add_parser("stop", help="stop the scheduler (its jobs keep running)")
     ssub.add_parser("status", help="show the scheduler")

@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import sys
@@ -21,7 +22,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from adaptdl.sched.policies import POLICIES, make_policy
+from adaptdl.sched.policies import POLICIES, AdaptDLPolicy, Policy, make_policy
+from adaptdl.sched.policies.adaptdl import ABLATIONS
 from adaptdl.sim.apps import ApplicationModel, builtin_applications
 from adaptdl.sim.cluster import ClusterConfig, simulate
 from adaptdl.sim.metrics import SimResult
@@ -56,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Discrete-event simulator of elastic, goodput-driven training: replay one job "
             "through resizes, preemptions and crashes on the real adaptdl.core, or run a "
-            "cluster of jobs under the pollux, tiresias, optimus and fifo policies."
+            "cluster of jobs under the pollux, tiresias, optimus, fifo and adaptdl policies."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -120,6 +122,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated policies (default {','.join(POLICIES)})",
     )
     cluster_options(mp)
+
+    ap = sub.add_parser(
+        "ablation",
+        help="pollux, adaptdl, and adaptdl with each of its ingredients switched off in turn",
+    )
+    ap.add_argument(
+        "workloads", nargs="*", type=Path, help="workload CSVs (default: built-in synthetic)"
+    )
+    cluster_options(ap)
     return parser
 
 
@@ -283,14 +294,23 @@ def _progress(enabled: bool, total: int) -> Any:
 def _cluster(args: argparse.Namespace) -> int:
     apps = _applications(args.traces)
     paths = [args.workload] if args.command == "cluster" and args.workload else []
+    makers: dict[str, Callable[[], Policy]] = {}
     if args.command == "compare":
         paths = list(args.workloads)
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         for p in policies:
             if p not in POLICIES:
                 raise ValueError(f"unknown policy {p!r}; choose from {list(POLICIES)}")
+    elif args.command == "ablation":
+        paths = list(args.workloads)
+        makers["pollux"] = functools.partial(make_policy, "pollux")
+        for label, kwargs in ABLATIONS.items():
+            makers[label] = functools.partial(AdaptDLPolicy, **kwargs)
+        policies = list(makers)
     else:
         policies = [args.policy]
+    for p in policies:
+        makers.setdefault(p, functools.partial(make_policy, p))
     workloads = _workloads(args, paths, apps)
     config = _config(args)
     show = not args.json and not args.no_progress and sys.stderr.isatty()
@@ -301,7 +321,7 @@ def _cluster(args: argparse.Namespace) -> int:
             for policy in policies:
                 update = track(f"{wname} {policy}")
                 results[wname][policy] = simulate(
-                    jobs, apps, make_policy(policy), config, on_progress=update
+                    jobs, apps, makers[policy](), config, on_progress=update
                 )
     if args.plot:
         from adaptdl.sim.plots import plot_cluster
@@ -331,7 +351,8 @@ def _print_cluster(result: SimResult, workload: str) -> None:
     _print_compare({workload: {result.policy: result}}, [result.policy])
     Console().print(
         f"{len(result.jobs)} jobs, {result.unfinished} unfinished, {result.rounds} rounds; "
-        "use --json for every job"
+        f"policy CPU time per round: max {result.max_round_seconds:.3f} s, "
+        f"mean {result.mean_round_seconds:.4f} s; use --json for every job"
     )
 
 
@@ -347,6 +368,8 @@ def _summary(results: Sequence[SimResult]) -> dict[str, float]:
         "avg_utilization": mean([r.avg_utilization for r in results]),
         "avg_restarts": mean([r.avg_restarts for r in results]),
         "unfinished": float(sum(r.unfinished for r in results)),
+        "max_round_seconds": max((r.max_round_seconds for r in results), default=float("nan")),
+        "max_slowdown": mean([r.max_slowdown for r in results]),
     }
 
 
@@ -379,14 +402,19 @@ def _print_compare(
         console.print(table)
     title = "policies" if len(results) == 1 else f"mean over {len(results)} workloads"
     table = Table(title=f"{title} (times in hours)")
-    for col in ("policy", "avg JCT", "p50 JCT", "p99 JCT", "makespan", "GPU util", "restarts/job"):
+    base_summary = (
+        _summary([by["pollux"] for by in results.values()]) if "pollux" in policies else None
+    )
+    columns = ["policy", "avg JCT", "p50 JCT", "p99 JCT", "makespan", "GPU util", "restarts/job"]
+    columns += ["worst slowdown", "max s/round"]
+    if base_summary is not None:
+        columns += ["avg/pollux", "p99/pollux", "makespan/pollux"]
+    for col in columns:
         table.add_column(col, justify="right")
-    base = None
-    if "pollux" in policies:
-        base = _summary([by["pollux"] for by in results.values()])["avg_jct"]
+    base = None if base_summary is None else base_summary["avg_jct"]
     for p in policies:
         s = _summary([by[p] for by in results.values()])
-        table.add_row(
+        row = [
             p,
             _hours(s["avg_jct"]),
             _hours(s["p50_jct"]),
@@ -394,15 +422,24 @@ def _print_compare(
             _hours(s["makespan"]),
             f"{100 * s['avg_utilization']:.0f}%",
             f"{s['avg_restarts']:.1f}",
-        )
+            f"{s['max_slowdown']:.1f}",
+            f"{s['max_round_seconds']:.3f}",
+        ]
+        if base_summary is not None:
+            row += [f"{s[k] / base_summary[k]:.3f}" for k in ("avg_jct", "p99_jct", "makespan")]
+        table.add_row(*row)
     console.print(table)
     if base is not None:
         for p in policies:
             if p != "pollux":
                 other = _summary([by[p] for by in results.values()])["avg_jct"]
-                if other > 0:
+                if other > base:
                     console.print(
                         f"pollux average JCT is {100 * (1 - base / other):.0f}% lower than {p}'s"
+                    )
+                elif other > 0:
+                    console.print(
+                        f"{p} average JCT is {100 * (1 - other / base):.0f}% lower than pollux's"
                     )
 
 

@@ -7,6 +7,7 @@ hundreds of jobs over days of simulated time runs in seconds.
 from __future__ import annotations
 
 import math
+import time as _time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,8 @@ class ClusterSimulation:
         self.up = [True] * self.config.num_nodes
         self.utilization: list[tuple[float, int]] = []  # (time, GPUs allocated) per round
         self.rounds = 0
+        #: CPU seconds the policy took to decide, per round.
+        self.policy_seconds: list[float] = []
         self.now = 0.0
         self._arrived = 0
         self._finished = 0
@@ -177,7 +180,9 @@ class ClusterSimulation:
                 restart_penalty=cfg.restart_penalty,
             )
             # Checked: a policy's answer over the cluster raises AllocationError.
+            started = _time.process_time()
             decided = allocation_round(self.policy, state)
+            self.policy_seconds.append(_time.process_time() - started)
             for job in jobs:
                 nodes = list(decided.nodes(job.name))
                 if job.set_allocation(self.now, nodes, cfg.restart_penalty):

@@ -8,6 +8,7 @@ import attrs
 import numpy as np
 
 if TYPE_CHECKING:
+    from adaptdl.sim.apps import ApplicationModel
     from adaptdl.sim.cluster import ClusterSimulation
 
 
@@ -25,6 +26,16 @@ class JobResult:
     restart_seconds: float
     #: (time, GPUs, total batch size, accumulation steps) at every change.
     history: tuple[tuple[float, int, int, int], ...]
+    #: Seconds the job would take alone on the cluster (:func:`alone_seconds`).
+    alone: float | None = None
+
+    @property
+    def slowdown(self) -> float | None:
+        """JCT over the time alone (>= 1 up to the oracle's grid); None if unfinished."""
+        jct = self.jct
+        if jct is None or not self.alone:
+            return None
+        return jct / self.alone
 
     @property
     def jct(self) -> float | None:
@@ -42,6 +53,7 @@ class JobResult:
             "failures": self.failures,
             "gpu_seconds": round(self.gpu_seconds, 3),
             "restart_seconds": self.restart_seconds,
+            "slowdown": self.slowdown,
         }
         if history:
             out["history"] = [list(h) for h in self.history]
@@ -59,6 +71,18 @@ class SimResult:
     total_gpus: int
     end_time: float
     rounds: int
+    #: CPU seconds the policy took per round.
+    policy_seconds: tuple[float, ...] = ()
+
+    @property
+    def max_round_seconds(self) -> float:
+        """The longest CPU time the policy took to decide one round."""
+        return max(self.policy_seconds, default=float("nan"))
+
+    @property
+    def mean_round_seconds(self) -> float:
+        """The mean CPU time the policy took to decide one round."""
+        return float(np.mean(self.policy_seconds)) if self.policy_seconds else float("nan")
 
     @property
     def jcts(self) -> np.ndarray:
@@ -102,6 +126,12 @@ class SimResult:
         return float((g[:-1] * dt).sum() / (dt.sum() * self.total_gpus))
 
     @property
+    def max_slowdown(self) -> float:
+        """The worst finished job's JCT over its time alone on the cluster."""
+        values = [j.slowdown for j in self.jobs if j.slowdown is not None]
+        return max(values) if values else float("nan")
+
+    @property
     def avg_restarts(self) -> float:
         return float(np.mean([j.restarts for j in self.jobs])) if self.jobs else 0.0
 
@@ -115,8 +145,11 @@ class SimResult:
             "makespan": _num(self.makespan),
             "avg_utilization": _num(self.avg_utilization),
             "avg_restarts": self.avg_restarts,
+            "max_slowdown": _num(self.max_slowdown),
             "unfinished": self.unfinished,
             "rounds": self.rounds,
+            "max_round_seconds": _num(self.max_round_seconds),
+            "mean_round_seconds": _num(self.mean_round_seconds),
             "jobs": [j.to_json(history=history) for j in self.jobs],
             "utilization": [list(u) for u in self.utilization] if history else None,
         }
@@ -126,8 +159,44 @@ def _num(x: float) -> float | None:
     return None if np.isnan(x) else float(x)
 
 
+def alone_seconds(app: ApplicationModel, total_gpus: int, gpus_per_node: int) -> float:
+    """Seconds a job of ``app`` needs alone on the cluster: every epoch at the best of
+    a grid of configurations (GPU counts 1, 2, 4, ... and whole nodes, on the fewest
+    nodes; local batch sizes on a geometric grid within the bounds, total batch size
+    at most the maximum), without restarts or profiling. An oracle from the
+    application model, for the slowdown of a job against running alone."""
+    lo, hi = app.local_bsz_bounds
+    counts = sorted(
+        {2**i for i in range(total_gpus.bit_length()) if 2**i <= total_gpus}
+        | set(range(gpus_per_node, total_gpus + 1, gpus_per_node))
+    )
+    atomics = sorted({round(float(b)) for b in np.geomspace(lo, hi, 12)})
+    configs = []
+    for k in counts:
+        full, rem = divmod(k, gpus_per_node)
+        placement = [gpus_per_node] * full + ([rem] if rem else [])
+        for atomic in atomics:
+            batch = k * atomic
+            if batch > app.max_batch_size and atomic > lo:
+                continue
+            configs.append((batch, app.step_time(placement, atomic)[0]))
+    total = 0.0
+    before = 0.0
+    for epoch, target in enumerate(app.epoch_progress):
+        best = max(app.gain(batch, epoch) / step for batch, step in configs)
+        total += (float(target) - before) / best
+        before = float(target)
+    return total
+
+
 def summarize(sim: ClusterSimulation) -> SimResult:
     """Collect the metrics of a finished simulation."""
+    cfg = sim.config
+    alone = {
+        name: alone_seconds(app, cfg.total_gpus, cfg.gpus_per_node)
+        for name, app in sim.applications.items()
+        if any(j.spec.application == name for j in sim.jobs.values())
+    }
     jobs = tuple(
         JobResult(
             name=j.name,
@@ -139,6 +208,7 @@ def summarize(sim: ClusterSimulation) -> SimResult:
             gpu_seconds=j.attained_service,
             restart_seconds=j.restart_time,
             history=tuple(j.history),
+            alone=alone[j.spec.application],
         )
         for j in sorted(sim.jobs.values(), key=lambda j: (j.submit, j.name))
     )
@@ -165,4 +235,5 @@ def summarize(sim: ClusterSimulation) -> SimResult:
         total_gpus=sim.config.total_gpus,
         end_time=sim.now,
         rounds=sim.rounds,
+        policy_seconds=tuple(sim.policy_seconds),
     )

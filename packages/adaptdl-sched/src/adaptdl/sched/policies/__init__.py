@@ -1,4 +1,5 @@
-"""Scheduling policies: ``pollux``, ``tiresias``, ``optimus``, ``fifo``, and the base API.
+"""Scheduling policies: ``pollux``, ``tiresias``, ``optimus``, ``fifo``, AdaptDL's own
+``adaptdl``, and the base API.
 
 A new policy is one module in this package (see ``adaptdl.sched.policies.base``) and
 one entry in ``_FACTORIES`` below.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from adaptdl.sched.policies.adaptdl import AdaptDLPolicy
 from adaptdl.sched.policies.base import Allocation, Policy, greedy_allocate, pack
 from adaptdl.sched.policies.fifo import FifoPolicy
 from adaptdl.sched.policies.optimus import OptimusPolicy
@@ -20,6 +22,7 @@ _FACTORIES: dict[str, Callable[[], Policy]] = {
     "tiresias": TiresiasPolicy,
     "optimus": OptimusPolicy,
     "fifo": FifoPolicy,
+    "adaptdl": AdaptDLPolicy,
 }
 
 #: Every built-in policy's name, in the order the simulator compares them.
@@ -39,6 +42,7 @@ def make_policy(name: str) -> Policy:
 __all__ = [
     "LIVE_POLICIES",
     "POLICIES",
+    "AdaptDLPolicy",
     "Allocation",
     "ClusterState",
     "FifoPolicy",
