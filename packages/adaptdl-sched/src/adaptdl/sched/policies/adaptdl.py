@@ -76,7 +76,7 @@ from scipy.sparse import csr_matrix
 
 from adaptdl.core._validate import check_float, check_int
 from adaptdl.sched.policies.base import Allocation, greedy_allocate, pack
-from adaptdl.sched.policies.pollux import hints_speedup
+from adaptdl.sched.policies.pollux import SpeedupCache, batch_gpu_cap
 from adaptdl.sched.view import ClusterState, JobView
 
 FloatArray = npt.NDArray[np.float64]
@@ -202,7 +202,7 @@ class AdaptDLPolicy:
         self.unknown_remaining = unknown_remaining
         #: Per round: (CPU seconds of allocate, jobs, whether the MILP proved its optimum).
         self.rounds: list[tuple[float, int, bool]] = []
-        self._speedups: dict[str, tuple[tuple[int, int], Any, tuple[FloatArray, float]]] = {}
+        self._speedups = SpeedupCache()
 
     # -- per-job view --------------------------------------------------------------
 
@@ -212,22 +212,12 @@ class AdaptDLPolicy:
         cap = min(state.total_gpus, job.max_replicas)
         profiled: int = hints["max_profiled_replicas"]
         cap = min(cap, max(1, self.explore_factor * profiled))
-        bounds = hints["local_bsz_bounds"]
-        lo_bsz: int = bounds[0] if bounds is not None and bounds[0] is not None else 1
-        top: int = hints["max_batch_size"] or hints["init_batch_size"]
-        cap = min(cap, max(1, top // lo_bsz))
+        cap = min(cap, batch_gpu_cap(hints))
         lo = max(1, job.min_replicas)
         return lo, cap
 
     def _speedup(self, job: JobView, cap: int, gpus_per_node: int) -> tuple[FloatArray, float]:
-        key = (cap, gpus_per_node)
-        hints = job.hints
-        cached = self._speedups.get(job.name)
-        if cached is not None and cached[0] == key and cached[1] == hints:
-            return cached[2]
-        value = hints_speedup(hints, cap, gpus_per_node)
-        self._speedups[job.name] = (key, hints, value)
-        return value
+        return self._speedups(job, cap, gpus_per_node)
 
     def remaining_alone(self, job: JobView, state: ClusterState) -> float:
         """Predicted seconds the job needs on one GPU from now; ``state.interval`` before

@@ -76,6 +76,37 @@ def hints_speedup(
     return out, base
 
 
+def batch_gpu_cap(hints: Mapping[str, Any]) -> int:
+    """Most GPUs the job's largest batch can spread over: every replica needs at least
+    the smallest local batch (at least 1)."""
+    bounds = hints["local_bsz_bounds"]
+    lo: int = bounds[0] if bounds is not None and bounds[0] is not None else 1
+    top: int = hints["max_batch_size"] or hints["init_batch_size"]
+    return max(1, top // lo)
+
+
+class SpeedupCache:
+    """:func:`hints_speedup` per job, kept while its hints and the GPU range stay the
+    same (a round asks again for every job; most jobs' hints did not change)."""
+
+    def __init__(self) -> None:
+        self._cached: dict[
+            str, tuple[tuple[int, int], Mapping[str, Any], tuple[FloatArray, float]]
+        ] = {}
+
+    def __call__(
+        self, job: JobView, max_gpus: int, gpus_per_node: int
+    ) -> tuple[FloatArray, float]:
+        key = (max_gpus, gpus_per_node)
+        hints = job.hints
+        cached = self._cached.get(job.name)
+        if cached is not None and cached[0] == key and cached[1] == hints:
+            return cached[2]
+        value = hints_speedup(hints, max_gpus, gpus_per_node)
+        self._cached[job.name] = (key, hints, value)
+        return value
+
+
 class PolluxPolicy:
     """Goodput-optimising allocation with restart-cost weighting."""
 
@@ -109,10 +140,7 @@ class PolluxPolicy:
         self.restart_horizon = restart_horizon
         self.explore_factor = explore_factor
         self.max_gpus_per_job = max_gpus_per_job
-        # Per job: (max GPUs, GPUs per node), the hints, and the speedup they gave.
-        self._speedups: dict[
-            str, tuple[tuple[int, int], Mapping[str, Any], tuple[FloatArray, float]]
-        ] = {}
+        self._speedups = SpeedupCache()
 
     def gpu_cap(self, job: JobView, state: ClusterState) -> int:
         """Most GPUs the job may receive this round (from its hints)."""
@@ -123,22 +151,11 @@ class PolluxPolicy:
         cap = min(cap, job.max_replicas)
         profiled: int = hints["max_profiled_replicas"]
         cap = min(cap, max(1, self.explore_factor * profiled))
-        # Every replica needs at least the smallest local batch of the largest batch.
-        bounds = hints["local_bsz_bounds"]
-        lo: int = bounds[0] if bounds is not None and bounds[0] is not None else 1
-        top: int = hints["max_batch_size"] or hints["init_batch_size"]
-        return max(1, job.min_replicas, min(cap, top // lo))
+        return max(1, job.min_replicas, min(cap, batch_gpu_cap(hints)))
 
     def speedup(self, job: JobView, max_gpus: int, gpus_per_node: int) -> tuple[FloatArray, float]:
         """:func:`hints_speedup` of the job's hints, kept while the hints stay the same."""
-        key = (max_gpus, gpus_per_node)
-        hints = job.hints
-        cached = self._speedups.get(job.name)
-        if cached is not None and cached[0] == key and cached[1] == hints:
-            return cached[2]
-        value = hints_speedup(hints, max_gpus, gpus_per_node)
-        self._speedups[job.name] = (key, hints, value)
-        return value
+        return self._speedups(job, max_gpus, gpus_per_node)
 
     def utility(self, job: JobView, state: ClusterState) -> np.ndarray:
         """The job's value with 0..cap GPUs: its speedup, discounted where it restarts."""
