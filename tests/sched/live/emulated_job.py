@@ -43,6 +43,13 @@ from adaptdl.sched.progress import write_job_hints, write_progress
 _stop = False
 
 
+def _save(ckpt: Path, state: dict) -> None:
+    """Replace the emulated checkpoint whole (a reader sees the old one or the new)."""
+    tmp = ckpt.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, ckpt)
+
+
 def _on_term(signum: int, frame: object) -> None:
     global _stop
     _stop = True
@@ -96,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             profiler.record(1, world, local, accum_step=True, step_time=step_time - sync)
             profiler.record(1, world, local, accum_step=False, step_time=step_time, sync_time=sync)
             state["profile"] = profiler.to_json()
-            tmp = ckpt.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, ckpt)
+            _save(ckpt, state)
             if share:
                 write_progress(share, replicas=world, step=state["step"], batch_size=batch)
                 if step_in_launch % 5 == 0:
@@ -174,9 +179,7 @@ def run_model(model: dict) -> int:
                 1, world, local, accum_step=False, step_time=optim, sync_time=optim - compute
             )
             state["profile"] = profiler.to_json()
-            tmp = ckpt.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, ckpt)
+            _save(ckpt, state)
             if share:
                 write_progress(share, replicas=world, step=state["step"], batch_size=batch)
                 if state["step"] % 5 == 0:
