@@ -122,8 +122,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
-    """mypy: strict on adaptdl.core and adaptdl.sched, the default rules on the adapters."""
-    _install(session, "mypy>=1.10", "pytest", "hypothesis")
+    """mypy (strict on adaptdl.core and adaptdl.sched) and the import-layer contract."""
+    _install(session, "mypy>=1.10", "import-linter>=2.1", "pytest", "hypothesis")
+    # Core's layers and the distributions' arrows (pyproject.toml, [tool.importlinter]).
+    session.run("lint-imports")
     session.run("mypy", "packages/adaptdl-core/src/adaptdl/core")
     session.run("mypy", "packages/adaptdl-sched/src/adaptdl/sched")
     session.run(

@@ -61,7 +61,7 @@ def consume(iterable: Iterable[int], count: int) -> int:
 def measure_ours(n: int, replicas: int, rank: int) -> dict[str, Any]:
     import numpy as np
 
-    from adaptdl.core.sampling import Shard
+    from adaptdl.core.order.sampling import Shard
 
     baseline = peak_rss_mb()
     start = time.perf_counter()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.shards import DEFAULT_BLOCK_SIZE, BlockOrder, StreamPlan
+from adaptdl.core.order.shards import DEFAULT_BLOCK_SIZE, BlockOrder, StreamPlan
 from adaptdl.torch.shards import JsonLinesReader, ShardedDataset
 
 TARGET_RATIO = 0.9

@@ -80,7 +80,7 @@ def worker(case: str, first: str, rounds: int) -> None:
 
     import adaptdl.torch as adl
     import torch
-    from adaptdl.core.batchsize import FixedSplit
+    from adaptdl.core.decide.batchsize import FixedSplit
     from adaptdl.torch._context import current_job
 
     torch.set_num_threads(1)

@@ -95,11 +95,11 @@ from typing import Any
 
 import attrs
 
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
-from adaptdl.core.journal import Journal, Mark, journal_name
-from adaptdl.core.localfs import LocalStorage
-from adaptdl.core.manifest import MANIFEST
-from adaptdl.core.storage import TMP_PREFIX, owner_tag
+from adaptdl.core.persist.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.core.persist.journal import Journal, Mark, journal_name
+from adaptdl.core.persist.localfs import LocalStorage
+from adaptdl.core.persist.manifest import MANIFEST
+from adaptdl.core.persist.storage import TMP_PREFIX, owner_tag
 from adaptdl.torch.launch import torchrun_command
 from faults.nodes import ElasticNodes, alive, descendants
 

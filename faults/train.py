@@ -39,7 +39,7 @@ library, by handing the library a faulty checkpoint storage (`FaultyStorage`):
 ``FAULTS_FSDP=1``
     the model is sharded with FSDP2 (``fully_shard``) and adapted by `AdaptiveFSDP`:
     each checkpoint holds every replica's DCP shard files, written through the
-    checkpoint storage (`adaptdl.core.shardedfiles.StagedFiles`).
+    checkpoint storage (`adaptdl.core.persist.shardedfiles.StagedFiles`).
 ``FAULTS_SHARD_ENOSPC_AT=<k>``, ``FAULTS_SHARD_RANK=<r>``
     in the first attempt of a launch, the k-th sharded-checkpoint file replica ``r``
     writes (its DCP shards; rank 0's DCP metadata too) gets its first 64 bytes
@@ -67,13 +67,13 @@ from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Boundary
 from adaptdl.core.config import JobConfig
-from adaptdl.core.localfs import LocalStorage
-from adaptdl.core.manifest import MANIFEST
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED
-from adaptdl.torch._context import current_job
+from adaptdl.core.loop.boundary import Boundary
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED
+from adaptdl.core.persist.localfs import LocalStorage
+from adaptdl.core.persist.manifest import MANIFEST
+from adaptdl.torch import current_job
 from adaptdl.torch.fsdp import AdaptiveFSDP
 
 N = int(os.environ.get("FAULTS_N", "64"))

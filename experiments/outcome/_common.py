@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 # Re-exported: the experiments import the fixed decision from here.
-from adaptdl.core.batchsize import FixedSplit as FixedSplit
-from adaptdl.core.step import StepMeasurement
+from adaptdl.core.decide.batchsize import FixedSplit as FixedSplit
+from adaptdl.core.stats.step import StepMeasurement
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -47,17 +47,17 @@ def simulate_core(
 
     Each step at ``scale`` averages ``max(scale, 2)`` micro-batches of
     ``init_batch_size * scale / max(scale, 2)`` fresh samples, hands their squared
-    norms to core's step contract (`adaptdl.core.step`, as the torch adapter does)
+    norms to core's step contract (`adaptdl.core.stats.step`, as the torch adapter does)
     and takes an SGD step with the learning-rate factor of core's decision, until
     the job's progress reaches ``progress``. Returns the gains, the steps taken and the final
     excess loss ``E loss - sigma^2 / 2 = delta' Lambda delta / 2`` (closed form).
     """
     from experiments.outcome import gns_accuracy as ga
 
-    from adaptdl.core import scaling
     from adaptdl.core.collective import LocalCollective
-    from adaptdl.core.metrics import MetricsState
-    from adaptdl.core.step import StepStatistics
+    from adaptdl.core.stats import scaling
+    from adaptdl.core.stats.metrics import MetricsState
+    from adaptdl.core.stats.step import StepStatistics
 
     cfg = {**ga.DEFAULT, "seed": seed}
     p = ga.problem(cfg)

@@ -7,7 +7,7 @@
 credit of `noise_floor`, ``time_to_target --floor-credit``, and core's floor share
 through ``report_loss``, ``--floor-target-loss``) with the fixed sizes in the logs;
 `floor_gap_table` sets the fixed runs' training loss gaps to fixed 16 beside what
-`adaptdl.core.floor.floor_level` predicts. `check_options`
+`adaptdl.core.stats.floor.floor_level` predicts. `check_options`
 holds ``time_to_target``'s refusals of the floor options.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from experiments.outcome.noise_floor import check_config
 
-from adaptdl.core.floor import floor_level, sgd_rate
+from adaptdl.core.stats.floor import floor_level, sgd_rate
 
 
 def check_options(args: argparse.Namespace, problems: dict[str, Any]) -> str | None:

@@ -170,10 +170,10 @@ def simulate_core(
     factor (1: the batch is the initial one). Returns what `worker` returns.
     """
     from adaptdl.core.collective import LocalCollective
-    from adaptdl.core.gns import GradientNoiseScale
-    from adaptdl.core.metrics import MetricsState
-    from adaptdl.core.scaling import AdaScale
-    from adaptdl.core.step import StepStatistics
+    from adaptdl.core.stats.gns import GradientNoiseScale
+    from adaptdl.core.stats.metrics import MetricsState
+    from adaptdl.core.stats.scaling import AdaScale
+    from adaptdl.core.stats.step import StepStatistics
 
     p = problem(cfg)
     lam, w_star = p["lam"], p["w_star"]
@@ -221,7 +221,7 @@ def worker() -> None:
 
     import adaptdl.torch as adl
     import torch
-    from adaptdl.core.gns import GradientNoiseScale
+    from adaptdl.core.stats.gns import GradientNoiseScale
     from adaptdl.torch._context import current_job
 
     cfg = worker_config()
@@ -250,7 +250,7 @@ def worker() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     adp = adl.AdaptiveDataParallel(model, optimizer)
     if cfg.get("share") is not None:
-        from adaptdl.core.statsbudget import MeasureBudget
+        from adaptdl.core.stats.statsbudget import MeasureBudget
 
         # The share of steps measured, fixed: what sampling does to the estimate.
         adp._steps.budget = MeasureBudget(fixed=cfg["share"])

@@ -155,7 +155,7 @@ def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     from experiments.outcome.trainer import shapes_cnn
 
     import torch
-    from adaptdl.core.gns import GradientNoiseScale
+    from adaptdl.core.stats.gns import GradientNoiseScale
 
     cfg = {**DEFAULT, **(cfg or {})}
     n = cfg["train_size"]
@@ -278,7 +278,7 @@ def replay(result: dict[str, Any], smoothings: Sequence[float]) -> dict[str, Any
     Each step's squared norms go through core's `GradientNoiseScale` as in `run`,
     so the estimator's readings at any memory come without training again.
     """
-    from adaptdl.core.gns import GradientNoiseScale
+    from adaptdl.core.stats.gns import GradientNoiseScale
 
     cfg = result["config"]
     if not result.get("steps"):
@@ -385,7 +385,7 @@ def step_sqr(result: dict[str, Any]) -> np.ndarray:
     Core's `step_estimates` on the step's recorded squared norms; an empty (0, 2)
     array without a per-step record.
     """
-    from adaptdl.core.gns import step_estimates
+    from adaptdl.core.stats.gns import step_estimates
 
     steps = result.get("steps") or ()
     if not steps:

@@ -8,8 +8,8 @@ goodput model credits a batch with its progress per second only. This module hol
 the per-step credit and the refusals of what the floor does not cover;
 `floor_credit` holds the tables and the command line's refusals.
 
-**The floor** (`adaptdl.core.floor.floor_level`, in core since the twelfth
-follow-up, with the floor share's decision: `adaptdl.core.floor`, opted into by
+**The floor** (`adaptdl.core.stats.floor.floor_level`, in core since the twelfth
+follow-up, with the floor share's decision: `adaptdl.core.stats.floor`, opted into by
 reporting the training loss, ``AdaptiveDataParallel.report_loss``). SGD with
 momentum ``beta`` at the applied rate ``lr`` on a quadratic keeps an excess loss of
 ``lr / (1 - beta) * tr(Sigma) / (4 M)``.
@@ -28,7 +28,7 @@ the noise, whose cost per unit of progress scales as ``E``, the objective is
 the noise scale ``B'`` whose Pollux optimum has the same slope at the current batch,
 ``B' + M = (B + M) (1 - lambda) / (1 - 2 lambda)`` (unbounded at ``lambda >= 1/2``).
 
-**A floor share**: moved to core (`adaptdl.core.floor`); ``time_to_target
+**A floor share**: moved to core (`adaptdl.core.stats.floor`); ``time_to_target
 --floor-target-loss`` runs it through ``report_loss``.
 
 The per-step credit changes the noise scale the batch-size decision reads (`grad_params`,
@@ -45,9 +45,9 @@ from typing import Any
 
 import attrs
 
-from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GradParams
 from adaptdl.core.goodput.model import FLOATS, efficiency
+from adaptdl.core.stats.gns import GradientNoiseScale
 
 #: ``lambda`` at or above this: the credited noise scale is taken as unbounded.
 _UNBOUNDED = 0.5 - 1e-9

@@ -51,7 +51,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from adaptdl.core.gns import GradientNoiseScale, step_estimates
+from adaptdl.core.stats.gns import GradientNoiseScale, step_estimates
 
 LAGS = (1, 2, 4, 8, 16, 32, 64)
 AVERAGES = (0.5, 0.9, 0.99)

@@ -40,7 +40,7 @@ import attrs
 import numpy as np
 from experiments.outcome import measured_profile as mp
 
-from adaptdl.core.scaling import AdamScale, AdaScale, LinearScale, ScalingRule
+from adaptdl.core.stats.scaling import AdamScale, AdaScale, LinearScale, ScalingRule
 from adaptdl.sim.profiled import ProfiledApplication, simulate_to_progress
 
 RULES: dict[str, type[AdaScale] | type[AdamScale] | type[LinearScale]] = {

@@ -459,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         type=floor_target,
         metavar="LOSS",
         help="the decision credits the initial batch's noise floor with its share of the "
-        "training loss left to LOSS (adaptdl.core.floor, through report_loss); 'horizon': "
+        "training loss left to LOSS (adaptdl.core.stats.floor, through report_loss); 'horizon': "
         "none stated, the loss shed over as much progress again (report_loss's default)",
     )
     parser.add_argument(

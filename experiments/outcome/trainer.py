@@ -108,7 +108,7 @@ def train(
     b0 = cfg["init_batch_size"]
     if cfg.get("smoothing") is not None and job.restored_from is None:
         # `time_to_target --smoothing`: another memory (a restored estimator keeps its own)
-        from adaptdl.core.gns import GradientNoiseScale
+        from adaptdl.core.stats.gns import GradientNoiseScale
 
         job.metrics.gns = GradientNoiseScale(init_batch_size=b0, smoothing=cfg["smoothing"])
     memory = None
@@ -126,7 +126,7 @@ def train(
         )
         memory = GradientMemory(cfg["signal_memory"])
     meter = None
-    # `time_to_target --floor-target-loss LOSS`: core's floor share (adaptdl.core.floor),
+    # `time_to_target --floor-target-loss LOSS`: core's floor share (adaptdl.core.stats.floor),
     # through the loss the loop reports (`report_loss`), with LOSS its target.
     report_target = cfg.get("floor_target_loss")
     reporting = report_target is not None

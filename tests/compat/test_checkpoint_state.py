@@ -16,8 +16,8 @@ from torch.utils.data import TensorDataset
 import adaptdl.checkpoint
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointStore
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist.checkpoint import CheckpointStore
 from adaptdl.torch import _context
 
 

@@ -1,4 +1,4 @@
-"""Tests for adaptdl.core.accumulator: sums across replicas, replay after restarts, misuse."""
+"""Tests for adaptdl.core.stats.accumulator: sums across replicas, replays, misuse."""
 
 from __future__ import annotations
 
@@ -11,18 +11,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.threadcollective import ThreadCollective, run_replicas
 
-from adaptdl.core.accumulator import Accumulator, ReplayPosition
-from adaptdl.core.checkpoint import CheckpointError, CollectiveState, State
-from adaptdl.core.collective import (
-    Collective,
-    Future,
-    LocalCollective,
-    ThreadCollective,
-    add,
-    encode,
-    run_replicas,
-)
+from adaptdl.core.collective import Collective, Future, LocalCollective, add, encode
+from adaptdl.core.persist.checkpoint import CheckpointError, CollectiveState, State
+from adaptdl.core.stats.accumulator import Accumulator, ReplayPosition
 
 SETTINGS = settings(max_examples=60, deadline=None)
 T = TypeVar("T")

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.batchsize import (
+from adaptdl.core.decide.batchsize import (
     BatchSizeQuery,
     FixedSplit,
     GoodputDecision,

@@ -1,4 +1,4 @@
-"""Tests for adaptdl.core.checkpoint: round trips, atomicity under crashes, damage detection."""
+"""Tests for adaptdl.core.persist.checkpoint: round trips, crash atomicity, damage."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import adaptdl.core.localfs as ckpt  # where the checkpoint store's file system calls live
-from adaptdl.core.checkpoint import (
+import adaptdl.core.persist.localfs as ckpt  # where the checkpoint store's file system calls live
+from adaptdl.core.collective import encode
+from adaptdl.core.persist.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
@@ -25,10 +26,9 @@ from adaptdl.core.checkpoint import (
     MemoryCheckpointStore,
     State,
 )
-from adaptdl.core.collective import encode
-from adaptdl.core.manifest import MANIFEST, SCHEMA
+from adaptdl.core.persist.manifest import MANIFEST, SCHEMA
 
-LOGGER = "adaptdl.core.checkpoint"
+LOGGER = "adaptdl.core.persist.checkpoint"
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -21,13 +21,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
-from adaptdl.core.journal import JOURNAL, Journal, Mark
-from adaptdl.core.localfs import LocalStorage
-from adaptdl.core.manifest import MANIFEST
-from adaptdl.core.storage import TMP_PREFIX, MemoryStorage, StorageLocked
+from adaptdl.core.persist.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.core.persist.journal import JOURNAL, Journal, Mark
+from adaptdl.core.persist.localfs import LocalStorage
+from adaptdl.core.persist.manifest import MANIFEST
+from adaptdl.core.persist.storage import TMP_PREFIX, MemoryStorage, StorageLocked
 
-LOGGER = "adaptdl.core.checkpoint"
+LOGGER = "adaptdl.core.persist.checkpoint"
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.threadcollective import ThreadCollective, run_replicas
 
 from adaptdl.core.collective import (
     Collective,
@@ -21,7 +22,6 @@ from adaptdl.core.collective import (
     GroupMember,
     LocalCollective,
     Ready,
-    ThreadCollective,
     add,
     check_root,
     decode,
@@ -29,7 +29,6 @@ from adaptdl.core.collective import (
     fold,
     logical_or,
     maximum,
-    run_replicas,
     wire_copy,
 )
 

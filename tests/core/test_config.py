@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core.boundary import CheckpointPolicy
 from adaptdl.core.config import (
     DEFAULT_CHECKPOINT_INTERVAL,
     DEFAULT_COLLECTIVE_TIMEOUT,
     ENV_VARS,
     JobConfig,
 )
+from adaptdl.core.loop.boundary import CheckpointPolicy
 from adaptdl.core.topology import Topology
 
 PACKAGES = Path(__file__).resolve().parents[2] / "packages"

@@ -14,17 +14,17 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.batchsize import (
+from adaptdl.core.decide.batchsize import (
     BatchSizeQuery,
     GoodputDecision,
     confidence_cap,
     estimate_maturity,
     growth_cap,
 )
-from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.job import Job
-from adaptdl.core.profiler import Profiler
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.profiler import Profiler
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
 

@@ -1,4 +1,4 @@
-"""`adaptdl.core.drift`: the drift's record over progress and what it shed over the
+"""`adaptdl.core.stats.drift`: the drift's record over progress and what it shed over the
 horizon, which the floor's share reads when no target is stated."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.drift import HORIZON, POINTS_PER_DOUBLING, DriftHistory
+from adaptdl.core.stats.drift import HORIZON, POINTS_PER_DOUBLING, DriftHistory
 
 
 @settings(max_examples=100, deadline=None)

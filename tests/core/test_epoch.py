@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core.epoch import EpochState
+from adaptdl.core.loop.epoch import EpochState
 
 
 def test_counts_epochs():

@@ -1,4 +1,4 @@
-"""`adaptdl.core.floor`: SGD's noise floor, its share of the loss left, and the credit
+"""`adaptdl.core.stats.floor`: SGD's noise floor, its share of the loss left, and the credit
 the batch-size decision reads through `MetricsState`."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.floor import (
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.core.stats.floor import (
     LAPSE_STEPS,
     LossFloor,
     check_rule,
@@ -20,10 +21,9 @@ from adaptdl.core.floor import (
     sgd_rate,
     shared_params,
 )
-from adaptdl.core.gns import GradientNoiseScale
-from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.metrics import MetricsState
-from adaptdl.core.scaling import AdamScale, AdaScale, LEGWScale, LinearScale, SqrtScale
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.metrics import MetricsState
+from adaptdl.core.stats.scaling import AdamScale, AdaScale, LEGWScale, LinearScale, SqrtScale
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
 

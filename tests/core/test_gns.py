@@ -11,9 +11,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.gns import GNS_SCHEMA, GradientNoiseScale, squared_norm, step_estimates
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.scaling import adascale_gain
+from adaptdl.core.stats.gns import GNS_SCHEMA, GradientNoiseScale, squared_norm, step_estimates
+from adaptdl.core.stats.scaling import adascale_gain
 
 SETTINGS = settings(max_examples=100, deadline=None)
 

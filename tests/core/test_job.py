@@ -6,14 +6,15 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from tests.fakes import ManualClock
+from tests.threadcollective import run_replicas
 
-from adaptdl.core.boundary import Boundary, CheckpointPolicy, Preempted
-from adaptdl.core.checkpoint import CheckpointError, MemoryCheckpointStore
-from adaptdl.core.collective import LocalCollective, run_replicas
+from adaptdl.core.collective import LocalCollective
 from adaptdl.core.config import JobConfig
-from adaptdl.core.epoch import EpochState
 from adaptdl.core.job import Job
-from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.loop.boundary import Boundary, CheckpointPolicy, Preempted
+from adaptdl.core.loop.epoch import EpochState
+from adaptdl.core.persist.checkpoint import CheckpointError, MemoryCheckpointStore
+from adaptdl.core.persist.journal import Journal, Mark
 from adaptdl.core.topology import Topology
 
 
@@ -182,7 +183,7 @@ def test_journal_round_trip_and_garbage(tmp_path):
 
 
 def test_checkpoint_gathers_pending_accumulator_contributions():
-    from adaptdl.core.accumulator import Accumulator
+    from adaptdl.core.stats.accumulator import Accumulator
 
     store = MemoryCheckpointStore()
 
@@ -309,7 +310,7 @@ def test_drain_waits_for_what_adapters_keep_in_flight_first():
 
 
 def test_replay_lasts_from_the_restore_to_the_first_loop_that_runs() -> None:
-    from adaptdl.core.loader import LoaderHelper
+    from adaptdl.core.loop.loader import LoaderHelper
 
     store = MemoryCheckpointStore()
     job = Job(Topology(), store=store)

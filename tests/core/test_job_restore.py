@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tests.threadcollective import ThreadCollective, run_replicas
 
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore, MemoryCheckpointStore
-from adaptdl.core.collective import ThreadCollective, encode, run_replicas
+from adaptdl.core.collective import encode
 from adaptdl.core.job import Job
-from adaptdl.core.journal import Journal, Mark
-from adaptdl.core.storage import MemoryStorage
+from adaptdl.core.persist.checkpoint import CheckpointError, CheckpointStore, MemoryCheckpointStore
+from adaptdl.core.persist.journal import Journal, Mark
+from adaptdl.core.persist.storage import MemoryStorage
 from adaptdl.core.topology import Topology
 
 
@@ -144,7 +145,7 @@ def test_an_entry_of_the_wrong_shape_names_the_checkpoint_and_entry() -> None:
 
 
 def test_loader_state_with_a_list_for_a_mapping_names_the_entry() -> None:
-    from adaptdl.core.loaderstate import LoaderState
+    from adaptdl.core.loop.loaderstate import LoaderState
 
     store = MemoryCheckpointStore()
     job = Job(store=store)

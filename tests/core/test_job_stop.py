@@ -11,22 +11,22 @@ import time
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from tests.threadcollective import run_replicas
 
-from adaptdl.core.batchsize import GoodputDecision, batch_size_query
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import (
+from adaptdl.core.config import JobConfig
+from adaptdl.core.decide.batchsize import GoodputDecision, batch_size_query
+from adaptdl.core.job import OVERDUE_RETRY_SECONDS, Job
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.loop.epoch import EpochState
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.persist.checkpoint import (
     CheckpointError,
     CollectiveState,
     JsonState,
     MemoryCheckpointStore,
     SavableAlone,
 )
-from adaptdl.core.collective import run_replicas
-from adaptdl.core.config import JobConfig
-from adaptdl.core.epoch import EpochState
-from adaptdl.core.job import OVERDUE_RETRY_SECONDS, Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.sampling import Shard
 from adaptdl.core.topology import Topology
 
 

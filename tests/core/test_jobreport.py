@@ -13,14 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.core.test_loader import shard_batches
 from tests.fakes import ManualClock
+from tests.threadcollective import run_replicas
 
 from adaptdl.core import jobreport
-from adaptdl.core.collective import run_replicas
-from adaptdl.core.hints import validate_hints
+from adaptdl.core.decide.hints import validate_hints
 from adaptdl.core.job import Job
 from adaptdl.core.jobreport import HINTS_FILE, PROGRESS_FILE, REPORT_INTERVAL
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.localfs import LocalShare
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.persist.localfs import LocalShare
 from adaptdl.core.topology import Topology
 
 
@@ -176,7 +176,7 @@ def test_the_hints_carry_the_estimators_statistics_not_the_floors_credit(monkeyp
     """The scheduler rates a job by its estimator's noise statistics, as the adapters'
     hints do: the loss floor's credit (`model_grad_params`) stays the job's own."""
     from adaptdl.core.goodput import GradParams
-    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.stats.metrics import MetricsState
 
     own, credited = GradParams(sqr=2.0, var=3.0), GradParams(sqr=2.0, var=30.0)
     monkeypatch.setattr(MetricsState, "grad_params", lambda self: own)

@@ -25,11 +25,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.journal import _RUNNING_AT as RUNNING_AT
-from adaptdl.core.journal import JOURNAL, Journal, Mark
-from adaptdl.core.localfs import LocalStorage
-from adaptdl.core.storage import MemoryStorage
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.persist.journal import _RUNNING_AT as RUNNING_AT
+from adaptdl.core.persist.journal import JOURNAL, Journal, Mark
+from adaptdl.core.persist.localfs import LocalStorage
+from adaptdl.core.persist.storage import MemoryStorage
 
 counts = st.integers(0, 2**63 - 1)
 marks = st.builds(Mark, counts, counts, counts)
@@ -157,7 +157,7 @@ def test_a_storage_without_maps_still_holds_every_record() -> None:
 
 KILLED = """
 import os, signal, sys
-from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.persist.journal import Journal, Mark
 journal = Journal(sys.argv[1])
 records, running = int(sys.argv[2]), int(sys.argv[3])
 for samples in range(1, records + 1):
@@ -183,7 +183,7 @@ def test_the_last_record_outlives_a_sigkill(tmp_path: Path, records: int, runnin
 
 RECORDING = """
 import os, sys
-from adaptdl.core.journal import Journal, Mark
+from adaptdl.core.persist.journal import Journal, Mark
 journal = Journal(sys.argv[1])
 journal.write(Mark(samples=1, replayed=3, checkpoint=1))
 record = journal.recorder()

@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tests.core.test_loader import shard_batches
+from tests.threadcollective import ThreadCollective, run_replicas
 
-from adaptdl.core.batchsize import BatchSizeDecision, FixedSplit
-from adaptdl.core.boundary import EXIT_CODE_PREEMPTED, Preempted
-from adaptdl.core.checkpoint import MemoryCheckpointStore
-from adaptdl.core.collective import ThreadCollective, run_replicas
+from adaptdl.core.decide.batchsize import BatchSizeDecision, FixedSplit
 from adaptdl.core.job import Job
-from adaptdl.core.journal import Journal
-from adaptdl.core.lifecycle import LOGGER_NAME
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.storage import MemoryStorage
+from adaptdl.core.loop.boundary import EXIT_CODE_PREEMPTED, Preempted
+from adaptdl.core.loop.lifecycle import LOGGER_NAME
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
+from adaptdl.core.persist.journal import Journal
+from adaptdl.core.persist.storage import MemoryStorage
 from adaptdl.core.topology import Topology
 
 
@@ -165,7 +165,7 @@ def test_the_journal_holds_every_batch_before_the_loop_sees_it(batch: int, n: in
 def test_the_stop_line_names_the_signal_its_exit_status_stands_for(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from adaptdl.core import lifecycle
+    from adaptdl.core.loop import lifecycle
 
     with caplog.at_level(logging.INFO, logger="adaptdl.lifecycle"):
         lifecycle.stopping(epoch=1, steps=4, exit_code=130)

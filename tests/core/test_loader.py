@@ -13,16 +13,16 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tests.core.test_batchsize import grad_params, job_settings, perf_params
 from tests.fakes import ManualClock
+from tests.threadcollective import run_replicas
 
-from adaptdl.core.batchsize import BatchSizeQuery, GoodputDecision, even_split
-from adaptdl.core.boundary import CheckpointPolicy, Preempted
-from adaptdl.core.checkpoint import MemoryCheckpointStore
-from adaptdl.core.collective import run_replicas
+from adaptdl.core.decide.batchsize import BatchSizeQuery, GoodputDecision, even_split
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.loaderjob import LoaderJob
-from adaptdl.core.sampling import Shard
+from adaptdl.core.loop.boundary import CheckpointPolicy, Preempted
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.loop.loaderjob import LoaderJob
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
 from adaptdl.core.topology import Topology
 
 
@@ -467,7 +467,7 @@ def test_mid_pass_decisions_keep_every_sample_once(n, replicas, choices, tick):
 
 
 def test_validation_batches_count_no_steps_toward_periodic_checkpoints():
-    from adaptdl.core.boundary import CheckpointPolicy
+    from adaptdl.core.loop.boundary import CheckpointPolicy
 
     job = one_replica_job(
         store=MemoryCheckpointStore(keep=100),
@@ -759,7 +759,7 @@ def test_a_loop_journals_each_batch_as_taken_with_one_whole_record(tmp_path, mon
     """Before the loop sees a batch the journal holds the job's count with it; a loop
     writes one whole record (replays, checkpoint) and a checkpoint rebases it, the
     batches only store the running count."""
-    from adaptdl.core.journal import Journal, Mark
+    from adaptdl.core.persist.journal import Journal, Mark
 
     whole: list[str] = []
     for name in ("write_counts", "rebase"):
@@ -790,8 +790,8 @@ def test_a_batch_taken_and_left_unconsumed_is_not_counted_as_taken(mapped):
     """A loop left right after taking a batch (a ``break``) leaves it unconsumed: the
     next loop takes it again, and the journal then holds what that loop took, not the
     abandoned batch on top (nor refuses the lower count)."""
-    from adaptdl.core.journal import Journal, Mark
-    from adaptdl.core.storage import MemoryStorage
+    from adaptdl.core.persist.journal import Journal, Mark
+    from adaptdl.core.persist.storage import MemoryStorage
 
     class Unmappable(MemoryStorage):
         def mapped(self, name, size):

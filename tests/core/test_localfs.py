@@ -1,7 +1,7 @@
-"""Core touches files in one module only: `adaptdl.core.localfs`.
+"""Core touches files in one module only: `adaptdl.core.persist.localfs`.
 
 Every other module of core reaches files through a storage handed to it
-(`adaptdl.core.storage`), so that tests and the fault-injection harness can hand
+(`adaptdl.core.persist.storage`), so that tests and the fault-injection harness can hand
 it another one. This scan of core's source enforces that: outside localfs no
 module imports a file-system module (``fcntl``, ``mmap``, ``shutil``, ...), uses
 ``os`` for more than its environment and path types, calls ``open()``, or calls
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 import adaptdl.core
-from adaptdl.core import localfs
+from adaptdl.core.persist import localfs
 
 CORE = Path(adaptdl.core.__file__).parent
-IO_MODULES = frozenset({"localfs.py"})
+IO_MODULES = frozenset({"persist/localfs.py"})
 """The modules of core that may touch files (paths relative to the package)."""
 
 FS_MODULES = frozenset({"fcntl", "mmap", "shutil", "tempfile", "glob", "io", "fileinput"})
@@ -121,7 +121,8 @@ def test_only_localfs_touches_files() -> None:
         if (uses := file_system_uses(path.read_text(encoding="utf-8")))
     }
     assert offences == {}, (
-        f"only adaptdl.core.localfs may touch files; the others go through a storage: {offences}"
+        "only adaptdl.core.persist.localfs may touch files; the others go through a storage: "
+        f"{offences}"
     )
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core import manifest as fmt
+from adaptdl.core.persist import manifest as fmt
 
 # Names without escapes in JSON: a case change inside "\u00e9" would not change the value.
 NAME = st.text("abcxyz019_-", min_size=1, max_size=8)

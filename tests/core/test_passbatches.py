@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.core.test_loader import Alternating, assert_each_pass_once
 from tests.fakes import ManualClock
+from tests.threadcollective import ThreadCollective, run_replicas
 
-from adaptdl.core.collective import ThreadCollective, run_replicas
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.passbatches import IssuedSizes, ResizableBatches
-from adaptdl.core.sampling import Shard
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.loop.passbatches import IssuedSizes, ResizableBatches
+from adaptdl.core.order.sampling import Shard
 from adaptdl.core.topology import Topology
 
 Batch = list[tuple[int, bool]]

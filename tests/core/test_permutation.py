@@ -1,4 +1,4 @@
-"""Properties of adaptdl.core.permutation: bijection, determinism, shuffle quality."""
+"""Properties of adaptdl.core.order.permutation: bijection, determinism, shuffle quality."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import scipy.stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.permutation import (
+from adaptdl.core.order.permutation import (
     MAX_N,
     Identity,
     Permutation,

@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.hints import (
+from adaptdl.core.decide.hints import (
     HINTS_KEYS,
     HINTS_SCHEMA,
     goodput_fn_from_hints,
     hints,
     validate_hints,
 )
-from adaptdl.core.profiler import (
+from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.core.stats.profiler import (
     FIT_AFTER,
     PROFILER_SCHEMA,
     SPIKE_AFTER,

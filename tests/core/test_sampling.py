@@ -1,4 +1,4 @@
-"""Properties of adaptdl.core.sampling: prefix, exactly once, determinism, padding."""
+"""Properties of adaptdl.core.order.sampling: prefix, exactly once, determinism, padding."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.permutation import Identity, Permutation, make_permutation
-from adaptdl.core.sampling import Shard
+from adaptdl.core.order.permutation import Identity, Permutation, make_permutation
+from adaptdl.core.order.sampling import Shard
 
 # Biased to small values (n below the world size, single-sample passes) with some
 # large ones, of which only what a test draws is ever materialised.

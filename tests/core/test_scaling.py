@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.scaling import (
+from adaptdl.core.stats.scaling import (
     AdamScale,
     AdaScale,
     GivenFactor,

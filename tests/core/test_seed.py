@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
+from adaptdl.core.order.seed import SHUFFLE_SEED, derive_seed
 
 
 def test_derive_seed_is_pinned_across_platforms_and_versions() -> None:

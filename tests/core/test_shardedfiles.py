@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.threadcollective import ThreadCollective, run_replicas
 
-from adaptdl.core import localfs
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.collective import ThreadCollective, run_replicas
 from adaptdl.core.job import Job
-from adaptdl.core.shardedfiles import (
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist import localfs
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.persist.shardedfiles import (
     FILES_ENTRY,
     AsyncFileState,
     FileRecord,
@@ -143,7 +143,7 @@ def test_a_damaged_file_falls_back_to_the_older_checkpoint(tmp_path: Path, damag
 
 
 def test_a_file_state_without_a_checkpoint_directory_is_refused() -> None:
-    from adaptdl.core.checkpoint import MemoryCheckpointStore
+    from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
 
     job = Job(store=MemoryCheckpointStore())
     job.register(Shards(0, 1, [1]))
@@ -448,7 +448,7 @@ def test_a_failed_commit_is_logged_even_if_nothing_waits_for_it(
 ) -> None:
     import concurrent.futures
 
-    caplog.set_level("ERROR", logger="adaptdl.core.checkpoint")
+    caplog.set_level("ERROR", logger="adaptdl.core.persist.checkpoint")
     writes = Writes(1, fail=True)
     writes.release.set()
     store = ShardedCheckpointStore(tmp_path, job_id="j")

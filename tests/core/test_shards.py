@@ -1,4 +1,4 @@
-"""Properties of adaptdl.core.shards: the block order, replica chunks, prefix, exactly once."""
+"""Properties of adaptdl.core.order.shards: block order, chunks, prefix, once."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.permutation import MAX_N
-from adaptdl.core.shards import (
+from adaptdl.core.order.permutation import MAX_N
+from adaptdl.core.order.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
     Chunk,

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core._validate import ArgumentTypeError
 from adaptdl.core.collective import Future
-from adaptdl.core.gns import GradientNoiseScale
-from adaptdl.core.metrics import MetricsState
-from adaptdl.core.statsbudget import MeasureBudget
-from adaptdl.core.step import Fold, StepMeasurement, StepStatistics
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.metrics import MetricsState
+from adaptdl.core.stats.statsbudget import MeasureBudget
+from adaptdl.core.stats.step import Fold, StepMeasurement, StepStatistics
+from adaptdl.core.validate import ArgumentTypeError
 
 
 @given(share=st.floats(0.01, 1.0), start=st.integers(0, 10_000), n=st.integers(1, 500))

@@ -11,12 +11,13 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.threadcollective import run_replicas
 
-from adaptdl.core import scaling
-from adaptdl.core.collective import Collective, LocalCollective, run_replicas
-from adaptdl.core.gns import GradientNoiseScale
-from adaptdl.core.metrics import MetricsState
-from adaptdl.core.step import (
+from adaptdl.core.collective import Collective, LocalCollective
+from adaptdl.core.stats import scaling
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.metrics import MetricsState
+from adaptdl.core.stats.step import (
     Fold,
     PairedNorms,
     StepDecision,

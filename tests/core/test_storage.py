@@ -12,10 +12,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
-from adaptdl.core.journal import Journal, Mark
-from adaptdl.core.localfs import LocalStorage
-from adaptdl.core.storage import TMP_PREFIX, FileRecord, MemoryStorage, StagingStorage, Storage
+from adaptdl.core.persist.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.core.persist.journal import Journal, Mark
+from adaptdl.core.persist.localfs import LocalStorage
+from adaptdl.core.persist.storage import (
+    TMP_PREFIX,
+    FileRecord,
+    MemoryStorage,
+    StagingStorage,
+    Storage,
+)
 
 SETTINGS = settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -88,7 +94,7 @@ def test_overwrite_keeps_a_regular_file_it_failed_to_open(
     def refuse(path: object, flags: int) -> int:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr("adaptdl.core.localfs.open_regular", refuse)
+    monkeypatch.setattr("adaptdl.core.persist.localfs.open_regular", refuse)
     with pytest.raises(OSError) as exc:
         storage.overwrite("j", b"XY")
     assert exc.value.errno == code

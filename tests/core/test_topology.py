@@ -4,11 +4,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adaptdl.core.config import JobConfig
 from adaptdl.core.topology import Topology
 
 
+def _topology(env: dict[str, str]) -> Topology:
+    return JobConfig.from_env(env).topology
+
+
 def test_defaults_are_one_replica():
-    topo = Topology.from_env({})
+    topo = _topology({})
     assert (topo.rank, topo.num_replicas, topo.num_nodes, topo.num_restarts) == (0, 1, 1, 0)
 
 
@@ -20,13 +25,13 @@ def test_torchrun_variables():
         "GROUP_WORLD_SIZE": "2",
         "TORCHELASTIC_RESTART_COUNT": "5",
     }
-    topo = Topology.from_env(env)
+    topo = _topology(env)
     assert (topo.rank, topo.num_replicas, topo.num_nodes, topo.num_restarts) == (3, 8, 2, 5)
     assert topo.local_world_size == 4
 
 
 def test_nodes_derived_from_local_world_size():
-    topo = Topology.from_env({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
+    topo = _topology({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
     assert topo.num_nodes == 2
 
 
@@ -40,7 +45,7 @@ def test_adaptdl_variables_win_over_torchrun():
         "TORCHELASTIC_RESTART_COUNT": "1",
         "ADAPTDL_NUM_RESTARTS": "7",
     }
-    topo = Topology.from_env(env)
+    topo = _topology(env)
     assert (topo.rank, topo.num_replicas, topo.num_nodes, topo.num_restarts) == (4, 6, 3, 7)
 
 
@@ -60,7 +65,7 @@ def test_adaptdl_variables_win_over_torchrun():
 )
 def test_garbage_raises_naming_the_variable(env, variable):
     with pytest.raises(ValueError, match=variable):
-        Topology.from_env(env)
+        _topology(env)
 
 
 @given(
@@ -69,7 +74,7 @@ def test_garbage_raises_naming_the_variable(env, variable):
 )
 def test_any_valid_rank_round_trips(replicas, data):
     rank = data.draw(st.integers(0, replicas - 1))
-    topo = Topology.from_env({"RANK": str(rank), "WORLD_SIZE": str(replicas)})
+    topo = _topology({"RANK": str(rank), "WORLD_SIZE": str(replicas)})
     assert topo.rank == rank and topo.num_replicas == replicas
     assert 1 <= topo.num_nodes <= replicas
 

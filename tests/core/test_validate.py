@@ -1,4 +1,4 @@
-"""The shared argument checks of adaptdl.core._validate."""
+"""The shared argument checks of adaptdl.core.validate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adaptdl.core._validate import (
+from adaptdl.core.validate import (
     ArgumentTypeError,
     as_real_array,
     check_bool,

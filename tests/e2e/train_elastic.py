@@ -34,10 +34,10 @@ from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED
-from adaptdl.core.shards import BlockOrder, replica_chunk
-from adaptdl.torch._context import current_job
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED
+from adaptdl.core.order.shards import BlockOrder, replica_chunk
+from adaptdl.torch import current_job
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.shards import JsonLinesReader, ShardedDataset
 

@@ -19,8 +19,8 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.persist.localfs import LocalStorage
 from adaptdl.torch import _context
 
 GARBAGE = [

@@ -23,10 +23,10 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore
 from adaptdl.core.collective import encode
-from adaptdl.core.manifest import MANIFEST
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist.checkpoint import CheckpointError, CheckpointStore
+from adaptdl.core.persist.manifest import MANIFEST
 from adaptdl.torch import _context
 
 N = 24
@@ -119,10 +119,12 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_with_a_warning(
 ) -> None:
     older, damaged = CheckpointStore(root).labels()
     damage(root)
-    with caplog.at_level(logging.WARNING, logger="adaptdl.core.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="adaptdl.core.persist.checkpoint"):
         adl.init_process_group("gloo")
     assert _context.current_job().restored_from == older
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "adaptdl.core.checkpoint"]
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.name == "adaptdl.core.persist.checkpoint"
+    ]
     assert reason in warning and str(root / damaged) in warning
     assert f"falling back to the older checkpoint {older}" in warning
 

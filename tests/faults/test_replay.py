@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.boundary import CheckpointPolicy
-from adaptdl.core.checkpoint import CheckpointError, CheckpointStore, MemoryCheckpointStore
 from adaptdl.core.job import Job
-from adaptdl.core.journal import Journal, Mark
-from adaptdl.core.loader import LoaderHelper
+from adaptdl.core.loop.boundary import CheckpointPolicy
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.persist.checkpoint import CheckpointError, CheckpointStore, MemoryCheckpointStore
+from adaptdl.core.persist.journal import Journal, Mark
 
 N = 20
 BATCH = 4
@@ -169,7 +169,7 @@ def test_another_dataset_length_between_loops_is_a_warning(
     job.checkpoint()  # between loops: nothing of the finished loop is resumed
     job = Job(store=store)
     loader = LoaderHelper(job, BATCH)
-    with caplog.at_level(logging.WARNING, logger="adaptdl.core.loader"):
+    with caplog.at_level(logging.WARNING, logger="adaptdl.core.loop.loader"):
         for _ in job.epoch.remaining_epochs_until(2):
             assert len(list(loader.iterate(N + 8, one_pass(N + 8)))) == 7
     assert "had 20 samples in the previous loop and has 28 now" in caplog.text

@@ -1,7 +1,7 @@
 """Storage faults reach the files of a sharded (FSDP2, DCP) checkpoint: in-process, one replica.
 
 Every file DCP writes into a checkpoint is created through the checkpoint storage
-(`adaptdl.core.storage.StagingStorage.create`), and the storage commits the
+(`adaptdl.core.persist.storage.StagingStorage.create`), and the storage commits the
 directory, so a storage handed to the job can fail or damage those writes as it
 does any other. The ``sharded_write`` kind of ``python -m faults`` does this with
 torchrun and several replicas, with a SIGKILL and counted replays; here one
@@ -25,9 +25,9 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointStore
-from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist.checkpoint import CheckpointStore
+from adaptdl.core.persist.localfs import LocalStorage
 from adaptdl.torch import _context
 from adaptdl.torch.fsdp import AdaptiveFSDP
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from experiments.outcome import floor_credit, time_to_target
 
-from adaptdl.core.floor import floor_level, sgd_rate
+from adaptdl.core.stats.floor import floor_level, sgd_rate
 
 
 def _run(kind: str, seed: int, cpu: float | None, **extra: Any) -> dict[str, Any]:
@@ -193,7 +193,7 @@ def test_the_share_reaches_the_decision_of_an_adaptive_run_under_torchrun() -> N
     (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="adaptive")
     cfg = {**cfg, "stop_at_target": False, "progress_epochs": 4, "floor_target_loss": 0.0}
     result = launch("experiments.outcome.trainer", 2, cfg)
-    # Core's estimator: the share is core's (adaptdl.core.floor), through report_loss.
+    # Core's estimator: the share is core's (adaptdl.core.stats.floor), through report_loss.
     assert result["estimator"] == "GradientNoiseScale" and not result["diverged"]
     floor = np.array(result["floor"])
     # Rows once the share is set (from step 100 on): (progress, the training loss's

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.stats.gns import GradientNoiseScale
 
 
 def _efficiency(scale: float, m0: float, batch: float) -> float:

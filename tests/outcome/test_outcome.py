@@ -16,8 +16,8 @@ from experiments.outcome import adascale_scale, gns_accuracy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core import scaling, step
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.stats import scaling, step
+from adaptdl.core.stats.gns import GradientNoiseScale
 
 FAST = {**gns_accuracy.DEFAULT, "steps": 800}
 FAST_TORCH = {**gns_accuracy.DEFAULT, "steps": 500}

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.stats.gns import GradientNoiseScale
 
 
 def _params_with_grad(values: np.ndarray) -> list[torch.Tensor]:
@@ -75,7 +75,7 @@ def test_persistent_scale_takes_the_queued_products_in_order() -> None:
     # Same tr(Sigma) estimates; |G|^2 is core's at the first step, then the products.
     assert proto.var == pytest.approx(plain.var, rel=1e-12)
     reference = GradientNoiseScale(init_batch_size=16)
-    from adaptdl.core.gns import step_estimates
+    from adaptdl.core.stats.gns import step_estimates
 
     for k, (local, total) in enumerate(steps):
         sqr, var = step_estimates(local, total, 2, 8)
@@ -172,10 +172,11 @@ def test_queued_products_pair_with_their_steps_under_the_step_contract() -> None
     # Two replicas: the contract folds each step's summed norms at the next step's
     # measure; the trainer queues the step's product between the two (before its
     # optimizer.step()). Each fold must take its own step's product.
-    from adaptdl.core.collective import run_replicas
-    from adaptdl.core.gns import step_estimates
-    from adaptdl.core.metrics import MetricsState
-    from adaptdl.core.step import StepMeasurement, StepStatistics
+    from tests.threadcollective import run_replicas
+
+    from adaptdl.core.stats.gns import step_estimates
+    from adaptdl.core.stats.metrics import MetricsState
+    from adaptdl.core.stats.step import StepMeasurement, StepStatistics
 
     norms = [(3.0, 1.5), (2.8, 1.2), (2.6, 1.0), (2.4, 0.9)]  # per replica: local, total
     products = [math.nan, 0.3, 0.2, 0.1]
@@ -209,7 +210,7 @@ def test_persistent_scale_refuses_single_micro_batch_steps() -> None:
 
 
 def test_decision_only_changes_the_models_the_decision_reads() -> None:
-    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.stats.metrics import MetricsState
 
     steps = [(3.0, 1.0), (2.6, 0.9), (2.2, 0.8), (2.4, 0.85)]
     models = []

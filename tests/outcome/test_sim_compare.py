@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.goodput import PerfParams, compute_time, optim_step_time
-from adaptdl.core.scaling import adascale_gain
+from adaptdl.core.stats.scaling import adascale_gain
 from adaptdl.sim.profiled import ProfiledApplication, simulate_to_progress
 from adaptdl.sim.replay import even_placement
 

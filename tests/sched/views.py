@@ -7,10 +7,10 @@ from typing import Any
 
 import attrs
 
+from adaptdl.core.decide.hints import hints
 from adaptdl.core.goodput import GradParams
-from adaptdl.core.hints import hints
-from adaptdl.core.profiler import Profiler
-from adaptdl.core.timings import FIT_AFTER
+from adaptdl.core.stats.profiler import Profiler
+from adaptdl.core.stats.timings import FIT_AFTER
 
 
 def profiled_hints(

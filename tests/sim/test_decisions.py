@@ -15,12 +15,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from adaptdl.core.batchsize import BatchSizeQuery, batch_size_query, even_split
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.decide.batchsize import BatchSizeQuery, batch_size_query, even_split
 from adaptdl.core.goodput import PerfParams
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.profiler import Profiler
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.profiler import Profiler
 from adaptdl.core.topology import Topology
 from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
 from adaptdl.sim.jobs import SimJob

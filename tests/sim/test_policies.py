@@ -157,7 +157,7 @@ def test_pollux_keeps_an_allocation_when_the_gain_does_not_pay_the_restart() -> 
 def test_pollux_reads_each_job_through_its_hints() -> None:
     # The policy's view of a job is core's hints document, checked by core, and the
     # goodput model it rebuilds from them is the job's own.
-    from adaptdl.core.hints import goodput_fn_from_hints, validate_hints
+    from adaptdl.core.decide.hints import goodput_fn_from_hints, validate_hints
 
     job = _job("a", 0.0, 1, adaptive=True)
     job.set_allocation(0.0, [0, 0], 30.0)

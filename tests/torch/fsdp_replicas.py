@@ -41,7 +41,7 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core import localfs
+from adaptdl.core.persist import localfs
 from adaptdl.torch import _context, sharded_state
 from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale

@@ -19,9 +19,9 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointStore
-from adaptdl.core.localfs import LocalStorage
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist.checkpoint import CheckpointStore
+from adaptdl.core.persist.localfs import LocalStorage
 from adaptdl.torch import _context
 from adaptdl.torch.data import AdaptiveDataLoader, ElasticSampler
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import adaptdl.torch as adl
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.shards import BlockOrder
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.order.shards import BlockOrder
 from adaptdl.torch import _context
 from adaptdl.torch.data import AdaptiveDataLoader
 from adaptdl.torch.shards import ParquetReader, ShardedDataset

@@ -18,8 +18,8 @@ from torch.utils.data import TensorDataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.collective import LocalCollective
-from adaptdl.core.metrics import MetricsState
-from adaptdl.core.step import StepStatistics
+from adaptdl.core.stats.metrics import MetricsState
+from adaptdl.core.stats.step import StepStatistics
 from adaptdl.sim.replay import ReplaySteps
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel

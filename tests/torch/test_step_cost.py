@@ -1,6 +1,6 @@
 """What the gradient statistics cost a step: measured steps only, bucket norms, no copies.
 
-Core's budget picks the measured steps (`adaptdl.core.statsbudget`); these tests fix
+Core's budget picks the measured steps (`adaptdl.core.stats.statsbudget`); these tests fix
 its share and check that the adapter measures exactly those steps, from the right
 gradients, and keeps nothing it does not need.
 """
@@ -14,8 +14,8 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.statsbudget import MeasureBudget
-from adaptdl.core.step import StepMeasurement
+from adaptdl.core.stats.statsbudget import MeasureBudget
+from adaptdl.core.stats.step import StepMeasurement
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import LinearScale

@@ -15,10 +15,10 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core import scaling
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.stats import scaling
+from adaptdl.core.stats.gns import GradientNoiseScale
 from adaptdl.torch import _context, scaling_rules
 
 
@@ -172,7 +172,7 @@ def test_a_failed_restore_lets_go_of_the_checkpoint_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A retry in the same process must not wait on its own lock."""
-    from adaptdl.core.localfs import LocalStorage
+    from adaptdl.core.persist.localfs import LocalStorage
 
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
 

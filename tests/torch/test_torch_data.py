@@ -17,10 +17,10 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.batchsize import RedecideSchedule
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED
+from adaptdl.core.decide.batchsize import RedecideSchedule
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED
 from adaptdl.torch import _context
 from adaptdl.torch._inherited import WINDOW
 from adaptdl.torch.data import (

@@ -22,10 +22,10 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.checkpoint import CheckpointError
 from adaptdl.core.collective import decode, encode
-from adaptdl.core.manifest import MANIFEST, digest
-from adaptdl.core.shardedfiles import FILES_ENTRY, ShardedCheckpointStore
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.persist.manifest import MANIFEST, digest
+from adaptdl.core.persist.shardedfiles import FILES_ENTRY, ShardedCheckpointStore
 from adaptdl.torch import _context
 from adaptdl.torch.dcp import SafeLoadPlanner, read_metadata
 from adaptdl.torch.fsdp import AdaptiveFSDP

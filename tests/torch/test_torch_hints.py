@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from adaptdl.core.decide.hints import hints
 from adaptdl.core.goodput import GradParams
-from adaptdl.core.hints import hints
-from adaptdl.core.profiler import FIT_AFTER, Profiler
+from adaptdl.core.stats.profiler import FIT_AFTER, Profiler
 from adaptdl.torch.hints import read_hints, write_hints
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core import jobreport
-from adaptdl.core.localfs import LocalShare
+from adaptdl.core.persist.localfs import LocalShare
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
 

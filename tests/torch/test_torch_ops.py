@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
+from adaptdl.core.loop.boundary import Preempted
 from adaptdl.torch import _context
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.floor import floor_level, floor_share, sgd_rate
-from adaptdl.core.scaling import adascale_gain
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.stats.floor import floor_level, floor_share, sgd_rate
+from adaptdl.core.stats.scaling import adascale_gain
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import AdamScale, LinearScale

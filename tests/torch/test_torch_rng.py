@@ -6,9 +6,9 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
-from adaptdl.core.checkpoint import CollectiveState, MemoryCheckpointStore, SavableAlone
 from adaptdl.core.collective import decode
 from adaptdl.core.job import Job
+from adaptdl.core.persist.checkpoint import CollectiveState, MemoryCheckpointStore, SavableAlone
 from adaptdl.torch.rng import RngState
 
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from torch.utils.data import IterableDataset
 
 import adaptdl.torch as adl
-from adaptdl.core.batchsize import RedecideSchedule
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.shards import BlockOrder
+from adaptdl.core.decide.batchsize import RedecideSchedule
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.order.shards import BlockOrder
 from adaptdl.torch import _context
 from adaptdl.torch import shards as shards_module
 from adaptdl.torch.data import AdaptiveDataLoader, current_dataloader

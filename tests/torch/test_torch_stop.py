@@ -14,8 +14,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.boundary import Preempted
-from adaptdl.core.checkpoint import CheckpointError
+from adaptdl.core.loop.boundary import Preempted
+from adaptdl.core.persist.checkpoint import CheckpointError
 from adaptdl.torch import _context
 
 

@@ -19,8 +19,8 @@ from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED
 from adaptdl.torch import accelerate as adaptdl_accelerate
 
 N = int(os.environ.get("E2E_N", "96"))

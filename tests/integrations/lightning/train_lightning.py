@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED
-from adaptdl.torch._context import current_job
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED
+from adaptdl.torch import current_job
 from adaptdl.torch.lightning import AdaptiveStrategy
 
 sys.path.append(str(Path(__file__).resolve().parents[3]))  # the repository, for tests.e2e

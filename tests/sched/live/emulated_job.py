@@ -32,12 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-from adaptdl.core.batchsize import batch_size_query, even_split
+from adaptdl.core.decide.batchsize import batch_size_query, even_split
+from adaptdl.core.decide.hints import hints
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.goodput.model import compute_time, optim_step_time
-from adaptdl.core.hints import hints
-from adaptdl.core.profiler import Profiler
-from adaptdl.core.scaling import adascale_gain
+from adaptdl.core.stats.profiler import Profiler
+from adaptdl.core.stats.scaling import adascale_gain
 from adaptdl.sched.progress import write_job_hints, write_progress
 
 _stop = False

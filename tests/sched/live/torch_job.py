@@ -20,9 +20,9 @@ from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
 import torch
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED
-from adaptdl.torch._context import current_job
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED
+from adaptdl.torch import current_job
 
 N = int(os.environ.get("SCHED_E2E_N", "256"))
 EPOCHS = int(os.environ.get("SCHED_E2E_EPOCHS", "3"))

@@ -36,7 +36,7 @@ import logging
 from typing import BinaryIO
 
 from adaptdl.core.job import Job
-from adaptdl.torch._context import current_job
+from adaptdl.torch import current_job
 
 __all__ = ["State", "load_state", "save_all_states", "save_state"]
 

@@ -40,8 +40,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from adaptdl.core._validate import check_float, check_int
 from adaptdl.core.topology import Topology
+from adaptdl.core.validate import check_float, check_int
 
 __all__ = [
     "DEFAULT_CHECKPOINT_INTERVAL",

@@ -7,31 +7,29 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from adaptdl.core import lifecycle
-from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
-from adaptdl.core.boundary import (
+from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
+from adaptdl.core.config import DEFAULT_STOP_WAIT
+from adaptdl.core.decide.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
+from adaptdl.core.goodput import GoodputFunction
+from adaptdl.core.jobreport import REPORT_INTERVAL, Reporter, Share
+from adaptdl.core.loop import lifecycle
+from adaptdl.core.loop.boundary import (
     EXIT_CODE_PREEMPTED,
     Boundary,
     CheckpointPolicy,
     Preempted,
 )
-from adaptdl.core.checkpoint import (
+from adaptdl.core.loop.epoch import EpochState
+from adaptdl.core.persist.checkpoint import (
     Checkpoint,
     CheckpointError,
     CollectiveState,
     SavableAlone,
     State,
 )
-from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
-from adaptdl.core.config import DEFAULT_STOP_WAIT
-from adaptdl.core.epoch import EpochState
-from adaptdl.core.jobloops import JobLoops
-from adaptdl.core.jobreport import REPORT_INTERVAL, Reporter, Share
-from adaptdl.core.jobstate import JobState
-from adaptdl.core.journal import Journal
-from adaptdl.core.metrics import MetricsState
-from adaptdl.core.restore import (
+from adaptdl.core.persist.jobstate import JobState
+from adaptdl.core.persist.journal import Journal
+from adaptdl.core.persist.restore import (
     Store,
     check_missing,
     files_store,
@@ -39,11 +37,13 @@ from adaptdl.core.restore import (
     restore_state,
     where,
 )
-from adaptdl.core.shardedfiles import FileState
+from adaptdl.core.persist.shardedfiles import FileState
+from adaptdl.core.stats.metrics import MetricsState
 from adaptdl.core.topology import Topology
+from adaptdl.core.validate import check_float, check_int
 
 if TYPE_CHECKING:
-    from adaptdl.core.loader import LoaderHelper
+    from adaptdl.core.loop.loader import LoaderHelper
 
 __all__ = ["Job"]
 
@@ -56,7 +56,7 @@ OVERDUE_RETRY_SECONDS = 1.0  # an overdue stop that found a checkpoint being wri
 _NO_STORE = "no checkpoint path (ADAPTDL_CHECKPOINT_PATH) is set"
 
 
-class Job(JobLoops):
+class Job:
     """One process of an elastic job: topology, collective, checkpoints, loops, metrics.
 
     Core keeps no module-level state: a process may hold many jobs (tests and the
@@ -64,6 +64,12 @@ class Job(JobLoops):
     checkpoint the moment they register, and saved by `checkpoint`. Given a
     ``share`` (the scheduler's share directory of the job), rank 0 publishes the
     job's hints and progress there at step boundaries (`jobreport.Reporter`).
+
+    It also knows the dataloader loops that run in it: the replay after a restart until
+    a loop that is not skipped starts (`replaying`, `on_resume`, `loop_resumes`), the
+    loop that runs now and the one that trains (`enter_loader`, `exit_loader`,
+    `accumulating`, `set_training_loader`), and what the training loop measures
+    (`record_sync_time`, `goodput`, `goodput_fn`).
     """
 
     def __init__(
@@ -112,6 +118,8 @@ class Job(JobLoops):
         self._uncommitted: tuple[Checkpoint, float] | None = None
         self.current_loader: LoaderHelper | None = None
         self.training_loader: LoaderHelper | None = None
+        # Loop runs entered so far in this process: a run's identity, where the index
+        # alone repeats (every run of a loader starts at 0).
         self.loop_runs = 0
         self._sync_time = 0.0
         self._stop_requested = False
@@ -166,6 +174,108 @@ class Job(JobLoops):
             )
 
     # -- states and checkpoints ---------------------------------------------------------
+    # -- replay ----------------------------------------------------------------------
+    @property
+    def replaying(self) -> bool:
+        """Whether the program is re-running code that ran before the restart.
+
+        True from the restore of a checkpoint taken inside a dataloader loop until a
+        loop that is not skipped starts (`loop_resumes`): the interrupted one, since
+        every loop that finished before it in its epoch is skipped.
+        """
+        return self._replaying
+
+    def on_resume(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the replay ends (never if the job is not replaying)."""
+        if self._replaying:
+            self._on_resume.append(callback)
+
+    def loop_resumes(self) -> None:
+        """A dataloader loop that was not skipped starts: any replay ends here."""
+        if not self._replaying:
+            return
+        self._replaying = False
+        callbacks, self._on_resume = self._on_resume, []
+        for callback in callbacks:
+            callback()
+
+    # -- loops ------------------------------------------------------------------------
+    def enter_loader(self, loader: LoaderHelper) -> None:
+        if self.current_loader is not None:
+            raise RuntimeError(
+                f"{loader.name} started while {self.current_loader.name} is still being "
+                "iterated: only one dataloader loop may run at a time"
+            )
+        self.current_loader = loader
+        self.loop_runs += 1
+
+    def in_training_loop(self) -> bool:
+        """Whether a loop runs and it is the training loader's (any loop, before one is
+        marked for training)."""
+        current = self.current_loader
+        return current is not None and current is (self.training_loader or current)
+
+    def exit_loader(self, loader: LoaderHelper) -> None:
+        if self.current_loader is loader:
+            self.current_loader = None
+
+    def accumulating(self) -> bool:
+        """Whether the micro-batch in hand only accumulates its gradient (no optimiser
+        step follows it): the running loop's `LoaderHelper.is_accum_step`, False
+        outside a loop. What the model wrappers ask before each micro-batch."""
+        loader = self.current_loader
+        return loader is not None and loader.is_accum_step()
+
+    def set_training_loader(self, loader: LoaderHelper) -> None:
+        if self.training_loader is not None and self.training_loader is not loader:
+            raise RuntimeError(
+                f"{self.training_loader.name} is already the training loader; only one "
+                f"dataloader may be used for training, not also {loader.name}"
+            )
+        self.training_loader = loader
+        # Keep the parameter groups of a restored estimator: the model's adapter, built
+        # later, knows them; reshaping to one group here would drop its statistics.
+        gns = self.metrics.gns
+        self.metrics.ensure_gns(loader.batch_size, gns.num_groups if gns is not None else 1)
+
+    # -- metrics ------------------------------------------------------------------------
+    def record_sync_time(self, seconds: float) -> None:
+        """Add gradient-synchronisation time to the step being profiled."""
+        self._sync_time += seconds
+
+    def take_sync_time(self) -> float:
+        seconds, self._sync_time = self._sync_time, 0.0
+        return seconds
+
+    def goodput(self) -> float | None:
+        """Goodput (useful samples per second) of the training loader's configuration now.
+
+        None before the model is fitted or the training loader decided its batch size.
+        """
+        loader = self.training_loader
+        fn = self.goodput_fn()
+        if fn is None or loader is None or loader.current_local_bsz == 0:
+            return None
+        topo = self.topology
+        return float(
+            fn.evaluate(
+                topo.num_nodes,
+                topo.num_replicas,
+                loader.current_local_bsz,
+                loader.accumulation_steps,
+            )
+        )
+
+    def goodput_fn(self) -> GoodputFunction | None:
+        """The goodput model fitted so far, or None before enough has been profiled."""
+        loader = self.training_loader
+        return None if loader is None else self.metrics.goodput_fn(loader.batch_size)
+
+    def bound_goodput_fn(self, z: float) -> GoodputFunction | None:
+        """`goodput_fn` with the noise scale at its lower confidence bound (``z`` errors)."""
+        loader = self.training_loader
+        return None if loader is None else self.metrics.bound_goodput_fn(z, loader.batch_size)
+
     def _where(self, label: str) -> str:
         return where(self.store, label)
 

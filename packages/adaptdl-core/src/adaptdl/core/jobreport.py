@@ -3,7 +3,7 @@
 A job run by a cluster scheduler (``ADAPTDL_SHARE_PATH`` set) publishes, from rank 0:
 
 * :data:`HINTS_FILE`, its scheduling hints (core's ``adaptdl.hints/1`` document,
-  :func:`adaptdl.core.hints.hints`), from which the scheduler predicts its goodput
+  :func:`adaptdl.core.decide.hints.hints`), from which the scheduler predicts its goodput
   at every size;
 * :data:`PROGRESS_FILE`, its progress record (:func:`progress_record`): replicas,
   optimiser steps so far, total batch size, and the wall-clock time of the step,
@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from adaptdl.core._validate import ArgumentTypeError, check_float, check_int, check_keys
 from adaptdl.core.config import DEFAULT_REPORT_INTERVAL
-from adaptdl.core.hints import hints, validate_hints
+from adaptdl.core.decide.hints import hints, validate_hints
+from adaptdl.core.validate import ArgumentTypeError, check_float, check_int, check_keys
 
 if TYPE_CHECKING:
-    from adaptdl.core.loader import LoaderHelper
-    from adaptdl.core.metrics import MetricsState
+    from adaptdl.core.loop.loader import LoaderHelper
+    from adaptdl.core.stats.metrics import MetricsState
     from adaptdl.core.topology import Topology
 
 __all__ = [

@@ -6,11 +6,9 @@ environment (and documents which variable wins when several name the same thing)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import attrs
 
-from adaptdl.core._validate import check_int
+from adaptdl.core.validate import check_int
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -44,14 +42,3 @@ class Topology:
             raise ValueError(
                 f"num_nodes must be <= num_replicas={self.num_replicas}, got {self.num_nodes}"
             )
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Topology:
-        """The topology that ``JobConfig.from_env(env)`` reads (see `adaptdl.core.config`).
-
-        Raises ValueError naming the variable when a value is not an integer or
-        is out of range (rank >= replicas, zero replicas, negative restarts).
-        """
-        from adaptdl.core.config import JobConfig  # config builds topologies
-
-        return JobConfig.from_env(env).topology

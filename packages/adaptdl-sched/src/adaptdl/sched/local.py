@@ -14,7 +14,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sched.backend import Launch, LaunchError, Node, replica_env
 
 

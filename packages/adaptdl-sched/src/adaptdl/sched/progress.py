@@ -17,7 +17,7 @@ from typing import Any
 
 from adaptdl.core import jobreport
 from adaptdl.core.jobreport import HINTS_FILE, PROGRESS_FILE
-from adaptdl.core.localfs import LocalShare
+from adaptdl.core.persist.localfs import LocalShare
 
 __all__ = [
     "HINTS_FILE",

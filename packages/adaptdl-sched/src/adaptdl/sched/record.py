@@ -10,8 +10,8 @@ from typing import Any
 
 import attrs
 
-from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.hints import validate_hints
+from adaptdl.core.decide.hints import validate_hints
+from adaptdl.core.validate import check_float, check_int
 
 #: A job name: what ``adaptdl submit --name`` accepts (it names directories and actors).
 NAME_PATTERN = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")

@@ -26,9 +26,9 @@ from typing import Any
 
 import attrs
 
-from adaptdl.core._validate import check_float
-from adaptdl.core.hints import hints as make_hints
-from adaptdl.core.profiler import Profiler
+from adaptdl.core.decide.hints import hints as make_hints
+from adaptdl.core.stats.profiler import Profiler
+from adaptdl.core.validate import check_float
 from adaptdl.sched.backend import LOST, PREEMPTED, Backend, Launch, LaunchError, Node, by_rank
 from adaptdl.sched.policies import LIVE_POLICIES, make_policy
 from adaptdl.sched.progress import HINTS_FILE, read_job_hints, read_progress

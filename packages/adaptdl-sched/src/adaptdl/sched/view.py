@@ -19,7 +19,7 @@ Nodes = Sequence[int]
 class JobView(Protocol):
     """One job as a scheduling round sees it (every member read-only).
 
-    ``hints`` is core's scheduling-hints document (``adaptdl.core.hints``, schema
+    ``hints`` is core's scheduling-hints document (``adaptdl.core.decide.hints``, schema
     ``adaptdl.hints/1``), as the job last published it. ``nodes`` is the placement
     in force: one node index per GPU, empty while the job waits. A job given GPUs
     holds between ``min_replicas`` and ``max_replicas`` of them; non-adaptive

@@ -22,9 +22,9 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
 from adaptdl.core.goodput import GradParams, PerfParams, compute_time, optim_step_time
-from adaptdl.core.scaling import adascale_gain
+from adaptdl.core.stats.scaling import adascale_gain
+from adaptdl.core.validate import ArgumentTypeError, check_float, check_int
 
 FloatArray = npt.NDArray[np.float64]
 Placement = tuple[int, ...]

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sched.policies import Policy
 from adaptdl.sched.round import allocation_round
 from adaptdl.sched.view import ClusterState

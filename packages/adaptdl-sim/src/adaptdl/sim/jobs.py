@@ -17,18 +17,18 @@ import sys
 from collections import Counter
 from typing import Any
 
-from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.batchsize import (
+from adaptdl.core.decide.batchsize import (
     BatchSizeQuery,
     GoodputDecision,
     batch_size_query,
     even_split,
     pass_capped,
 )
+from adaptdl.core.decide.hints import hints
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
-from adaptdl.core.hints import hints
-from adaptdl.core.profiler import Profiler
-from adaptdl.core.timings import FIT_AFTER
+from adaptdl.core.stats.profiler import Profiler
+from adaptdl.core.stats.timings import FIT_AFTER
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sim.apps import ApplicationModel, Placement, normalize_placement
 from adaptdl.sim.workload import JobSpec
 

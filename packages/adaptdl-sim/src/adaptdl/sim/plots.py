@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptdl.core._validate import check_int
+from adaptdl.core.validate import check_int
 from adaptdl.sim.metrics import JobResult, SimResult
 from adaptdl.sim.replay import ReplayReport
 

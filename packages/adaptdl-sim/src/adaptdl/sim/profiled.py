@@ -25,15 +25,15 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_float, check_int
-from adaptdl.core.batchsize import FixedSplit
-from adaptdl.core.boundary import CheckpointPolicy
+from adaptdl.core.decide.batchsize import FixedSplit
 from adaptdl.core.goodput import PerfParams
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.scaling import ScalingRule
-from adaptdl.core.step import StepStatistics
+from adaptdl.core.loop.boundary import CheckpointPolicy
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.stats.scaling import ScalingRule
+from adaptdl.core.stats.step import StepStatistics
 from adaptdl.core.topology import Topology
+from adaptdl.core.validate import ArgumentTypeError, check_float, check_int
 from adaptdl.sim.apps import ApplicationModel, FloatArray, model_step_time, stats_by_batch_size
 from adaptdl.sim.replay import (
     MicroBatches,

@@ -5,7 +5,7 @@ A scenario drives a real ``adaptdl.core.job.Job`` in simulated time: the core sa
 decides when an adaptive loop ends, the core goodput engine (``GoodputDecision`` on
 the job's ``Profiler`` and ``GradientNoiseScale``) picks the batch size and
 accumulation, every optimiser step goes through core's step contract
-(``adaptdl.core.step``: the noise update with its one-step lag across replicas,
+(``adaptdl.core.stats.step``: the noise update with its one-step lag across replicas,
 the non-finite skip, the scaling rule, progress) exactly as the torch adapter's
 does, and checkpoints go through a ``MemoryCheckpointStore``. The simulator only
 supplies time (step times from an application model), the gradient statistics of
@@ -30,16 +30,16 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 
-from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.boundary import CheckpointPolicy, Preempted
-from adaptdl.core.checkpoint import MemoryCheckpointStore
 from adaptdl.core.collective import GroupMember, Ready, add, check_root, fold, wire_copy
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.sampling import Shard
-from adaptdl.core.scaling import AdaScale, ScalingRule
-from adaptdl.core.step import PairedNorms, StepDecision, StepMeasurement, StepStatistics
+from adaptdl.core.loop.boundary import CheckpointPolicy, Preempted
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
+from adaptdl.core.stats.scaling import AdaScale, ScalingRule
+from adaptdl.core.stats.step import PairedNorms, StepDecision, StepMeasurement, StepStatistics
 from adaptdl.core.topology import Topology
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sim.apps import ApplicationModel
 from adaptdl.sim.traces import TraceError, parse_float, parse_int, read_table
 

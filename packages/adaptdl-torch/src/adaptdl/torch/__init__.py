@@ -8,7 +8,7 @@ replicas without losing or repeating data. Every decision is made by
 ``adaptdl.core``; this package is the glue to ``torch``.
 """
 
-from adaptdl.torch._context import init_process_group, is_initialized
+from adaptdl.torch._context import current_job, init_process_group, is_initialized
 from adaptdl.torch.accumulator import Accumulator
 from adaptdl.torch.data import (
     AdaptiveDataLoader,
@@ -31,6 +31,7 @@ __all__ = [
     "ElasticSampler",
     "current_dataloader",
     "current_epoch",
+    "current_job",
     "finished_epochs",
     "global_step",
     "init_process_group",

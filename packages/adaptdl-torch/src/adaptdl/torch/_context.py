@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from adaptdl.core.boundary import CheckpointPolicy
-from adaptdl.core.checkpoint import CheckpointStore
 from adaptdl.core.config import JobConfig
 from adaptdl.core.job import Job
-from adaptdl.core.journal import Journal, journal_name
-from adaptdl.core.localfs import LocalShare, LocalStorage
-from adaptdl.core.shardedfiles import ShardedCheckpointStore
-from adaptdl.core.storage import StagingStorage, Storage
+from adaptdl.core.loop.boundary import CheckpointPolicy
+from adaptdl.core.persist.checkpoint import CheckpointStore
+from adaptdl.core.persist.journal import Journal, journal_name
+from adaptdl.core.persist.localfs import LocalShare, LocalStorage
+from adaptdl.core.persist.shardedfiles import ShardedCheckpointStore
+from adaptdl.core.persist.storage import StagingStorage, Storage
 from adaptdl.core.topology import Topology
 from adaptdl.torch import _log, _release, _signals
 from adaptdl.torch.collective import TorchCollective
@@ -68,7 +68,7 @@ def init_process_group(
     ``ADAPTDL_CHECKPOINT_PATH`` (no checkpoints when unset); the newest checkpoint
     there is loaded now, by rank 0, and every replica restores that same one. Rank 0
     holds the storage's lock for the job's life: a second job
-    on it is refused (`adaptdl.core.storage.StorageLocked`), and a relaunch of the
+    on it is refused (`adaptdl.core.persist.storage.StorageLocked`), and a relaunch of the
     same job waits up to ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds for its previous run
     to let go. Every environment variable is read here, once, by
     `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every

@@ -1,7 +1,7 @@
 """Make the job's lifecycle lines visible without the program configuring logging.
 
 Python shows nothing below WARNING unless the program configures logging, and
-`adaptdl.core.lifecycle` logs at INFO. `configure` therefore sets the ``adaptdl``
+`adaptdl.core.loop.lifecycle` logs at INFO. `configure` therefore sets the ``adaptdl``
 logger's level (``ADAPTDL_LOG_LEVEL``, default INFO) and, when the program
 configured no handler at all, attaches one of its own that writes to stderr. That
 handler stands aside once the program configures logging itself (a handler on the

@@ -1,5 +1,5 @@
 """What `AdaptiveSteps.report_loss` checks and reads of torch objects: the loss's value
-and the optimiser's rates for core's noise floor (`adaptdl.core.floor`)."""
+and the optimiser's rates for core's noise floor (`adaptdl.core.stats.floor`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from adaptdl.core.floor import check_rule, sgd_rate
+from adaptdl.core.stats.floor import check_rule, sgd_rate
 from adaptdl.torch.scaling_rules import ScalingRuleBase
 
 

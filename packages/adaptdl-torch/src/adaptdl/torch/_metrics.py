@@ -2,7 +2,7 @@
 
 Programs read ``_metrics_state().grad_params`` (the gradient statistics, e.g. to
 log them), `get_progress` and `get_goodput_fn`. They are views of the process's
-job (`adaptdl.core.metrics.MetricsState` and the training loader), read at the
+job (`adaptdl.core.stats.metrics.MetricsState` and the training loader), read at the
 time of the call; the library records them itself. The original's recording
 hooks (``profile_step_start``, ``profile_step_commit``, ``update_grad_params``,
 ``set_batch_size``, ...) were its internals and have no counterpart here.

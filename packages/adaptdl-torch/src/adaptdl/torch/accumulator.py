@@ -1,6 +1,6 @@
 """``Accumulator``: replay-safe metric sums across replicas and restarts, on the default job.
 
-The semantics are core's `adaptdl.core.accumulator.Accumulator`: add contributions
+The semantics are core's `adaptdl.core.stats.accumulator.Accumulator`: add contributions
 anywhere (``acc["loss"] += loss.item()``, ``acc += {"loss": ..., "n": ...}``), read
 the sums of all replicas inside ``with acc.synchronized():`` (outside, it reads as
 an empty mapping). After a restart, the synchronised totals the program saw before
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adaptdl.core import accumulator as core
 from adaptdl.core.job import Job
+from adaptdl.core.stats import accumulator as core
 from adaptdl.torch._context import current_job
 
 __all__ = ["Accumulator"]

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 import torch
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.passbatches import IssuedSizes
-from adaptdl.core.sampling import Shard
-from adaptdl.core.seed import SHUFFLE_SEED, derive_seed
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.loop.passbatches import IssuedSizes
+from adaptdl.core.order.sampling import Shard
+from adaptdl.core.order.seed import SHUFFLE_SEED, derive_seed
 from adaptdl.torch._context import current_job
 from adaptdl.torch._inherited import WINDOW
 from adaptdl.torch._signals import shield_worker

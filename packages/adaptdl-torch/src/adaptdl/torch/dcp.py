@@ -9,7 +9,7 @@ for. Here both are replaced:
 * :func:`read_metadata` unpickles ``.metadata`` with :class:`MetadataUnpickler`,
   which admits only DCP's own metadata classes and the few torch and standard
   types they hold (:data:`ALLOWED_GLOBALS`), and refuses anything else with a
-  :class:`~adaptdl.core.checkpoint.CheckpointError` naming the file and the
+  :class:`~adaptdl.core.persist.checkpoint.CheckpointError` naming the file and the
   global, before it is called;
 * :class:`SafeFileSystemReader` is DCP's file reader with that metadata reading;
 * :class:`SafeLoadPlanner` is DCP's default load planner with every non-tensor
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.localfs import open_regular
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.persist.localfs import open_regular
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader

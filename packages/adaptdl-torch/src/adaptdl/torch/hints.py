@@ -1,7 +1,7 @@
 """Scheduling hints on disk: core builds and checks the document, this stores it.
 
 The document itself (schema ``adaptdl.hints/1``) is plain data from
-:func:`adaptdl.core.hints.hints`; :func:`write_hints` stores it atomically at any
+:func:`adaptdl.core.decide.hints.hints`; :func:`write_hints` stores it atomically at any
 path (in core's encoding, `adaptdl.core.jobreport.encode`), :func:`read_hints`
 loads and checks it. A job under a scheduler publishes its hints by itself
 (`adaptdl.core.jobreport`).
@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from adaptdl.core.hints import validate_hints
+from adaptdl.core.decide.hints import validate_hints
 from adaptdl.core.jobreport import encode
-from adaptdl.core.localfs import fsync_directory, replace_durably
+from adaptdl.core.persist.localfs import fsync_directory, replace_durably
 
 __all__ = ["read_hints", "write_hints"]
 

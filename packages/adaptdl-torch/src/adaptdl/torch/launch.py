@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.validate import check_float, check_int
 
 __all__ = ["NODE_ENV", "Rendezvous", "torchrun_command"]
 

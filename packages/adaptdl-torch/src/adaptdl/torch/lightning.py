@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from adaptdl.core._validate import check_bool, check_float
+from adaptdl.core.validate import check_bool, check_float
 from adaptdl.torch import _signals
 from adaptdl.torch._context import current_job, init_process_group, is_initialized
 from adaptdl.torch._loss import check_floor_optimizer

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 import torch
-from adaptdl.core.checkpoint import CheckpointError, JsonState
 from adaptdl.core.collective import encode
 from adaptdl.core.job import Job
+from adaptdl.core.persist.checkpoint import CheckpointError, JsonState
 
 __all__ = ["RngState", "capture", "restore"]
 
@@ -97,7 +97,7 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 class RngState(JsonState):
     """Every replica's generator states, gathered at a checkpoint (a collective state).
 
-    A `~adaptdl.core.checkpoint.SavableAlone`: rank 0 alone saves it without states.
+    A `~adaptdl.core.persist.checkpoint.SavableAlone`: rank 0 alone saves it without states.
     """
 
     def __init__(self, job: Job, name: str = "adaptdl-rng") -> None:

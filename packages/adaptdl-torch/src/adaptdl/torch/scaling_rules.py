@@ -1,7 +1,7 @@
 """Learning-rate scaling rules for adaptive batch sizes, applied to an optimiser's groups.
 
-The math is core's (`adaptdl.core.scaling`) and so is the step's decision
-(`adaptdl.core.step`); these classes name the rule a model is trained with and
+The math is core's (`adaptdl.core.stats.scaling`) and so is the step's decision
+(`adaptdl.core.stats.step`); these classes name the rule a model is trained with and
 build core's rule for the job's initial batch size. The learning rate the user
 (or an LR scheduler) set stays the base rate; the factor only applies during
 ``optimizer.step()``.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from adaptdl.core import scaling
-from adaptdl.core._validate import check_bool, check_float, check_int
-from adaptdl.core.gns import GradientNoiseScale
+from adaptdl.core.stats import scaling
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.validate import check_bool, check_float, check_int
 
 __all__ = ["AdaScale", "AdamScale", "LEGWScale", "LinearScale", "ScalingRuleBase", "SqrtScale"]
 
@@ -23,7 +23,7 @@ class ScalingRuleBase:
 
     The built-in rules name core's. A rule of one's own, as in the original AdaptDL,
     subclasses this and overrides `scale_lr`; its factor at each step's scale is
-    handed to core as a value (`adaptdl.core.scaling.GivenFactor`).
+    handed to core as a value (`adaptdl.core.stats.scaling.GivenFactor`).
     """
 
     #: Core's rule, for rules that need no configuration.

@@ -1,9 +1,9 @@
 """A sharded model and its optimiser as a checkpoint state that every replica writes itself.
 
-`ShardedState` is a `adaptdl.core.shardedfiles.FileState`: at a checkpoint each
+`ShardedState` is a `adaptdl.core.persist.shardedfiles.FileState`: at a checkpoint each
 replica saves the shards it holds with torch's distributed checkpoint (DCP) into
 the checkpoint's staging directory (no replica gathers the whole model), every
-file created through the checkpoint storage (`adaptdl.core.shardedfiles.StagedFiles`,
+file created through the checkpoint storage (`adaptdl.core.persist.shardedfiles.StagedFiles`,
 so that a storage that fails or damages writes reaches these too), and on
 restore DCP reads them back at whatever world size the job now has, resharding
 the model and the optimiser's state. Reading goes through `adaptdl.torch.dcp`, so
@@ -13,7 +13,7 @@ a crafted checkpoint cannot run code.
 training stalls only while the shards are copied aside in memory; each replica
 then writes and hashes its files on a thread, and the records reach rank 0 with
 DCP's own gathering of the write results, so that rank 0 commits the checkpoint
-(`adaptdl.core.shardedfiles.ShardedCheckpointStore`) once every replica's files
+(`adaptdl.core.persist.shardedfiles.ShardedCheckpointStore`) once every replica's files
 are written, and not before.
 """
 
@@ -31,8 +31,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from adaptdl.core.checkpoint import CheckpointError
-from adaptdl.core.shardedfiles import FileRecord, StagedFiles
+from adaptdl.core.persist.checkpoint import CheckpointError
+from adaptdl.core.persist.shardedfiles import FileRecord, StagedFiles
 from adaptdl.torch import dcp
 from adaptdl.torch.collective import collective_timeout
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
@@ -214,7 +214,9 @@ class ShardedState:
 
 
 class AsyncShardedState(ShardedState):
-    """A `ShardedState` written in the background (an `adaptdl.core.shardedfiles.AsyncFileState`).
+    """A `ShardedState` written in the background.
+
+    It writes through an `adaptdl.core.persist.shardedfiles.AsyncFileState`.
 
     The shards are copied aside in host memory when the checkpoint is taken (so
     the replica holds a second copy of its shards until they are written), then

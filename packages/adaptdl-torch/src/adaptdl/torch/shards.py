@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from adaptdl.core.localfs import exclusive, replace_durably
-from adaptdl.core.shards import (
+from adaptdl.core.order.shards import (
     DEFAULT_BLOCK_SIZE,
     BlockOrder,
     ShardIndex,
     check_block_size,
 )
+from adaptdl.core.persist.localfs import exclusive, replace_durably
 from adaptdl.torch.parquet import ParquetReader
 from adaptdl.torch.shardreaders import (
     JsonLinesReader,

@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 
 import torch
-from adaptdl.core.passbatches import IssuedSizes
-from adaptdl.core.shards import Chunk, StreamPlan
+from adaptdl.core.loop.passbatches import IssuedSizes
+from adaptdl.core.order.shards import Chunk, StreamPlan
 from adaptdl.torch.shards import ShardedDataset
 from torch.utils.data import Dataset, Sampler
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-from adaptdl.core.checkpoint import CheckpointError
+from adaptdl.core.persist.checkpoint import CheckpointError
 from adaptdl.torch._context import current_job
 
 __all__ = ["StateDictState", "register_state"]

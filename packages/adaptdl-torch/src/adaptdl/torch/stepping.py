@@ -5,7 +5,7 @@ have in common. Core decides which optimiser steps measure the gradient-noise
 statistics (`StepStatistics.measures`: all of them while their cost is within its
 budget, a share of them otherwise). On a measured step the local squared norms
 (before any reduction) and the squared norm of the reduced gradient go to core
-as a `StepMeasurement` (`adaptdl.core.step`) after the step's last backward
+as a `StepMeasurement` (`adaptdl.core.stats.step`) after the step's last backward
 pass, with the seconds the statistics cost; an unmeasured step computes no norm.
 
 Where the norms come from is the wrapper's: DDP measures each flattened bucket in
@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from adaptdl.core._validate import check_float
-from adaptdl.core.gns import GradientNoiseScale
 from adaptdl.core.job import Job
-from adaptdl.core.loader import LoaderHelper
-from adaptdl.core.step import PairedNorms, StepMeasurement, StepStatistics
+from adaptdl.core.loop.loader import LoaderHelper
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.step import PairedNorms, StepMeasurement, StepStatistics
+from adaptdl.core.validate import check_float
 from adaptdl.torch._loss import check_floor_optimizer, check_loss, floor_rates, mean_loss
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
 
@@ -736,7 +736,7 @@ class AdaptiveSteps:
     def report_loss(self, loss: torch.Tensor | float, *, target_loss: float | None = None) -> None:
         """Report this micro-batch's training loss (the mean over its samples, whose
         gradient the step takes), opt-in: the batch-size decision then credits the
-        noise floor a batch keeps (`adaptdl.core.floor`).
+        noise floor a batch keeps (`adaptdl.core.stats.floor`).
 
         Call it inside the training loop, once per micro-batch, before or after
         ``optimizer.step()``; the losses since the last step are averaged into the next

@@ -11,9 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import scipy.optimize
 
-from adaptdl.core._validate import FloatArray, as_real_array, check_reals
 from adaptdl.core.goodput.model import ARRAYS, check_topology, log_optim_time
 from adaptdl.core.goodput.params import GAMMA_RANGE, PARAM_FLOOR, PerfParams
+from adaptdl.core.validate import FloatArray, as_real_array, check_reals
 
 # Weight of the pull of gamma towards 1: the alphas and betas are easier to fit
 # when compute and communication add up, so prefer that unless the data disagree.

@@ -9,7 +9,6 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import ArgumentTypeError, check_int, check_reals
 from adaptdl.core.goodput.model import (
     FLOATS,
     Math,
@@ -29,6 +28,7 @@ from adaptdl.core.goodput.params import (
     to_grad_params,
     to_perf_params,
 )
+from adaptdl.core.validate import ArgumentTypeError, check_int, check_reals
 
 #: A configuration argument: a number, or an array of them that broadcasts.
 Values = npt.ArrayLike

@@ -39,8 +39,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import FloatArray, check_reals
 from adaptdl.core.goodput.params import GradParams, PerfParams
+from adaptdl.core.validate import FloatArray, check_reals
 
 __all__ = ["compute_time", "optim_step_time"]
 

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from adaptdl.core._validate import ArgumentTypeError, check_float, check_int, check_keys
+from adaptdl.core.validate import ArgumentTypeError, check_float, check_int, check_keys
 
 #: Smallest value a fitted alpha or beta can take: the model's times stay positive.
 PARAM_FLOOR = 1e-8

@@ -74,7 +74,7 @@ import numpy.typing as npt
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_matrix
 
-from adaptdl.core._validate import check_float, check_int
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sched.policies.base import Allocation, greedy_allocate, pack
 from adaptdl.sched.policies.pollux import SpeedupCache, batch_gpu_cap
 from adaptdl.sched.view import ClusterState, JobView

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.core._validate import check_float, check_int
-from adaptdl.core.hints import goodput_fn_from_hints
+from adaptdl.core.decide.hints import goodput_fn_from_hints
+from adaptdl.core.validate import check_float, check_int
 from adaptdl.sched.policies.base import Allocation, greedy_allocate, pack
 from adaptdl.sched.view import ClusterState, JobView
 

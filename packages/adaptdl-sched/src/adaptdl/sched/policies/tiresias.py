@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from adaptdl.core._validate import check_float
+from adaptdl.core.validate import check_float
 from adaptdl.sched.policies.base import Allocation, pack
 from adaptdl.sched.policies.fifo import wanted
 from adaptdl.sched.view import ClusterState, JobView
