@@ -18,6 +18,7 @@ from adaptdl.core.decide.batchsize import GoodputDecision, batch_size_query
 from adaptdl.core.job import OVERDUE_RETRY_SECONDS, Job
 from adaptdl.core.loop.boundary import Preempted
 from adaptdl.core.loop.epoch import EpochState
+from adaptdl.core.loop.lifecycle import Event
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.order.sampling import Shard
 from adaptdl.core.persist.checkpoint import (
@@ -351,7 +352,7 @@ def test_a_stop_whose_wait_ran_out_or_that_came_again_exits_at_once(second, capl
     def then(job):
         if second:
             job.clock = Clock()
-            job._stop_waiting_since = 0.0
+            job.lifecycle.waiting_since = 0.0  # it waits since time 0 of the new clock
             job.clock.now = 0.5  # the same stop, delivered twice: it still waits
             assert job.stop_outside_loop() == pytest.approx(19.5)
             job.clock.now = 2.0
@@ -385,11 +386,11 @@ def test_a_stop_overdue_inside_a_loop_or_during_a_checkpoint_is_left_to_them():
     job = Job(Topology(0, 1))
     job.request_stop()
     assert job.stop_overdue() is None  # no stop waits: nothing happens
-    job._stop_waiting_since = 0.0
+    job.lifecycle.fire(Event.WAIT, now=0.0)
     loader = LoaderHelper(job, batch_size=2)
     with loader.context():
         assert job.stop_overdue() is None
-    job._checkpointing = True
+    job.lifecycle.fire(Event.BEGIN_WRITE)
     assert job.stop_overdue() == OVERDUE_RETRY_SECONDS
 
 

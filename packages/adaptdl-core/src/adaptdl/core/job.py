@@ -20,6 +20,7 @@ from adaptdl.core.loop.boundary import (
     Preempted,
 )
 from adaptdl.core.loop.epoch import EpochState
+from adaptdl.core.loop.lifecycle import Event, Lifecycle, Replay, Stop, Train, Write
 from adaptdl.core.persist.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -122,15 +123,7 @@ class Job:
         # alone repeats (every run of a loader starts at 0).
         self.loop_runs = 0
         self._sync_time = 0.0
-        self._stop_requested = False
-        self._stop_code = EXIT_CODE_PREEMPTED
         self.stop_wait = check_float("stop_wait", stop_wait, min=0.0)
-        # A stop requested outside any loop, waiting for the replicas to meet: when it
-        # was requested (None: none waits).
-        self._stop_waiting_since: float | None = None
-        self._trained = False  # the epoch loop ended and agreed: nothing left to save
-        self._checkpointing = False
-        self._finishing = False
         # The reduction started at the last step boundary; with one replica, its result.
         self._boundary_future: Future[Any] | Boundary | None = None
         self._one_replica = getattr(self.collective, "in_process", False) is True
@@ -146,7 +139,10 @@ class Job:
         self.checkpoints_written = 0
         self.state = JobState()
         self.register(self.state)
-        self._replaying = self._loaded is not None and self.state.in_loop
+        # The stop, write, epoch-loop and replay phases (`lifecycle.TRANSITIONS`): a job
+        # restored from a checkpoint taken inside a loop replays until a loop resumes.
+        in_loop = self._loaded is not None and self.state.in_loop
+        self.lifecycle = Lifecycle(replay=Replay.REPLAYING if in_loop else Replay.LIVE)
         self._on_resume: list[Callable[[], None]] = []
         self.boundaries = 0  # step boundaries passed in this process
         self.journal = journal if self.topology.rank == 0 else None
@@ -183,18 +179,18 @@ class Job:
         loop that is not skipped starts (`loop_resumes`): the interrupted one, since
         every loop that finished before it in its epoch is skipped.
         """
-        return self._replaying
+        return self.lifecycle.replay is Replay.REPLAYING
 
     def on_resume(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the replay ends (never if the job is not replaying)."""
-        if self._replaying:
+        if self.replaying:
             self._on_resume.append(callback)
 
     def loop_resumes(self) -> None:
         """A dataloader loop that was not skipped starts: any replay ends here."""
-        if not self._replaying:
+        if not self.replaying:
             return
-        self._replaying = False
+        self.lifecycle.fire(Event.RESUME)
         callbacks, self._on_resume = self._on_resume, []
         for callback in callbacks:
             callback()
@@ -381,7 +377,7 @@ class Job:
         reductions that adapters keep in flight (`on_drain`) are folded in before.
         """
         started = self.clock()
-        self._checkpointing = True
+        self.lifecycle.fire(Event.BEGIN_WRITE)
         try:
             for name, epoch in list(self._epoch_scoped.items()):
                 if epoch < self.epoch.finished_epochs:
@@ -403,7 +399,7 @@ class Job:
             saved = self._save(entries) if self._rank0 else None
             self.collective.barrier()
         finally:
-            self._checkpointing = False
+            self.lifecycle.fire(Event.END_WRITE)
         self.checkpoints_written += 1
         self._steps_since_checkpoint = 0
         self._last_checkpoint_time = self.clock()
@@ -465,23 +461,21 @@ class Job:
         ``code`` is the exit status of the `Preempted` that follows; the first
         request's code wins.
         """
-        if not self._stop_requested:
-            self._stop_code = code
-        self._stop_requested = True
+        self.lifecycle.fire(Event.REQUEST, code=code)
 
     @property
     def stop_requested(self) -> bool:
-        return self._stop_requested
+        return self.lifecycle.stop is not Stop.NONE
 
     @property
     def stop_code(self) -> int:
         """The exit status a stop ends the process with (143 unless asked otherwise)."""
-        return self._stop_code
+        return self.lifecycle.stop_code
 
     @property
     def stop_deferred(self) -> bool:
         """Whether a checkpoint is being written (a stop must let it finish first)."""
-        return self._checkpointing or self._finishing
+        return self.lifecycle.write is not Write.IDLE
 
     def stop_outside_loop(self) -> float | None:
         """Decide what a stop requested where no loop runs does (`request_stop` first).
@@ -497,25 +491,30 @@ class Job:
         the epoch loop ended (its final checkpoint holds everything), when
         ``stop_wait`` is 0, or on a further request at least `SAME_STOP_SECONDS`
         after the first (a scheduler insisting: Slurm's second SIGTERM); then it acts
-        as `stop_overdue` does. Raises `Preempted` when it acts now.
+        as `stop_overdue` does. Raises `Preempted` when it acts now. A stop already
+        being acted on (a signal during the stop's own checkpoint) is left to finish:
+        None.
         """
+        life = self.lifecycle
+        if life.stop in (Stop.STOPPING, Stop.STOPPED):
+            return None
         if self.topology.num_replicas == 1:
             self._stop_now("")
         now = self.clock()
-        if self._stop_waiting_since is not None:
-            if now - self._stop_waiting_since < SAME_STOP_SECONDS:
-                return self._stop_waiting_since + self.stop_wait - now  # the same stop
+        if life.waiting_since is not None:
+            if now - life.waiting_since < SAME_STOP_SECONDS:
+                return life.waiting_since + self.stop_wait - now  # the same stop
             self._stop_now("a second stop signal came while the replicas had not met")
-        if self._trained:
+        if life.train is Train.TRAINED:
             self._stop_now("")
         if self.stop_wait == 0:
             self._stop_now("ADAPTDL_STOP_WAIT=0: a stop outside a loop does not wait")
-        self._stop_waiting_since = now
+        life.fire(Event.WAIT, now=now)
         if self._rank0:
             lifecycle.stop_waits(
                 epoch=self.epoch.current_epoch,
                 steps=self.state.steps,
-                exit_code=self._stop_code,
+                exit_code=life.stop_code,
                 seconds=self.stop_wait,
             )
         return self.stop_wait
@@ -531,7 +530,7 @@ class Job:
         a state that needs every replica (an `Accumulator`) means no checkpoint and
         the job resumes from its newest. Raises `Preempted` when it acts.
         """
-        if self._stop_waiting_since is None or self.current_loader is not None:
+        if self.lifecycle.stop is not Stop.WAITING or self.current_loader is not None:
             return None
         if self.stop_deferred:
             return OVERDUE_RETRY_SECONDS
@@ -547,8 +546,8 @@ class Job:
         `FileState` that is not `SavableAlone`). Before the first epoch and after
         the last (a finished training wrote its own) nothing is written.
         """
-        self._stop_waiting_since = None
-        epoch, steps, code = self.epoch.current_epoch, self.state.steps, self._stop_code
+        self.lifecycle.fire(Event.ACT_ALONE)
+        epoch, steps, code = self.epoch.current_epoch, self.state.steps, self.stop_code
         together = self.topology.num_replicas == 1
         reason = None
         if self.store is None:
@@ -556,7 +555,7 @@ class Job:
         elif epoch is None:
             reason = (
                 "the epoch loop has finished; its final checkpoint holds everything"
-                if self._trained
+                if self.lifecycle.train is Train.TRAINED
                 else "no epoch is running (nothing trained since the newest checkpoint)"
             )
         elif not together and any(
@@ -572,17 +571,17 @@ class Job:
                 lifecycle.stopping_without_checkpoint(
                     epoch=epoch, steps=steps, exit_code=code, reason=reason
                 )
-            raise Preempted(code)
+            self._exit()
         if together:
             if self._rank0:
                 lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
             self.checkpoint()
             self._committed()
-            raise Preempted(code)
+            self._exit()
         if self._rank0:
             LOG.warning("%s: rank 0 writes the checkpoint alone", why)
             lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
-            self._checkpointing = True  # a second signal must not cut the write short
+            self.lifecycle.fire(Event.BEGIN_WRITE)  # a second signal must not cut it short
             try:
                 self.state.in_loop = False
                 self._save(
@@ -592,9 +591,14 @@ class Job:
                     }
                 )
             finally:
-                self._checkpointing = False
+                self.lifecycle.fire(Event.END_WRITE)
         self._committed(together=False)  # the replicas are not at one point here
-        raise Preempted(code)
+        self._exit()
+
+    def _exit(self) -> NoReturn:
+        """The stop is done: raise `Preempted` with its exit status."""
+        self.lifecycle.fire(Event.EXIT)
+        raise Preempted(self.stop_code)
 
     def collective_failed(self, error: BaseException) -> BaseException:
         """What to raise for a collective that failed with ``error``.
@@ -603,30 +607,28 @@ class Job:
         or a second signal came) exits with the stop's status, `Preempted`, instead
         of a traceback: the peer's exit was the stop, not a failure. Else ``error``.
         """
-        if not self._stop_requested:
+        if self.lifecycle.stop is Stop.NONE:
             return error
         LOG.warning(
             "a collective failed while this replica was stopping (%s): a peer stopped "
             "first; exiting with status %d without a checkpoint",
             error,
-            self._stop_code,
+            self.stop_code,
         )
-        self._stop_waiting_since = None
-        stopped = Preempted(self._stop_code)
+        self.lifecycle.fire(Event.PEER_LEFT)
+        stopped = Preempted(self.stop_code)
         stopped.__cause__ = error
         return stopped
 
     def _agree_stop(self) -> bool:
-        """At a point every replica reaches: whether any of them was asked to stop."""
-        stop = self._stop_requested
+        """At a point every replica reaches: whether any of them was asked to stop.
+
+        The caller acts on a True at once (`_stop_here`, or the exit after training),
+        firing `Event.AGREE`.
+        """
+        stop = self.stop_requested
         if not self._one_replica:
             stop = bool(self.collective.allreduce([stop], logical_or)[0])
-        if stop:
-            # Agreed: no deadline acts on it any more (rank 0 would write alone while its
-            # peers checkpoint together), and a replica that got no signal stops as one
-            # asked (a peer's exit during the checkpoint is the stop, not a failure).
-            self._stop_waiting_since = None
-            self._stop_requested = True
         return stop
 
     def step_boundary(self, *, training: bool = True) -> Boundary:
@@ -683,7 +685,7 @@ class Job:
                 interval = self.redecide_schedule.next_interval(self._redecide_interval)
                 self._redecide_interval = interval
                 self._next_redecide = now + interval
-        stop = self._stop_requested
+        stop = self.stop_requested
         if self._one_replica:
             # One replica's reduction is its own flags, kept as their Boundary: no future
             # to build every step.
@@ -713,9 +715,12 @@ class Job:
 
     def _stop_here(self) -> NoReturn:
         """Every replica at one boundary: checkpoint and raise `Preempted`."""
-        self._stop_waiting_since = None  # acted on: a deadline now does nothing
+        # Agreed: no deadline acts on it any more (rank 0 would write alone while its
+        # peers checkpoint together), and a replica that got no signal stops as one
+        # asked (a peer's exit during the checkpoint is the stop, not a failure).
+        self.lifecycle.fire(Event.AGREE)
         if self._rank0:
-            epoch, steps, code = self.epoch.current_epoch, self.state.steps, self._stop_code
+            epoch, steps, code = self.epoch.current_epoch, self.state.steps, self.stop_code
             if self.store is None:
                 lifecycle.stopping_without_checkpoint(
                     epoch=epoch, steps=steps, exit_code=code, reason=_NO_STORE
@@ -724,7 +729,7 @@ class Job:
                 lifecycle.stopping(epoch=epoch, steps=steps, exit_code=code)
         self.checkpoint()
         self._committed()
-        raise Preempted(self._stop_code)
+        self._exit()
 
     def _committed(self, *, together: bool = True) -> None:
         """Wait for a checkpoint being written in the background to be committed.
@@ -736,13 +741,13 @@ class Job:
         """
         if self.store is None or not self.store.pending:
             return
-        deferred, self._checkpointing = self._checkpointing, True
+        self.lifecycle.fire(Event.BEGIN_WRITE)
         previous, self._uncommitted = self._uncommitted, None
         try:
             self.store.wait(self.collective if together else None)
             self._commit_known(previous)
         finally:
-            self._checkpointing = deferred
+            self.lifecycle.fire(Event.END_WRITE)
 
     def end_loop(self) -> None:
         """At the normal end of a loop, on every replica: settle its last step boundary.
@@ -755,7 +760,7 @@ class Job:
         training boundary. Raises `Preempted` after checkpointing on a stop.
         """
         agreed = self._settle()
-        if self.collective.allreduce([agreed.stop or self._stop_requested], logical_or)[0]:
+        if self.collective.allreduce([agreed.stop or self.stop_requested], logical_or)[0]:
             self._stop_here()
         if agreed.checkpoint:
             self.checkpoint()
@@ -773,7 +778,7 @@ class Job:
         return self._epochs(self.epoch.remaining_epochs_until(epoch))
 
     def _epochs(self, epochs: Iterator[int]) -> Iterator[int]:
-        self._trained = False
+        self.lifecycle.fire(Event.BEGIN_EPOCHS)
         ran = False
         for current in epochs:
             # Where the epoch loop moves on every replica meets: a stop requested
@@ -782,20 +787,22 @@ class Job:
                 self._stop_here()
             ran = True
             yield current
-        self._finishing = True  # a stop now waits for the final checkpoint
+        self.lifecycle.fire(Event.BEGIN_FINISH)  # a stop now waits for the final checkpoint
         try:
             self.drain()
             if ran and self.store is not None:
                 self.checkpoint()
                 self._committed()
         finally:
-            self._finishing = False
+            self.lifecycle.fire(Event.END_FINISH)
         stop = self._agree_stop()
-        self._trained = True  # from here on a stop has nothing to save and exits at once
+        # From here on a stop has nothing to save and exits at once.
+        self.lifecycle.fire(Event.END_EPOCHS)
         if stop:
+            self.lifecycle.fire(Event.AGREE)
             if self._rank0:
-                lifecycle.stopped_after_training(steps=self.state.steps, exit_code=self._stop_code)
-            raise Preempted(self._stop_code)
+                lifecycle.stopped_after_training(steps=self.state.steps, exit_code=self.stop_code)
+            self._exit()
 
     def on_drain(self, drain: Callable[[], None]) -> None:
         """Have `drain` also wait for a reduction an adapter keeps in flight."""

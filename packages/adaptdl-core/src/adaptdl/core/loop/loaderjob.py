@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from adaptdl.core.loop.loader import LoaderHelper
     from adaptdl.core.persist.checkpoint import State
     from adaptdl.core.persist.jobstate import JobState
-    from adaptdl.core.persist.journal import Journal
     from adaptdl.core.persist.restore import Store
     from adaptdl.core.stats.metrics import MetricsState
     from adaptdl.core.topology import Topology
@@ -26,8 +25,9 @@ class LoaderJob(Protocol):
 
     Read-only: the topology, collective, clock, batch-size decision, epoch
     counter, counters (`JobState`: samples consumed), metrics (progress and
-    profiler), checkpoint store, journal (None: no `samples_recorder`) and the
-    loops that run; the loader changes the job only through the methods below.
+    profiler), checkpoint store and the loops that run; the loader changes the job
+    only through the methods below. Every member is one `LoaderHelper` uses: the
+    protocol exists so that the loop layer needs nothing of the job above it.
     """
 
     @property
@@ -57,8 +57,6 @@ class LoaderJob(Protocol):
     @property
     def restored_from(self) -> str | None: ...
 
-    @property
-    def journal(self) -> Journal | None: ...
 
     @property
     def current_loader(self) -> LoaderHelper | None: ...
