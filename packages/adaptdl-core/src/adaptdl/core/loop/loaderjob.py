@@ -57,7 +57,6 @@ class LoaderJob(Protocol):
     @property
     def restored_from(self) -> str | None: ...
 
-
     @property
     def current_loader(self) -> LoaderHelper | None: ...
 
