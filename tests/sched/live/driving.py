@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 from adaptdl.sched.scheduler import Scheduler
 
@@ -23,3 +24,10 @@ def run_until(
 def events(sched: Scheduler) -> list[dict]:
     """The scheduler's event log, one object per line."""
     return [json.loads(line) for line in sched.events_path.read_text().splitlines()]
+
+
+def ray_backend() -> Any:
+    """The Ray backend, on the cluster ``ray.init`` joined (imported only where Ray is)."""
+    from adaptdl.sched.rayengine import RayBackend
+
+    return RayBackend(launch_timeout=60.0)

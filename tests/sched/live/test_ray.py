@@ -8,44 +8,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-from tests.sched.live.driving import events, run_until  # noqa: E402
+from tests.sched.live.driving import events, ray_backend, run_until  # noqa: E402
 
 from adaptdl.sched.record import JobSpec, Status  # noqa: E402
 from adaptdl.sched.scheduler import Scheduler  # noqa: E402
 
 JOB = str(Path(__file__).with_name("emulated_job.py"))
-
-
-@pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
-    )
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=2, num_gpus=2)
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace="adaptdl", log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()  # every process the cluster started, by its handle
-
-
-def _backend() -> Any:
-    from adaptdl.sched.rayengine import RayBackend
-
-    return RayBackend(launch_timeout=60.0)
 
 
 def _spec(name: str, *args: str, hi: int = 2) -> JobSpec:
@@ -71,7 +46,7 @@ def _exactly_once(sched: Scheduler, name: str, samples: int, epochs: int = 2) ->
 
 
 def test_jobs_run_resize_and_finish_on_ray(cluster: Any, tmp_path: Path) -> None:
-    sched = Scheduler(_backend(), tmp_path, interval=1.0, restart_penalty=1.0)
+    sched = Scheduler(ray_backend(), tmp_path, interval=1.0, restart_penalty=1.0, policy="pollux")
     sched.submit(_spec("a", "--samples", "1024", hi=4))
     _run(sched, lambda: any(e["event"] == "resized" for e in events(sched)))
     sched.submit(_spec("b", "--samples", "512"))
@@ -83,13 +58,13 @@ def test_jobs_run_resize_and_finish_on_ray(cluster: Any, tmp_path: Path) -> None
 
 
 def test_a_restarted_scheduler_keeps_its_running_jobs(cluster: Any, tmp_path: Path) -> None:
-    first: Scheduler | None = Scheduler(_backend(), tmp_path, interval=1.0)
+    first: Scheduler | None = Scheduler(ray_backend(), tmp_path, interval=1.0)
     assert first is not None
     first.submit(_spec("keep", "--samples", "768", hi=1))
     _run(first, lambda: (first.job("keep").batch_size or 0) > 0)
     launch = first.job("keep").launch
     first = None  # killed: its replicas, detached, run on
-    again = Scheduler(_backend(), tmp_path, interval=1.0)
+    again = Scheduler(ray_backend(), tmp_path, interval=1.0)
     job = again.job("keep")
     assert job.status is Status.RUNNING and job.launch == launch and job.restarts == 0
     _run(again, lambda: again.job("keep").status.done)
@@ -98,7 +73,7 @@ def test_a_restarted_scheduler_keeps_its_running_jobs(cluster: Any, tmp_path: Pa
 
 
 def test_a_job_on_a_removed_node_restarts_elsewhere(cluster: Any, tmp_path: Path) -> None:
-    sched = Scheduler(_backend(), tmp_path, interval=1.0)
+    sched = Scheduler(ray_backend(), tmp_path, interval=1.0)
     sched.submit(_spec("moved", "--samples", "768", hi=1))
     _run(sched, lambda: (sched.job("moved").batch_size or 0) > 0)
     node_id = sched.job("moved").node_ids[0]

@@ -54,7 +54,7 @@ def _assert_exactly_once(sched: Scheduler, name: str, samples: int, epochs: int)
 def test_jobs_are_resized_by_rounds_and_consume_every_sample_once(
     backend: LocalBackend, tmp_path: Path
 ) -> None:
-    sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0)
+    sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0, policy="pollux")
     sched.submit(_spec("a", "--samples", "1024", "--epochs", "2"))
     _run(sched, lambda: any(e["event"] == "resized" for e in events(sched)))
     sched.submit(_spec("b", "--samples", "512", "--epochs", "2"))
@@ -130,7 +130,7 @@ def test_bad_submissions_are_refused_naming_the_problem(tmp_path: Path) -> None:
 def test_a_job_relaunched_at_a_new_size_keeps_it_until_it_steps_there(
     backend: LocalBackend, tmp_path: Path
 ) -> None:
-    sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0)
+    sched = Scheduler(backend, tmp_path, interval=1.0, restart_penalty=1.0, policy="pollux")
     sched.submit(_spec("a", "--samples", "4096", "--epochs", "1"))
 
     def launches() -> int:

@@ -65,7 +65,9 @@ def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
 ) -> None:
     records = tmp_path / "records"
     records.mkdir()
-    sched = Scheduler(backend, tmp_path / "sched", interval=1.0, restart_penalty=1.0)
+    sched = Scheduler(
+        backend, tmp_path / "sched", interval=1.0, restart_penalty=1.0, policy="pollux"
+    )
     # Each arrives once the one before was resized, and runs longer than it, so that
     # each is grown (or shrunk) at least once: a grows alone and shrinks for the
     # others, b and c grow as those before them finish.
@@ -80,22 +82,29 @@ def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
         job = sched.job(name)
         assert _resized(sched, name) >= 1, f"{name} was never resized: {events(sched)}"
         assert job.restart_costs and job.failures == 0
-        consumed: dict[tuple[int, int], collections.Counter[int]] = collections.defaultdict(
-            collections.Counter
-        )
-        sizes = set()
-        for path in records.glob(f"{name}-*.jsonl"):
-            for line in path.read_text().splitlines():
-                r = json.loads(line)
-                sizes.add(r["replicas"])
-                consumed[r["epoch"], r["pass"]].update(
-                    i for i, pad in zip(r["indices"], r["padding"], strict=True) if not pad
-                )
-        assert sorted({e for e, _ in consumed}) == list(range(EPOCHS[name])), name
-        for (epoch, pass_), counts in consumed.items():
-            # No sample twice in a pass; every pass but an epoch's last (an adaptive
-            # epoch ends at a step boundary after at least one pass) is whole.
-            assert max(counts.values()) == 1, f"{name} epoch {epoch} pass {pass_}: {counts}"
-            if (epoch, pass_ + 1) in consumed or pass_ == 0:
-                assert sorted(counts) == list(range(N)), f"{name} epoch {epoch} pass {pass_}"
+        sizes = consumed_once(records, name, EPOCHS[name])
         assert len(sizes) >= 2, f"{name} ran at one size only: {sizes}"
+
+
+def consumed_once(records: Path, name: str, epochs: int) -> set[int]:
+    """Check job ``name``'s records: every sample of every pass consumed once, over
+    ``epochs`` epochs, across its launches; returns the replica counts it ran at."""
+    consumed: dict[tuple[int, int], collections.Counter[int]] = collections.defaultdict(
+        collections.Counter
+    )
+    sizes = set()
+    for path in records.glob(f"{name}-*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            sizes.add(r["replicas"])
+            consumed[r["epoch"], r["pass"]].update(
+                i for i, pad in zip(r["indices"], r["padding"], strict=True) if not pad
+            )
+    assert sorted({e for e, _ in consumed}) == list(range(epochs)), name
+    for (epoch, pass_), counts in consumed.items():
+        # No sample twice in a pass; every pass but an epoch's last (an adaptive
+        # epoch ends at a step boundary after at least one pass) is whole.
+        assert max(counts.values()) == 1, f"{name} epoch {epoch} pass {pass_}: {counts}"
+        if (epoch, pass_ + 1) in consumed or pass_ == 0:
+            assert sorted(counts) == list(range(N)), f"{name} epoch {epoch} pass {pass_}"
+    return sizes

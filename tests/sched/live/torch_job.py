@@ -8,6 +8,8 @@ per trained batch to ``$SCHED_E2E_RECORDS/<job>-<pid>.jsonl``: the epoch, the pa
 and the dataset indices the loop received with their padding flags, so that a test
 can check each sample of each pass was consumed exactly once across resizes. The job
 publishes its hints and progress itself (core's jobreport, ``ADAPTDL_SHARE_PATH``).
+``SCHED_E2E_FAIL_AFTER=S``: rank 0 exits with status 3 (a crash, not a stop) once S
+steps have run in this launch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ EPOCHS = int(os.environ.get("SCHED_E2E_EPOCHS", "3"))
 # Seconds a step takes per local sample, on top of a fixed part.
 PER_SAMPLE = float(os.environ.get("SCHED_E2E_PER_SAMPLE", "0.01"))
 FIXED = 0.02
+FAIL_AFTER = int(os.environ.get("SCHED_E2E_FAIL_AFTER", "0"))
 
 
 class Regression(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -55,9 +58,13 @@ def main() -> None:
     adp = adl.AdaptiveDataParallel(model, optimizer)
     name = os.environ.get("ADAPTDL_JOB_ID", "job")
     path = os.path.join(os.environ["SCHED_E2E_RECORDS"], f"{name}-{os.getpid()}.jsonl")
+    steps = 0
     with open(path, "a", encoding="utf-8") as out:
         for epoch in adl.remaining_epochs_until(EPOCHS):
             for idx, x, y in loader:
+                steps += 1
+                if FAIL_AFTER and steps > FAIL_AFTER and topo.rank == 0:
+                    os._exit(3)  # a crash: no checkpoint, no stop status
                 helper = adl.current_dataloader()
                 assert helper is not None and helper.current_index is not None
                 shard = Shard(

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from adaptdl.sched.policies import LIVE_POLICIES
+from adaptdl.sched.policies import DEFAULT_POLICY, LIVE_POLICIES
 from adaptdl.sched.record import NAME_PATTERN, JobSpec
 
 #: Where the scheduler keeps its state, checkpoints and logs unless ``--storage``.
@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--address", dest="start_address", default=None)
     start.add_argument("--num-gpus", type=int, default=None, help="GPUs this machine declares")
     start.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
-    start.add_argument("--policy", default="adaptdl", help=f"one of {', '.join(LIVE_POLICIES)}")
+    start.add_argument(
+        "--policy", default=DEFAULT_POLICY, help=f"one of {', '.join(LIVE_POLICIES)}"
+    )
     start.add_argument("--storage", default=None, help="state, checkpoints and logs")
     ssub.add_parser("stop", help="stop the scheduler (its jobs keep running)")
     ssub.add_parser("status", help="show the scheduler")

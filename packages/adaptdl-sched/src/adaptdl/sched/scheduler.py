@@ -30,7 +30,7 @@ from adaptdl.core.decide.hints import hints as make_hints
 from adaptdl.core.stats.profiler import Profiler
 from adaptdl.core.validate import check_float
 from adaptdl.sched.backend import LOST, PREEMPTED, Backend, Launch, LaunchError, Node, by_rank
-from adaptdl.sched.policies import LIVE_POLICIES, make_policy
+from adaptdl.sched.policies import DEFAULT_POLICY, LIVE_POLICIES, make_policy
 from adaptdl.sched.progress import HINTS_FILE, read_job_hints, read_progress
 from adaptdl.sched.record import JobRecord, JobSpec, Status, node_indices
 from adaptdl.sched.round import ChangeKind, allocation_round
@@ -80,7 +80,7 @@ class Scheduler:
         backend: Backend,
         storage: str | os.PathLike[str],
         *,
-        policy: str = "pollux",
+        policy: str = DEFAULT_POLICY,
         interval: float = 60.0,
         restart_penalty: float = 30.0,
         stop_timeout: float = 120.0,

@@ -29,6 +29,9 @@ _FACTORIES: dict[str, Callable[[], Policy]] = {
 POLICIES = tuple(_FACTORIES)
 #: The policies a live scheduler can run: those that need no oracle of the jobs' speed.
 LIVE_POLICIES = tuple(p for p in POLICIES if p != "optimus")
+#: What a live scheduler runs unless told otherwise (`Scheduler` and `adaptdl scheduler
+#: start` alike): our own policy.
+DEFAULT_POLICY = "adaptdl"
 
 
 def make_policy(name: str) -> Policy:
@@ -40,6 +43,7 @@ def make_policy(name: str) -> Policy:
 
 
 __all__ = [
+    "DEFAULT_POLICY",
     "LIVE_POLICIES",
     "POLICIES",
     "AdaptDLPolicy",
