@@ -46,6 +46,8 @@ def train() -> None:
     import adaptdl.torch as adl
     import torch
 
+    # Read from torchrun's environment, not the job: the log must be redirected before
+    # init_process_group prints anything.
     rank = int(os.environ.get("RANK", "0"))
     logs = os.environ.get("DEMO_LOGS")
     if logs:  # this replica's stderr, C-level output and tracebacks included
@@ -67,7 +69,7 @@ def train() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model = adl.AdaptiveDataParallel(model, optimizer)
-    replicas = int(os.environ.get("WORLD_SIZE", "1"))
+    replicas = adl.current_job().topology.num_replicas
     accuracy = adl.Accumulator()
 
     for epoch in adl.remaining_epochs_until(EPOCHS):
