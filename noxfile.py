@@ -133,7 +133,7 @@ def typecheck(session: nox.Session) -> None:
         "packages/adaptdl-torch/src/adaptdl/torch",
         "packages/adaptdl-sim/src/adaptdl/sim",
         # The original's top-level modules, kept for programs written against it.
-        "packages/adaptdl-core/src/adaptdl/env.py",
+        "packages/adaptdl-torch/src/adaptdl/env.py",
         "packages/adaptdl-torch/src/adaptdl/checkpoint.py",
         "packages/adaptdl-torch/src/adaptdl/collective.py",
     )

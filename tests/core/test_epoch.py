@@ -62,3 +62,63 @@ def test_state_is_json():
     state = EpochState()
     list(state.remaining_epochs_until(4))
     assert json.loads(state.to_bytes()) == {"finished_epochs": 4}
+
+
+# -- a framework's trainer (Lightning) that counts epochs too ------------------------------
+
+counts = st.integers(0, 40)
+
+
+@given(job=counts, framework=counts, restored=st.booleans())
+def test_the_framework_count_wins_unless_the_job_restored_its_own(
+    job: int, framework: int, restored: bool
+) -> None:
+    state = EpochState()
+    state.finished_epochs = job
+    if restored and job > framework:
+        # The job's checkpoint holds the framework's state: it cannot count fewer.
+        with pytest.raises(RuntimeError, match=f"runs epoch {framework} but .* is {job}"):
+            state.settle_framework_count(framework, restored=restored)
+        return
+    state.settle_framework_count(framework, restored=restored)
+    assert state.finished_epochs == (job if restored else framework)
+    # Then the job's loop catches up to the framework's epoch, finishing those between.
+    start = state.finished_epochs
+    loop = state.remaining_epochs_until(framework + 1)
+    taken = []
+    while state.advances_to(framework):
+        taken.append(next(loop))
+    assert taken == list(range(start, framework + 1))
+    assert state.current_epoch == framework
+    assert state.finished_epochs == framework  # every epoch before it finished
+    loop.close()
+
+
+@given(finished=counts, current=st.one_of(st.none(), counts), framework=counts)
+def test_the_loop_advances_only_towards_the_frameworks_epoch(
+    finished: int, current: int | None, framework: int
+) -> None:
+    state = EpochState()
+    state.finished_epochs = finished
+    state.current_epoch = current
+    upcoming = finished if current is None else current + 1
+    if current == framework:
+        assert state.advances_to(framework) is False
+    elif upcoming <= framework:
+        assert state.advances_to(framework) is True
+    else:
+        with pytest.raises(RuntimeError, match="disagree"):
+            state.advances_to(framework)
+
+
+def test_the_count_is_settled_outside_the_loop_and_for_real_counts() -> None:
+    state = EpochState()
+    with pytest.raises(ValueError, match="framework_epoch"):
+        state.settle_framework_count(-1, restored=False)
+    with pytest.raises(ValueError, match="framework_epoch"):
+        state.advances_to(-1)
+    loop = state.remaining_epochs_until(3)
+    next(loop)
+    with pytest.raises(RuntimeError, match="inside the loop of epoch 0"):
+        state.settle_framework_count(1, restored=False)
+    loop.close()

@@ -20,6 +20,7 @@ from adaptdl.core.goodput import (
     fit_perf_params,
     optim_step_time,
 )
+from adaptdl.core.stats.scaling import adascale_gain
 
 PERF = PerfParams(0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 2.0)
 GRAD = GradParams(sqr=1.0, var=5.0)
@@ -360,6 +361,23 @@ def test_efficiency_in_unit_interval_and_non_increasing(
     assert np.all(values > 0) and np.all(values <= 1)
     assert np.all(np.diff(values) <= 1e-15)
     assert f.efficiency(init) == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(grad=grad_params, init=st.integers(1, 10_000), scale=st.floats(0.1, 1e4))
+def test_efficiency_and_the_adascale_gain_are_one_definition(
+    grad: GradParams, init: int, scale: float
+) -> None:
+    # The goodput model's efficiency (scalar and array paths) and the gain the steps
+    # take (`adascale_gain`, hence `GradientNoiseScale.gain`) agree to the last bit:
+    # the efficiency is the gain over the scale (below the initial batch: 1).
+    batch = init * scale
+    effective = max(batch, init) / init
+    gain = adascale_gain(grad.sqr, grad.var, effective)
+    f = GoodputFunction(PERF, grad, init)
+    assert f.efficiency(batch) == gain / effective
+    assert f.efficiency([batch, batch])[0] == gain / effective
+    assert 1.0 <= gain <= effective
 
 
 def test_efficiency_is_the_pollux_form() -> None:

@@ -373,3 +373,14 @@ def test_a_state_of_a_finished_epoch_leaves_the_checkpoints() -> None:
         assert sorted(n for n in saved.entries if n.startswith("acc-")) == [f"acc-{epoch}"]
     with pytest.raises(ValueError, match="epoch"):
         job.register(Named("bad"), epoch=-1)
+
+
+def test_the_job_holds_the_config_it_was_built_from() -> None:
+    config = JobConfig(topology=Topology(rank=0, num_replicas=1), job_id="j", stop_wait=3.0)
+    job = Job(config=config)
+    assert job.config is config
+    assert job.topology == config.topology
+    # Made without one (the simulator's jobs, tests): the defaults, at its topology.
+    assert Job(Topology(num_restarts=2)).config == JobConfig(topology=Topology(num_restarts=2))
+    with pytest.raises(ValueError, match=r"disagrees with config\.topology"):
+        Job(Topology(num_restarts=1), config=config)

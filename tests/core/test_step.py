@@ -21,6 +21,7 @@ from adaptdl.core.stats.step import (
     Fold,
     PairedNorms,
     StepDecision,
+    StepLoss,
     StepMeasurement,
     StepStatistics,
     decide,
@@ -163,6 +164,71 @@ def test_step_is_measure_decide_commit() -> None:
         assert da == db
     assert ma.to_json() == mb.to_json()
     assert ma.progress > 3.0  # scale 4 with noise: each step worth more than one
+
+
+losses = st.one_of(st.floats(-1e3, 1e3, allow_nan=False), st.just(NAN))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(norms, norms, losses), min_size=1, max_size=12),
+    st.floats(0.0, 1.0),
+    st.one_of(st.none(), st.floats(-10.0, 10.0)),
+)
+def test_a_steps_loss_reaches_the_floor_as_observing_it_before_the_step_does(
+    steps_in: list[tuple[float, float, float]], rate: float, target: float | None
+) -> None:
+    # The contract's loss is the floor's observation at the progress before the step,
+    # with the step's total batch and the estimator as measured for the step.
+    steps, metrics = stats()
+    reference = MetricsState()
+    rule = scaling.AdaScale()
+    for local, total, loss in steps_in:
+        m = measured(local, total)
+        steps.step(
+            m, init_batch_size=2, batch_size=8, rule=rule, loss=StepLoss(loss, [rate], target)
+        )
+        reference.ensure_gns(2, 1).update(m.local_sqr, m.total_sqr, m.count, m.batch_size)
+        reference.observe_loss(loss, [rate], 8, target)
+        reference_gns = reference.gns
+        assert reference_gns is not None
+        reference.add_progress(reference_gns.gain(8 / 2))
+    assert metrics.floor is not None and reference.floor is not None
+    assert metrics.floor.to_json() == reference.floor.to_json()
+    assert metrics.floor.steps == len(steps_in)
+
+
+def test_a_step_without_a_loss_leaves_the_floor_alone() -> None:
+    steps, metrics = stats()
+    steps.step(measured(), init_batch_size=2, batch_size=8, rule=scaling.AdaScale())
+    assert metrics.floor is None
+    # Before the job has an estimator there is no step to credit: the loss is not folded.
+    fresh, fresh_metrics = stats()
+    assert fresh.decide(8, scaling.AdaScale(), loss=StepLoss(1.0, [0.1])) is None
+    assert fresh_metrics.floor is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"loss": "1.0"}, TypeError, "loss must be a real number"),
+        ({"loss": True}, TypeError, "loss must be a real number"),
+        ({"rates": 0.1}, TypeError, "rates must be a sequence"),
+        ({"rates": []}, ValueError, "rates must have one value per parameter group"),
+        ({"rates": [-0.1]}, ValueError, r"rates\[0\] must be"),
+        ({"rates": [math.inf]}, ValueError, r"rates\[0\] must be finite"),
+        ({"target_loss": math.nan}, ValueError, "target_loss must be finite"),
+    ],
+)
+def test_bad_losses_name_the_field(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        StepLoss(**{"loss": 1.0, "rates": [0.1], **kwargs})
+    steps, _ = stats()
+    steps.measure(measured(), 4)
+    with pytest.raises(TypeError, match="loss must be a StepLoss"):
+        steps.decide(8, scaling.AdaScale(), loss=1.0)  # type: ignore[arg-type]
 
 
 def test_no_decision_before_the_job_has_an_estimator() -> None:

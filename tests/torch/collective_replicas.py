@@ -14,10 +14,12 @@ import torch.distributed as dist
 
 import torch
 from adaptdl.core.collective import CollectiveError, logical_or, maximum
+from adaptdl.core.config import JobConfig
 from adaptdl.torch.collective import TorchCollective, collective_timeout
 
-dist.init_process_group("gloo", timeout=collective_timeout())
-c = TorchCollective(dist.new_group(backend="gloo", timeout=collective_timeout()))
+timeout = collective_timeout(JobConfig.from_env())  # no job here: the environment's
+dist.init_process_group("gloo", timeout=timeout)
+c = TorchCollective(dist.new_group(backend="gloo", timeout=timeout))
 r, n = c.rank, c.num_replicas
 big = "x" * 5000
 results = {

@@ -1,4 +1,5 @@
-"""One job's statistics through torch's adapter and the simulator's replay: identical decisions.
+"""One job's statistics through torch's adapter and the simulator's replay: identical decisions
+(and, for a program that reports its training loss, an identical noise floor).
 
 The probe model's loss is linear in its weights, so each micro-batch's gradient is
 exactly the vector chosen for it. The vectors are small integers whose norms (and
@@ -19,13 +20,15 @@ import adaptdl.torch as adl
 import torch
 from adaptdl.core.collective import LocalCollective
 from adaptdl.core.stats.metrics import MetricsState
-from adaptdl.core.stats.step import StepStatistics
+from adaptdl.core.stats.step import StepLoss, StepStatistics
 from adaptdl.sim.replay import ReplaySteps
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.stepping import _scaled_copies
 
 INF = float("inf")
+LR = 0.1  # the probe's SGD learning rate (no momentum: the floor's rate is the rate)
+TARGET_LOSS = 0.25
 
 #: (g1, g2) per optimiser step of two accumulated micro-batches; None: a non-finite step.
 ACCUMULATED: list[tuple[tuple[float, ...], tuple[float, ...]] | None] = [
@@ -66,14 +69,20 @@ def _sqr(v: tuple[float, ...]) -> float:
 
 
 def _torch_decisions(
-    micro_batches: list[list[tuple[float, ...] | None]], local_bsz: int, accum: int
+    micro_batches: list[list[tuple[float, ...] | None]],
+    local_bsz: int,
+    accum: int,
+    losses: list[float] | None = None,
 ) -> tuple[list[tuple[float, float, float]], dict[str, Any]]:
-    """Train the probe; return (lr factor, gain, progress) after each optimiser step."""
+    """Train the probe; return (lr factor, gain, progress) after each optimiser step.
+
+    ``losses``: the loss the program reports for each micro-batch (None: none).
+    """
     loader = adl.AdaptiveDataLoader(TensorDataset(torch.arange(256)), batch_size=local_bsz)
     loader.autoscale_batch_size(8 * local_bsz, (1, 4 * local_bsz), gradient_accumulation=True)
     _context.current_job().batch_size_decision = lambda query: (local_bsz, accum)
     model = Probe()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     adp = AdaptiveDataParallel(model, optimizer)
     flat = [g for step in micro_batches for g in step]
     decisions = []
@@ -83,6 +92,8 @@ def _torch_decisions(
             x = torch.full((3,), INF) if g is None else torch.tensor(g, dtype=torch.float32)
             optimizer.zero_grad()
             adp(x).backward()
+            if losses is not None:
+                adp.report_loss(losses[i], target_loss=TARGET_LOSS)
             optimizer.step()
             helper = adl.current_dataloader()
             assert helper is not None
@@ -95,23 +106,27 @@ def _torch_decisions(
 
 
 def _replay_decisions(
-    stats: list[tuple[float, float]], local_bsz: int, micro: int
+    stats: list[tuple[float, float]],
+    local_bsz: int,
+    micro: int,
+    losses: list[StepLoss] | None = None,
+    metrics: MetricsState | None = None,
 ) -> tuple[list[tuple[float, float, float]], dict[str, Any]]:
-    """The replay's steps for (|G|^2, variance at the initial batch) per step."""
-    metrics = MetricsState()
+    """The replay's steps for (|G|^2, variance at the initial batch) per step, with the
+    loss reported for each step in ``losses`` (None: none), into ``metrics``."""
+    metrics = metrics or MetricsState()
     steps = ReplaySteps(StepStatistics(metrics, LocalCollective()), init_batch_size=local_bsz)
     decisions = []
-    for sqr, var in stats:
-        d = steps.step(sqr, var, local_bsz, micro, 1)
+    for i, (sqr, var) in enumerate(stats):
+        d = steps.step(sqr, var, local_bsz, micro, 1, None if losses is None else losses[i])
         assert len(set(d.lr_factors)) == 1
         decisions.append((d.lr_factors[0], d.gain, d.progress))
     assert metrics.gns is not None
     return decisions, metrics.gns.to_json()
 
 
-def test_accumulated_steps_decide_the_same_in_torch_and_in_the_replay() -> None:
-    # Initial batch 2, two micro-batches of 2: scale 2, so the gain and factor vary.
-    local_bsz = 2
+def _accumulated_stats() -> list[tuple[float, float]]:
+    """The replay's (|G|^2, variance) for each step of `ACCUMULATED` (initial batch 2)."""
     stats = []
     for pair in ACCUMULATED:
         if pair is None:
@@ -123,10 +138,18 @@ def test_accumulated_steps_decide_the_same_in_torch_and_in_the_replay() -> None:
         # The replay's norms: local = 2 (sqr + var), total = sqr + var / 2 (init = local bsz).
         var = local - 2 * total
         stats.append((2 * total - local / 2, var))
-    steps: list[list[tuple[float, ...] | None]] = [
-        [None, None] if p is None else list(p) for p in ACCUMULATED
-    ]
-    torch_side, torch_gns = _torch_decisions(steps, local_bsz, accum=1)
+    return stats
+
+
+def _accumulated_steps() -> list[list[tuple[float, ...] | None]]:
+    return [[None, None] if p is None else list(p) for p in ACCUMULATED]
+
+
+def test_accumulated_steps_decide_the_same_in_torch_and_in_the_replay() -> None:
+    # Initial batch 2, two micro-batches of 2: scale 2, so the gain and factor vary.
+    local_bsz = 2
+    stats = _accumulated_stats()
+    torch_side, torch_gns = _torch_decisions(_accumulated_steps(), local_bsz, accum=1)
     replay_side, replay_gns = _replay_decisions(stats, local_bsz, micro=2)
     assert torch_side == replay_side
     assert torch_gns == replay_gns
@@ -155,6 +178,31 @@ def test_single_micro_batch_steps_pair_the_same_in_torch_and_in_the_replay() -> 
     # Unpaired: the first step and the one after the non-finite step.
     assert torch_gns["num_updates"] == len(SINGLE) - 3
     assert all(math.isfinite(p) for _, _, p in torch_side)
+
+
+def test_reported_losses_reach_the_noise_floor_the_same_in_torch_and_in_the_replay() -> None:
+    # Each micro-batch reports a loss (one of them not finite: the step's mean is of
+    # the others); torch averages a step's losses, the replay is handed the mean.
+    local_bsz = 2
+    flat = [2.0 - 0.125 * i for i in range(2 * len(ACCUMULATED))]
+    flat[5] = math.nan
+    torch_side, _ = _torch_decisions(_accumulated_steps(), local_bsz, accum=1, losses=flat)
+    torch_floor = _context.current_job().metrics.floor
+    assert torch_floor is not None
+    per_step = []
+    for a, b in zip(flat[::2], flat[1::2], strict=True):
+        finite = [v for v in (a, b) if math.isfinite(v)]
+        per_step.append(StepLoss(sum(finite) / len(finite), (LR,), TARGET_LOSS))
+    metrics = MetricsState()
+    replay_side, _ = _replay_decisions(
+        _accumulated_stats(), local_bsz, micro=2, losses=per_step, metrics=metrics
+    )
+    assert replay_side == torch_side
+    assert metrics.floor is not None
+    assert metrics.floor.to_json() == torch_floor.to_json()
+    # Every optimiser step reached the floor, each with a finite mean loss.
+    assert torch_floor.steps == len(ACCUMULATED)
+    assert torch_floor.loss_weight > 0.0
 
 
 @pytest.mark.parametrize("accum", [0, 1])

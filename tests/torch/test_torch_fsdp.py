@@ -11,10 +11,12 @@ import os
 import pickle
 import shutil
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.fsdp import fully_shard
@@ -277,6 +279,29 @@ def test_a_restart_restores_the_sharded_model(
     for a, b in zip(full_params(model), saved, strict=True):
         assert torch.equal(a, b)
     assert all(s["step"] > 0 for s in optimizer.state.values())
+
+
+def test_the_background_writers_group_waits_the_timeout_the_job_started_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    monkeypatch.setenv("ADAPTDL_COLLECTIVE_TIMEOUT", "7")
+    loader, _, optimizer, wrapped = build(background=True)
+    monkeypatch.setenv("ADAPTDL_COLLECTIVE_TIMEOUT", "9")  # after start: changes nothing
+    timeouts = []
+    new_group = dist.new_group
+
+    def recording_new_group(*args: Any, **kwargs: Any) -> Any:
+        timeouts.append(kwargs.get("timeout"))
+        return new_group(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", recording_new_group)
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            train(wrapped, optimizer, x, y)
+    # The final checkpoint made the writing thread's group.
+    assert _context.current_job().checkpoints_written == 1
+    assert timeouts == [timedelta(seconds=7)]
 
 
 def _rewrite(checkpoint: Path, file: str, data: bytes) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
-from adaptdl.core.config import DEFAULT_STOP_WAIT
+from adaptdl.core.config import DEFAULT_STOP_WAIT, JobConfig
 from adaptdl.core.decide.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.jobreport import REPORT_INTERVAL, Reporter, Share
@@ -65,6 +65,10 @@ class Job:
     checkpoint the moment they register, and saved by `checkpoint`. Given a
     ``share`` (the scheduler's share directory of the job), rank 0 publishes the
     job's hints and progress there at step boundaries (`jobreport.Reporter`).
+    ``config`` is the configuration the job was built from, read from the
+    environment once at start (`JobConfig.from_env`), kept as `config` for whatever
+    asks later (default: `JobConfig` with ``topology``, as the simulator's jobs have;
+    ``topology`` defaults to the config's).
 
     It also knows the dataloader loops that run in it: the replay after a restart until
     a loop that is not skipped starts (`replaying`, `on_resume`, `loop_resumes`), the
@@ -87,8 +91,14 @@ class Job:
         stop_wait: float = DEFAULT_STOP_WAIT,
         share: Share | None = None,
         report_interval: float = REPORT_INTERVAL,
+        config: JobConfig | None = None,
     ) -> None:
-        self.topology = topology or Topology()
+        self.topology = topology or (config.topology if config is not None else Topology())
+        self.config = config if config is not None else JobConfig(topology=self.topology)
+        if self.config.topology != self.topology:
+            raise ValueError(
+                f"topology {self.topology} disagrees with config.topology {self.config.topology}"
+            )
         self.allow_missing_state = frozenset(allow_missing_state)
         self.collective: Collective = collective or LocalCollective()
         if self.collective.num_replicas != self.topology.num_replicas:

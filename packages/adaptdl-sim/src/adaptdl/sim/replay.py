@@ -6,11 +6,11 @@ decides when an adaptive loop ends, the core goodput engine (``GoodputDecision``
 the job's ``Profiler`` and ``GradientNoiseScale``) picks the batch size and
 accumulation, every optimiser step goes through core's step contract
 (``adaptdl.core.stats.step``: the noise update with its one-step lag across replicas,
-the non-finite skip, the scaling rule, progress) exactly as the torch adapter's
-does, and checkpoints go through a ``MemoryCheckpointStore``. The simulator only
-supplies time (step times from an application model), the gradient statistics of
-the model (handed to core as the squared norms a real step would measure), and
-the failures.
+the non-finite skip, the scaling rule, progress, and a reported loss into the
+noise floor) exactly as the torch adapter's does, and checkpoints go through a
+``MemoryCheckpointStore``. The simulator only supplies time (step times from an
+application model), the gradient statistics of the model (handed to core as the
+squared norms a real step would measure), and the failures.
 
 On a resize or a preemption the job is asked to stop: it checkpoints at the next
 batch boundary and restarts with the new topology. On a crash it dies at once:
@@ -37,7 +37,13 @@ from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.order.sampling import Shard
 from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
 from adaptdl.core.stats.scaling import AdaScale, ScalingRule
-from adaptdl.core.stats.step import PairedNorms, StepDecision, StepMeasurement, StepStatistics
+from adaptdl.core.stats.step import (
+    PairedNorms,
+    StepDecision,
+    StepLoss,
+    StepMeasurement,
+    StepStatistics,
+)
 from adaptdl.core.topology import Topology
 from adaptdl.core.validate import check_float, check_int
 from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
@@ -521,9 +527,17 @@ class ReplaySteps:
         self.prev_local_bsz: int | None = None
 
     def step(
-        self, sqr: float, var: float, local_bsz: int, micro_batches: int, num_replicas: int
+        self,
+        sqr: float,
+        var: float,
+        local_bsz: int,
+        micro_batches: int,
+        num_replicas: int,
+        loss: StepLoss | None = None,
     ) -> StepDecision:
-        """Measure, decide and commit one step whose gradient has statistics (sqr, var)."""
+        """Measure, decide and commit one step whose gradient has statistics (sqr, var);
+        ``loss``: the training loss the program reported for it (None: none), which
+        core folds into the job's noise floor as it does torch's."""
         m = measurement(
             sqr,
             var,
@@ -536,7 +550,9 @@ class ReplaySteps:
         fold = self.stats.measure(m, self.init_batch_size)
         single = m.count == 1 and fold.pairable
         self.prev_local_bsz = local_bsz if single else None
-        decision = self.stats.decide(local_bsz * micro_batches * num_replicas, self.rule)
+        decision = self.stats.decide(
+            local_bsz * micro_batches * num_replicas, self.rule, loss=loss
+        )
         assert decision is not None  # measure made the estimator
         self.stats.commit(decision)
         return decision

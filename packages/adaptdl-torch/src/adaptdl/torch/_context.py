@@ -12,6 +12,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import attrs
+
 import torch
 import torch.distributed as dist
 from adaptdl.core.config import JobConfig
@@ -24,7 +26,7 @@ from adaptdl.core.persist.shardedfiles import ShardedCheckpointStore
 from adaptdl.core.persist.storage import StagingStorage, Storage
 from adaptdl.core.topology import Topology
 from adaptdl.torch import _log, _release, _signals
-from adaptdl.torch.collective import TorchCollective
+from adaptdl.torch.collective import TorchCollective, collective_timeout
 from adaptdl.torch.rng import RngState
 
 __all__ = ["current_job", "init_process_group", "is_initialized"]
@@ -71,7 +73,9 @@ def init_process_group(
     on it is refused (`adaptdl.core.persist.storage.StorageLocked`), and a relaunch of the
     same job waits up to ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds for its previous run
     to let go. Every environment variable is read here, once, by
-    `adaptdl.core.config.JobConfig.from_env`. SIGTERM makes every
+    `adaptdl.core.config.JobConfig.from_env`, into the job's `Job.config` (with
+    ``timeout``, where given, as its collective timeout); nothing reads the
+    environment afterwards. SIGTERM makes every
     replica checkpoint at the next optimiser step and exit with status 143, SIGINT
     likewise with 130; outside a training loop the replicas stop together at the next
     point they all reach, within ``ADAPTDL_STOP_WAIT`` seconds (see
@@ -95,7 +99,10 @@ def init_process_group(
     topology = config.topology
     _check_placement(topology, world_size, rank)
     if timeout is None:
-        timeout = timedelta(seconds=config.collective_timeout)
+        timeout = collective_timeout(config)
+    else:
+        # The job's config says what its collectives wait: the timeout given here.
+        config = attrs.evolve(config, collective_timeout=timeout.total_seconds())
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
@@ -150,6 +157,7 @@ def init_process_group(
             # Under a scheduler: rank 0 reports the job's hints and progress there.
             share=LocalShare(config.share_path) if config.share_path is not None else None,
             report_interval=config.report_interval,
+            config=config,
         )
     except BaseException:
         # A failed restore must not leave this process holding the directory: a retry

@@ -15,7 +15,7 @@ its tensors (`adaptdl.torch._release`), so a program may end right after one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -48,13 +48,17 @@ _HEADER = 8
 _SLOT = 256  # bytes per replica in the first round; holds every flag and metric sum
 
 
-def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta:
-    """The collective timeout that ``JobConfig.from_env(env)`` reads (`adaptdl.core.config`).
+def collective_timeout(config: JobConfig) -> timedelta:
+    """How long ``config``'s collectives wait for a peer, as torch takes it.
 
-    ``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds, default 300. Raises ValueError when the
-    variable is set but is not a positive number.
+    A running job's is its `Job.config` (``ADAPTDL_COLLECTIVE_TIMEOUT`` seconds,
+    default 300, read once at start, or the ``timeout`` given to
+    `adaptdl.torch.init_process_group`); before there is a job,
+    ``JobConfig.from_env()``'s.
     """
-    return timedelta(seconds=JobConfig.from_env(env).collective_timeout)
+    if not isinstance(config, JobConfig):
+        raise TypeError(f"config must be a JobConfig, got {config!r}")
+    return timedelta(seconds=config.collective_timeout)
 
 
 def _pack(payload: bytes) -> torch.Tensor:

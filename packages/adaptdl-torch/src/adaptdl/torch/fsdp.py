@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from adaptdl.torch._context import current_job
+from adaptdl.torch.collective import collective_timeout
 from adaptdl.torch.scaling_rules import ScalingRuleBase
 from adaptdl.torch.sharded_state import AsyncShardedState, ShardedState
 from adaptdl.torch.state import StateDictState
@@ -117,8 +118,13 @@ class AdaptiveFSDP(AdaptiveSteps):
         self._hooked: set[int] = set()
         self._unsharded: list[torch.Tensor] = []
         # Registered before the optimiser is patched: restoring may initialise its state.
-        sharded = AsyncShardedState if async_checkpoint else ShardedState
-        job.register(sharded(name, model, optimizer, self.plain_optimizer))
+        if async_checkpoint:
+            timeout = collective_timeout(job.config)
+            job.register(
+                AsyncShardedState(name, model, optimizer, self.plain_optimizer, timeout=timeout)
+            )
+        else:
+            job.register(ShardedState(name, model, optimizer, self.plain_optimizer))
         job.register(
             StateDictState(
                 f"{name}-extras", {"lr_scheduler": lr_scheduler, "mp_scaler": mp_scaler}

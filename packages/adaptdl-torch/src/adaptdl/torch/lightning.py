@@ -478,22 +478,12 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
         epoch = trainer.current_epoch
         job = current_job()
         if self._epochs is None:
-            if job.restored_from is None:
-                # Resumed from a Lightning checkpoint, or fresh: Lightning's count rules.
-                job.epoch.finished_epochs = epoch
+            job.epoch.settle_framework_count(epoch, restored=job.restored_from is not None)
             last = trainer.max_epochs if trainer.max_epochs not in (None, -1) else 2**31
             self._epochs = job.remaining_epochs_until(last)
-        # Lightning may finish an epoch without iterating the loader (it resumed in that
-        # epoch's validation, after the loop had ended): AdaptDL's epoch loop catches up.
-        while job.epoch.current_epoch != epoch:
-            got = next(self._epochs, None)
-            if got is not None and got <= epoch:
-                continue
-            raise RuntimeError(
-                f"Lightning runs epoch {epoch} but the AdaptDL job's next epoch is {got}: "
-                "the Lightning state and the AdaptDL checkpoint disagree (was the checkpoint "
-                "directory shared with another job?)"
-            )
+        # Lightning never enters an epoch at or past ``last``: an ended loop raises here.
+        while job.epoch.advances_to(epoch):
+            next(self._epochs, None)
 
     def finish_epochs(self, trainer: Any) -> None:
         """Close AdaptDL's epoch loop; after the last epoch, that writes the final checkpoint."""

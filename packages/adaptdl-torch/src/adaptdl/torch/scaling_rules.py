@@ -1,8 +1,9 @@
 """Learning-rate scaling rules for adaptive batch sizes, applied to an optimiser's groups.
 
 The math is core's (`adaptdl.core.stats.scaling`) and so is the step's decision
-(`adaptdl.core.stats.step`); these classes name the rule a model is trained with and
-build core's rule for the job's initial batch size. The learning rate the user
+(`adaptdl.core.stats.step`, the one way to a step's learning-rate factor); these
+classes name the rule a model is trained with and build core's rule for the job's
+initial batch size (`ScalingRuleBase.step_rule`). The learning rate the user
 (or an LR scheduler) set stays the base rate; the factor only applies during
 ``optimizer.step()``.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 from adaptdl.core.stats import scaling
-from adaptdl.core.stats.gns import GradientNoiseScale
 from adaptdl.core.validate import check_bool, check_float, check_int
 
 __all__ = ["AdaScale", "AdamScale", "LEGWScale", "LinearScale", "ScalingRuleBase", "SqrtScale"]
@@ -66,14 +66,6 @@ class ScalingRuleBase:
             return scaling.GivenFactor(value)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{type(self).__name__}.scale_lr({scale!r}): {exc}") from None
-
-    def lr_factor(self, gns: GradientNoiseScale, scale: float, progress: float) -> float:
-        """The multiplier of every group's base learning rate for a step at ``scale``.
-
-        ``progress`` is the job's scale-invariant progress before the step.
-        """
-        rule = self.step_rule(gns.init_batch_size, scale)
-        return float(rule.lr_factor(gns.gain(scale), scale, progress))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future as ConcurrentFuture
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,7 +35,6 @@ import torch.distributed as dist
 from adaptdl.core.persist.checkpoint import CheckpointError
 from adaptdl.core.persist.shardedfiles import FileRecord, StagedFiles
 from adaptdl.torch import dcp
-from adaptdl.torch.collective import collective_timeout
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -222,12 +222,27 @@ class AsyncShardedState(ShardedState):
     the replica holds a second copy of its shards until they are written), then
     written by a thread that talks to the other replicas over a process group of
     its own, made at the first checkpoint (every replica takes part). That group
-    waits for a peer no longer than the job's collective timeout
-    (``ADAPTDL_COLLECTIVE_TIMEOUT``), so that a write whose peer died fails, and
-    the process can exit, rather than wait behind it for torch's default half hour.
+    waits for a peer no longer than ``timeout``, the job's collective timeout
+    (`adaptdl.torch.collective.collective_timeout` of its `Job.config`), so that a
+    write whose peer died fails, and the process can exit, rather than wait behind
+    it for torch's default half hour.
     """
 
     _group: Any = None
+
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plain: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        *,
+        timeout: timedelta,
+    ) -> None:
+        super().__init__(name, model, optimizer, plain)
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a timedelta, got {timeout!r}")
+        self._timeout = timeout
 
     def start_files(
         self, directory: StagedFiles
@@ -235,7 +250,7 @@ class AsyncShardedState(ShardedState):
         """Collective: copy this replica's shards aside and write them in the background."""
         if self._group is None:
             # Its own group: the writing thread's collectives never meet the training's.
-            self._group = dist.new_group(backend="gloo", timeout=collective_timeout())
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         writer = _HashingWriter(directory)
         upload = async_save(self._state_dict(), storage_writer=writer, process_group=self._group)
         if not isinstance(upload, ConcurrentFuture):  # a torch whose async_save changed

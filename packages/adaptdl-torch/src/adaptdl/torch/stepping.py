@@ -25,7 +25,8 @@ micro-batches, so the optimiser always sees the mean gradient of the whole batch
 ``optimizer.step()`` asks core for the step's `StepDecision`, multiplies each
 group's learning rate by its factor for that step only, then commits the step's
 gain to the job's progress. Losses the program reports
-(`AdaptiveSteps.report_loss`) are folded there into core's noise floor.
+(`AdaptiveSteps.report_loss`) go with the step's question to core (a `StepLoss`),
+which folds them into the job's noise floor.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from adaptdl.core.job import Job
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.stats.gns import GradientNoiseScale
-from adaptdl.core.stats.step import PairedNorms, StepMeasurement, StepStatistics
+from adaptdl.core.stats.step import PairedNorms, StepLoss, StepMeasurement, StepStatistics
 from adaptdl.core.validate import check_float
 from adaptdl.torch._loss import check_floor_optimizer, check_loss, floor_rates, mean_loss
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
@@ -707,19 +708,16 @@ class AdaptiveSteps:
         batch_size = loader.current_batch_size
         rule = self.scaling_rule.step_rule(gns.init_batch_size, batch_size / gns.init_batch_size)
         groups = self.adaptdl_optimizer.param_groups
-        decision = self._steps.decide(batch_size, rule, len(groups))
-        assert decision is not None
         base = [group["lr"] for group in groups]
+        loss = None
         if self._losses:
-            # Folded before the update: the losses are ready (the step's statistics
+            # Read before the update: the losses are ready (the step's statistics
             # already waited for the device), and nothing after the update may raise.
             losses, self._losses = self._losses, []
-            job.metrics.observe_loss(
-                mean_loss(losses),
-                floor_rates(self.adaptdl_optimizer, base),
-                loader.current_batch_size,
-                self._target_loss,
-            )
+            rates = floor_rates(self.adaptdl_optimizer, base)
+            loss = StepLoss(mean_loss(losses), tuple(rates), self._target_loss)
+        decision = self._steps.decide(batch_size, rule, len(groups), loss=loss)
+        assert decision is not None
         for group, lr, factor in zip(groups, base, decision.lr_factors, strict=True):
             group["lr"] = lr * factor
         try:

@@ -16,7 +16,9 @@ Efficiency: with gradient statistics measured at the initial batch size ``M0``
 (``sqr``, the squared norm of the true gradient, and ``var``, the variance of a
 gradient estimate at batch size ``M0``), the gradient noise scale is
 ``B_noise = M0 * var / sqr`` samples, and a total batch size ``M >= M0`` has
-efficiency ``(B_noise + M0) / (B_noise + M) = (var + sqr) / (var + sqr * M / M0)``.
+efficiency ``(B_noise + M0) / (B_noise + M) = (var + sqr) / (var + sqr * M / M0)``,
+computed as the AdaScale gain ratio over the scale ``M / M0`` (`gain_ratio`, the
+one definition; the steps' gain, `adaptdl.core.stats.scaling.adascale_gain`, is it).
 It is 1 at ``M0``, non-increasing, and taken as 1 below ``M0`` (a smaller batch is
 not credited with more progress per sample than the initial one). Limits:
 ``sqr = 0 < var`` (pure noise) gives 1 everywhere, ``var = 0`` gives ``M0 / M``
@@ -201,10 +203,27 @@ def log_network_time(m: Math, p: PerfParams, nodes: Any, replicas: Any) -> Any:
     return m.log(m.where(replicas > 1, net, 0.0))
 
 
+def gain_ratio(m: Math, sqr: Any, var: Any, scale: Any) -> Any:
+    """The AdaScale gain ratio of a batch ``scale`` times the initial one: ``(var + sqr)
+    / (var / scale + sqr)``, the initial-batch steps one step of it is worth, within
+    its exact bounds ``[min(1, scale), max(1, scale)]``. The statistical efficiency
+    is this over ``scale`` (Pollux's ``E = r M0 / M``): its one definition, which
+    `efficiency` and `adaptdl.core.stats.scaling.adascale_gain` both take.
+
+    Any ``scale > 0``; ``sqr, var >= 0``, not both 0 (`effective_grad`). Written in
+    this form, the gain without noise (``var = 0``) is exactly 1 and the efficiency
+    never exceeds 1.
+    """
+    gain = (var + sqr) / (var / scale + sqr)
+    # Keep rounding from stepping outside the exact bounds.
+    return m.clip(gain, m.minimum(scale, 1.0), m.maximum(scale, 1.0))
+
+
 def efficiency(m: Math, sqr: float, var: float, init_batch_size: float, batch_size: Any) -> Any:
-    """Statistical efficiency of a total batch size (see the module docstring)."""
+    """Statistical efficiency of a total batch size (see the module docstring): the gain
+    ratio over the scale, a batch below the initial one counted as the initial one."""
     scale = m.maximum(batch_size, init_batch_size) / init_batch_size
-    return (var + sqr) / (var + sqr * scale)
+    return gain_ratio(m, sqr, var, scale) / scale
 
 
 def effective_grad(grad: GradParams) -> tuple[float, float]:

@@ -20,11 +20,14 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import attrs
 
+from adaptdl.core.goodput.model import FLOATS, gain_ratio
 from adaptdl.core.validate import check_float, check_int
 
 
 def adascale_gain(sqr: float, var: float, scale: float) -> float:
-    """Return the AdaScale gain ratio ``(var + sqr) / (var / scale + sqr)``.
+    """Return the AdaScale gain ratio ``(var + sqr) / (var / scale + sqr)``
+    (`adaptdl.core.goodput.model.gain_ratio`, the goodput model's, of which the
+    statistical efficiency is ``gain / scale``), checked and kept within its bounds.
 
     ``sqr`` is |G|^2, the squared norm of the true gradient, and ``var`` the
     variance (trace of the covariance) of a gradient at the *initial* batch size,
@@ -38,12 +41,10 @@ def adascale_gain(sqr: float, var: float, scale: float) -> float:
     sqr = check_float("sqr", sqr, min=0.0)
     var = check_float("var", var, min=0.0)
     scale = check_float("scale", scale, min=0.0, min_exclusive=True)
-    denom = var / scale + sqr
-    if denom == 0.0:
+    try:
+        return float(gain_ratio(FLOATS, sqr, var, scale))
+    except ZeroDivisionError:  # var / scale + sqr is 0: nothing known
         return 1.0
-    gain = (var + sqr) / denom
-    # Keep rounding from stepping outside the exact bounds [min(1, s), max(1, s)].
-    return min(max(gain, min(1.0, scale)), max(1.0, scale))
 
 
 def _check_inputs(gain: float, scale: float, progress: float) -> tuple[float, float, float]:

@@ -7,7 +7,9 @@ gradient, how many micro-batches the step averaged, and, for a step of a single
 micro-batch, the norms that pair it with the previous step. `StepStatistics` folds
 them into the job's `GradientNoiseScale` and returns a `StepDecision`: the
 learning-rate factor of each group under the scaling rule, the step's gain and the
-job's progress once the step is taken.
+job's progress once the step is taken. A program that reports its training loss
+hands core the step's `StepLoss` with the decision's question: core folds it into
+the job's noise floor (`MetricsState.observe_loss`) at the progress before the step.
 
 Three rules live here and nowhere else:
 
@@ -26,7 +28,9 @@ Three rules live here and nowhere else:
 An adapter that measures and steps at different moments (torch measures after the
 backward pass, steps in ``optimizer.step()``) calls `StepStatistics.measure`, then
 `StepStatistics.decide` and `StepStatistics.commit`; one that does both at once
-calls `StepStatistics.step`.
+calls `StepStatistics.step`. The loss rides with `decide`, not with the
+measurement: every optimiser step that reports a loss has one, while only the
+steps the budget chooses measure (and torch reads a step's norms one step late).
 """
 
 from __future__ import annotations
@@ -169,6 +173,37 @@ class StepMeasurement:
         return self.num_replicas * self.micro_batches
 
 
+@attrs.frozen
+class StepLoss:
+    """The training loss a program reported for one optimiser step, for the noise floor.
+
+    ``loss``: the mean of the finite losses reported for the step's micro-batches
+    (NaN when none was finite: the floor counts the step and folds nothing);
+    ``rates``: per parameter group, SGD's rate at the group's base learning rate
+    (`adaptdl.core.stats.floor.sgd_rate`); ``target_loss``: the training loss aimed
+    at (None: none stated). TypeError or ValueError names a field out of range.
+    """
+
+    loss: float
+    rates: tuple[float, ...]
+    target_loss: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.loss, bool) or not isinstance(self.loss, (int, float)):
+            raise ArgumentTypeError(f"loss must be a real number, got {self.loss!r}")
+        object.__setattr__(self, "loss", float(self.loss))
+        if isinstance(self.rates, (str, bytes)) or not isinstance(self.rates, Sequence):
+            raise ArgumentTypeError(
+                f"rates must be a sequence of floats, one per parameter group, got {self.rates!r}"
+            )
+        rates = tuple(check_float(f"rates[{i}]", r, min=0.0) for i, r in enumerate(self.rates))
+        if not rates:
+            raise ValueError("rates must have one value per parameter group, got none")
+        object.__setattr__(self, "rates", rates)
+        if self.target_loss is not None:
+            object.__setattr__(self, "target_loss", check_float("target_loss", self.target_loss))
+
+
 class Fold(enum.Enum):
     """What `StepStatistics.measure` did with a measurement."""
 
@@ -284,18 +319,32 @@ class StepStatistics:
         return Fold.FOLDED
 
     def decide(
-        self, batch_size: int, rule: ScalingRule, num_groups: int | None = None
+        self,
+        batch_size: int,
+        rule: ScalingRule,
+        num_groups: int | None = None,
+        *,
+        loss: StepLoss | None = None,
     ) -> StepDecision | None:
         """The decision for a step of ``batch_size`` samples in all under ``rule``.
 
         ``num_groups``: the optimiser's parameter groups (default: the estimator's).
         None before the job has an estimator (no training loader yet): the step
         then takes the base learning rate and makes no recorded progress.
+        ``loss``: the step's reported training loss (None: none reported), folded
+        into the job's noise floor here, before the step is taken, at the progress
+        before it (ignored, like the step, while there is no estimator). The
+        decision does not read the floor.
         """
         gns = self.metrics.gns
         if gns is None:
             return None
-        return decide(gns, self.metrics.progress, batch_size, rule, num_groups)
+        if loss is not None and not isinstance(loss, StepLoss):
+            raise ArgumentTypeError(f"loss must be a StepLoss or None, got {loss!r}")
+        decision = decide(gns, self.metrics.progress, batch_size, rule, num_groups)
+        if loss is not None:
+            self.metrics.observe_loss(loss.loss, loss.rates, batch_size, loss.target_loss)
+        return decision
 
     def commit(self, decision: StepDecision, *, step: int | None = None) -> None:
         """Record that the step of ``decision`` was taken: add its gain to the progress.
@@ -313,10 +362,12 @@ class StepStatistics:
         init_batch_size: int,
         batch_size: int,
         rule: ScalingRule,
+        loss: StepLoss | None = None,
     ) -> StepDecision:
-        """`measure`, `decide` and `commit` one step at once; return the decision."""
+        """`measure`, `decide` (with the step's ``loss``, if reported) and `commit` one
+        step at once; return the decision."""
         self.measure(measurement, init_batch_size)
-        decision = self.decide(batch_size, rule)
+        decision = self.decide(batch_size, rule, loss=loss)
         assert decision is not None  # measure made the estimator
         self.commit(decision)
         return decision

@@ -1,10 +1,13 @@
 """The job's environment, as the functions programs written for the original AdaptDL call.
 
-Each function answers from :meth:`adaptdl.core.config.JobConfig.from_env`, the
-library's one reader of the environment, at the time of the call (so a program
-that sets a variable before asking sees it, as before). Under torchrun the
-replica's place in the job comes from torchrun's variables; the ``ADAPTDL_*``
-variables a scheduler sets win over them (see `adaptdl.core.config`):
+Once the job has started (`adaptdl.torch.init_process_group`, or the first
+adaptdl.torch object made), each function answers from the job's configuration
+(`Job.config`), read from the environment once at start: a variable changed
+later changes nothing, as it changes nothing else in the job. Before, it answers
+from :meth:`adaptdl.core.config.JobConfig.from_env` at the time of the call, as
+the original did (so a program that sets a variable before asking sees it). Under
+torchrun the replica's place in the job comes from torchrun's variables; the
+``ADAPTDL_*`` variables a scheduler sets win over them (see `adaptdl.core.config`):
 
 ======================  ==================================  ==========================
 function                value                               when nothing is set
@@ -33,6 +36,7 @@ integration). A malformed value raises ValueError naming the variable.
 from __future__ import annotations
 
 from adaptdl.core.config import JobConfig
+from adaptdl.torch import _context
 
 __all__ = [
     "adaptdl_sched_version",
@@ -54,6 +58,9 @@ _ANY_ADDRESS = "0.0.0.0"
 
 
 def _config() -> JobConfig:
+    """The running job's configuration; before the job starts, the environment's now."""
+    if _context.is_initialized():
+        return _context.current_job().config
     return JobConfig.from_env()
 
 

@@ -1,19 +1,74 @@
-"""adaptdl.env: the original's environment functions, answered by JobConfig.from_env."""
+"""adaptdl.env: the original's environment functions, answered by the job's config once it
+has started, by JobConfig.from_env before (each test starts with no job and no variable)."""
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import adaptdl.env as env
-from adaptdl.core.config import ENV_VARS, JobConfig
+import adaptdl.torch as adl
+from adaptdl.core.config import JobConfig
+from adaptdl.torch.collective import collective_timeout
+
+FUNCTIONS = (
+    "replica_rank",
+    "num_replicas",
+    "num_nodes",
+    "num_restarts",
+    "checkpoint_path",
+    "share_path",
+    "job_id",
+    "master_addr",
+    "master_port",
+)
 
 
-@pytest.fixture(autouse=True)
-def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+def _answers() -> dict[str, object]:
+    return {name: getattr(env, name)() for name in FUNCTIONS}
+
+
+def test_after_start_the_environment_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment is read once, when the job starts; a program (or a library it
+    # calls) that changes it later changes neither the job nor what adaptdl.env says.
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "first")
+    monkeypatch.setenv("ADAPTDL_COLLECTIVE_TIMEOUT", "7")
+    adl.init_process_group("gloo")
+    job = adl.current_job()
+    before = _answers()
+    assert before["job_id"] == "first"
+    for name, value in {
+        "ADAPTDL_JOB_ID": "second",
+        "ADAPTDL_COLLECTIVE_TIMEOUT": "9",
+        "ADAPTDL_SHARE_PATH": "/elsewhere",
+        "ADAPTDL_CHECKPOINT_PATH": "/elsewhere",
+        "ADAPTDL_NUM_RESTARTS": "4",
+        "RANK": "not a number",  # not even read: a malformed value raises nothing
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert _answers() == before
+    assert job.config == JobConfig.from_env(
+        {"ADAPTDL_JOB_ID": "first", "ADAPTDL_COLLECTIVE_TIMEOUT": "7"}
+    )
+    assert collective_timeout(job.config) == timedelta(seconds=7)
+
+
+def test_the_jobs_config_holds_the_timeout_given_at_start() -> None:
+    adl.init_process_group("gloo", timeout=timedelta(seconds=11))
+    assert adl.current_job().config.collective_timeout == 11.0
+
+
+def test_before_start_a_variable_set_late_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As the original's: a program may set a variable, then ask, before any job.
+    assert env.job_id() is None
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "late")
+    assert env.job_id() == "late"
+    adl.init_process_group("gloo")
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "later")
+    assert env.job_id() == "late"
 
 
 def test_nothing_set_is_one_replica_without_paths() -> None:
@@ -72,12 +127,6 @@ def test_adaptdl_variables_win_over_torchruns(monkeypatch: pytest.MonkeyPatch) -
         7,
     )
     assert (env.checkpoint_path(), env.share_path(), env.job_id()) == ("/ckpt", "/share", "job-1")
-
-
-def test_a_value_set_after_import_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert env.job_id() is None
-    monkeypatch.setenv("ADAPTDL_JOB_ID", "late")
-    assert env.job_id() == "late"
 
 
 def test_a_malformed_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
