@@ -303,10 +303,6 @@ class DecisionLog:
         gns = self.job.metrics.gns
         if gns is not None and gns.has_estimate:
             record["gns"] = [gns.sqr, gns.var, min(gns.samples, 1e300)]
-            persistent = getattr(gns, "persistent", None)
-            if persistent is not None and persistent.has_estimate:
-                # The prototype's decision-only statistics (signal_persistence).
-                record["decision_gns"] = [persistent.sqr, persistent.var]
             z = getattr(self.inner, "confidence_z", None)
             bound = gns.grad_params_bound(z) if z is not None else None
             if bound is not None:

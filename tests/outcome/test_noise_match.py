@@ -267,11 +267,7 @@ def test_run_overrides_carry_every_option_given_and_only_those() -> None:
         lr=None,
         progress_epochs=8,
         preconditioned=False,
-        smoothing=None,
-        signal_memory=None,
-        signal_decision_only=False,
         noise_match=0.5,
-        floor_credit=False,
         floor_target_loss=None,
     )
     assert time_to_target.run_overrides(args) == {"progress_epochs": 8, "noise_match": 0.5}
