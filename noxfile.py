@@ -185,7 +185,7 @@ def outcome(session: nox.Session) -> None:
     session.run(
         "python",
         "-m",
-        "experiments.outcome.run_all",
+        "experiments.outcome",
         *(session.posargs or ["--out", "out/outcome"]),
         env=THREADS,
     )

@@ -1,10 +1,7 @@
-"""Outcome experiments: adaptive training is statistically sound, in numbers (issue 8).
+"""Issue 8's and 36's outcome: RESULTS.md, summary.json, and items 1-4 in one run.
 
-* `gns_accuracy`: the gradient-noise estimates against closed-form truth;
-* `adascale_scale`: AdaScale (and linear scaling) at scales 1, 4 and 16;
-* `autoscale_vs_fixed`: adaptive batch size against a sweep of fixed ones;
-* `run_all`: all three, printing the tables and writing the plots.
-
-Every training run is a real ``torchrun`` job through ``adaptdl.torch``; the data
-is synthetic, generated from a seeded numpy Generator, so nothing is downloaded.
+``python -m experiments.outcome`` (``nox -s outcome``; `run_all`) runs the quick form of
+`experiments.gns_accuracy`, `experiments.adascale_scale`,
+`experiments.autoscale_vs_fixed` and `experiments.time_to_target`, printing their
+tables and writing the plots. RESULTS.md opens with what holds today.
 """

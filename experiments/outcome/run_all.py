@@ -23,7 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.outcome import adascale_scale, autoscale_vs_fixed, gns_accuracy, time_to_target
+from experiments.adascale_scale import study as adascale_scale
+from experiments.autoscale_vs_fixed import study as autoscale_vs_fixed
+from experiments.gns_accuracy import study as gns_accuracy
+from experiments.time_to_target import study as time_to_target
 
 
 class _Tee(io.TextIOBase):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from adaptdl.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptdl.core.stats.floor import (
     LAPSE_STEPS,
+    FloorConfig,
     LossFloor,
     check_rule,
     floor_level,
@@ -22,7 +23,7 @@ from adaptdl.core.stats.floor import (
     shared_params,
 )
 from adaptdl.core.stats.gns import GradientNoiseScale
-from adaptdl.core.stats.metrics import MetricsState
+from adaptdl.core.stats.metrics import MetricsConfig, MetricsState
 from adaptdl.core.stats.scaling import AdamScale, AdaScale, LEGWScale, LinearScale, SqrtScale
 
 PERF = PerfParams(0.05, 0.01, 0.1, 0.01, 0.02, 0.005, 1.5)
@@ -133,6 +134,17 @@ def _estimator(groups: int = 1, steps: int = 4) -> GradientNoiseScale:
     for sqr_local, total in [(40.0, 15.0), (42.0, 15.5), (38.0, 14.5), (41.0, 15.2)][:steps]:
         est.update([sqr_local / groups] * groups, [total / groups] * groups, 2, 8)
     return est
+
+
+def _metrics(est: GradientNoiseScale) -> MetricsState:
+    """Metrics whose estimator is ``est`` (through the declared factory) and whose
+    floor credits from its first loss."""
+    metrics = MetricsState(
+        config=MetricsConfig(estimator="measured", floor=FloorConfig(min_steps=1)),
+        estimators={"measured": lambda b, g: est},
+    )
+    assert metrics.ensure_gns(est.init_batch_size, est.num_groups) is est
+    return metrics
 
 
 def test_observe_sets_the_share_from_the_loss_average_after_its_minimum() -> None:
@@ -260,8 +272,7 @@ def test_the_floor_round_trips_as_data_and_refuses_bad_state() -> None:
 
 
 def test_metrics_credit_the_share_in_the_goodput_models_and_checkpoint_it() -> None:
-    metrics = MetricsState()
-    metrics.gns = _estimator()
+    metrics = _metrics(_estimator())
     for _ in range(4):
         metrics.profiler.record(1, 1, 16, accum_step=False, step_time=0.02)
     raw = metrics.grad_params()
@@ -269,7 +280,6 @@ def test_metrics_credit_the_share_in_the_goodput_models_and_checkpoint_it() -> N
     bound = metrics.bound_goodput_fn(1.0, 16)
     assert raw is not None and fn is not None and bound is not None
     assert fn.grad_params == raw and metrics.floor is None and metrics.floor_share() == 0.0
-    metrics.floor = LossFloor(min_steps=1)
     metrics.observe_loss(0.02, [sgd_rate(0.05, 0.9)], 16)
     share = metrics.floor_share()
     assert 0.0 < share <= 0.9
@@ -380,9 +390,7 @@ def test_a_drift_that_sheds_nothing_leaves_the_floor_all_that_is_left() -> None:
 
 
 def test_the_metrics_fold_the_loss_at_the_jobs_progress() -> None:
-    metrics = MetricsState()
-    metrics.gns = _estimator()
-    metrics.floor = LossFloor(min_steps=1)
+    metrics = _metrics(_estimator())
     for _ in range(5):
         metrics.add_progress(2.0)
         metrics.observe_loss(0.5, [sgd_rate(0.01, 0.9)], 16)

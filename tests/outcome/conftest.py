@@ -1,4 +1,4 @@
-"""Make the repository root importable, so that tests can import ``experiments.outcome``."""
+"""Make the repository root importable, so that tests can import ``experiments``."""
 
 import sys
 from pathlib import Path

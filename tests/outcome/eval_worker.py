@@ -4,9 +4,9 @@ against the same evaluations on the whole set in one process (rank 0 writes both
 from __future__ import annotations
 
 import torch.distributed as dist
-from experiments.outcome import problems
-from experiments.outcome._common import worker_config, write_result
-from experiments.outcome.trainer import (
+from experiments.harness import problems
+from experiments.harness.launch import worker_config, write_result
+from experiments.harness.trainer import (
     classifier_eval,
     dyck_lm,
     lm_eval,

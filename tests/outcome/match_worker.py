@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from experiments.outcome._common import worker_config, write_result
-from experiments.outcome.noise_match import match_noise
+from experiments.harness.launch import worker_config, write_result
+from experiments.harness.noisematch import match_noise
 
 import torch
 

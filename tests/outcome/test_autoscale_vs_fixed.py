@@ -1,4 +1,4 @@
-"""Item 3's table (`experiments.outcome.autoscale_vs_fixed`): what it prints for a run
+"""Item 3's table (`experiments.autoscale_vs_fixed`): what it prints for a run
 that misses its target.
 
 A run that misses its target went on to its end, the progress cap or a divergence:
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.outcome import autoscale_vs_fixed as avf
+from experiments.autoscale_vs_fixed import study as avf
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -11,7 +11,7 @@ import platform
 
 import numpy as np
 import pytest
-from experiments.outcome import problems
+from experiments.harness import problems
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -70,7 +70,7 @@ def test_bad_arguments_are_named(kwargs: dict[str, object], message: str) -> Non
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_the_problem_trains_one_step_and_evaluates(optimizer: str) -> None:
-    from experiments.outcome.trainer import CHARLM_ADAM, CHARLM_SGD, build_problem, make_optimizer
+    from experiments.harness.trainer import CHARLM_ADAM, CHARLM_SGD, build_problem, make_optimizer
 
     import torch
 

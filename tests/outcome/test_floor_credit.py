@@ -1,4 +1,4 @@
-"""`experiments.outcome.floor_credit`: the tables, the options' refusals, the wiring."""
+"""`experiments.loss_floor`: the tables, the options' refusals, the wiring."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from experiments.outcome import floor_credit, time_to_target
+from experiments.loss_floor import study as floor_credit
+from experiments.time_to_target import study as time_to_target
 
 from adaptdl.core.stats.floor import floor_level, sgd_rate
 
@@ -120,42 +121,24 @@ def test_the_floor_options_reach_the_runs_and_are_refused_where_undefined(
         lr=None,
         progress_epochs=None,
         preconditioned=False,
-        smoothing=None,
-        signal_memory=None,
-        signal_decision_only=False,
         noise_match=None,
-        floor_credit=True,
         floor_target_loss=0.35,
     )
-    assert time_to_target.run_overrides(args) == {"floor_credit": True, "floor_target_loss": 0.35}
-    zero = argparse.Namespace(**{**vars(args), "floor_credit": False, "floor_target_loss": 0.0})
+    assert time_to_target.run_overrides(args) == {"floor_target_loss": 0.35}
+    zero = argparse.Namespace(**{**vars(args), "floor_target_loss": 0.0})
     assert time_to_target.run_overrides(zero) == {"floor_target_loss": 0.0}
     adaptive = ["--kinds", "adaptive", "--problems", "shapes"]
     cases = [
-        (["--floor-credit", "--kinds", "adaptive,fixed"], "applies to adaptive runs"),
         (["--floor-target-loss", "0", "--kinds", "fixed"], "applies to adaptive runs"),
-        (["--floor-credit", "--floor-target-loss", "0.3", *adaptive], "one decision at a time"),
+        (["--floor-target-loss", "0.3", "--noise-match", *adaptive], "not allowed with argument"),
         (["--floor-target-loss", "0.3", "--kinds", "adaptive", "--problems", "dyck"], "dyck"),
-        (["--floor-credit", "--from-log", str(tmp_path), *adaptive], "selects runs to make"),
-        (["--floor-credit", "--smoothing", "0.9", *adaptive], "replaces the estimator"),
+        (["--floor-target-loss", "0.3", "--from-log", str(tmp_path), *adaptive], "runs to make"),
         (["--floor-target-loss", "nan", *adaptive], "--floor-target-loss must be finite"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit):
             time_to_target.main([*argv, "--out", str(tmp_path)])
         assert message in capsys.readouterr().err
-    # Core's floor share keeps core's estimator: another estimator option goes with it.
-    share = argparse.Namespace(
-        floor_credit=False,
-        floor_target_loss=0.3,
-        from_log=None,
-        kinds="adaptive",
-        problems="shapes",
-        smoothing=0.9,
-        signal_memory=None,
-        preconditioned=False,
-    )
-    assert floor_credit.check_options(share, time_to_target.PROBLEMS) is None
 
 
 def test_time_to_target_refuses_to_summarise_floor_runs_and_floor_credit_does(
@@ -188,11 +171,11 @@ def test_time_to_target_refuses_to_summarise_floor_runs_and_floor_credit_does(
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_the_share_reaches_the_decision_of_an_adaptive_run_under_torchrun() -> None:
-    from experiments.outcome._common import launch
+    from experiments.harness.launch import launch
 
     (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="adaptive")
     cfg = {**cfg, "stop_at_target": False, "progress_epochs": 4, "floor_target_loss": 0.0}
-    result = launch("experiments.outcome.trainer", 2, cfg)
+    result = launch("experiments.harness.trainer", 2, cfg)
     # Core's estimator: the share is core's (adaptdl.core.stats.floor), through report_loss.
     assert result["estimator"] == "GradientNoiseScale" and not result["diverged"]
     floor = np.array(result["floor"])

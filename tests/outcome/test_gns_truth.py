@@ -1,10 +1,10 @@
-"""The exact statistics of `experiments.outcome.gns_truth`, against numpy on least squares."""
+"""The exact statistics of `experiments.gns_truth`, against numpy on least squares."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from experiments.outcome import gns_truth
+from experiments.gns_truth import study as gns_truth
 
 import torch
 

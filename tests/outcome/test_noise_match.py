@@ -1,4 +1,4 @@
-"""`experiments.outcome.noise_match`: the added noise's weight, the mix, the wiring."""
+"""`experiments.noise_match`: the added noise's weight, the mix, the wiring."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from experiments.outcome import noise_match, time_to_target
+from experiments.noise_match import study as noise_match
+from experiments.time_to_target import study as time_to_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,12 +192,12 @@ def test_noise_match_is_refused_for_an_adaptive_run(
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_the_level_reaches_the_trainer_and_moves_the_training() -> None:
-    from experiments.outcome._common import launch
+    from experiments.harness.launch import launch
 
     (cfg,) = time_to_target.configs("shapes", 0, quick=True, kinds="fixed", sizes=[64])
     cfg = {**cfg, "stop_at_target": False, "progress_epochs": 1}
     results = {
-        level: launch("experiments.outcome.trainer", 2, {**cfg, "noise_match": level})
+        level: launch("experiments.harness.trainer", 2, {**cfg, "noise_match": level})
         for level in (None, 0.5, 1.0)
     }
     # The same steps and gains' run; each level trains differently.
@@ -241,7 +242,7 @@ def test_the_trainer_config_is_refused_where_the_mix_is_not_defined(
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_small_gradient_is_averaged_over_the_replicas() -> None:
-    from experiments.outcome._common import launch
+    from experiments.harness.launch import launch
 
     result = launch("tests.outcome.match_worker", 2, {"samples": 4, "weight": 0.5})
     assert result["world"] == 2
@@ -266,11 +267,7 @@ def test_run_overrides_carry_every_option_given_and_only_those() -> None:
         lr=None,
         progress_epochs=8,
         preconditioned=False,
-        smoothing=None,
-        signal_memory=None,
-        signal_decision_only=False,
         noise_match=0.5,
-        floor_credit=False,
         floor_target_loss=None,
     )
     assert time_to_target.run_overrides(args) == {"progress_epochs": 8, "noise_match": 0.5}

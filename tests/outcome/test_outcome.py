@@ -12,7 +12,8 @@ import itertools
 
 import numpy as np
 import pytest
-from experiments.outcome import adascale_scale, gns_accuracy
+from experiments.adascale_scale import study as adascale_scale
+from experiments.gns_accuracy import study as gns_accuracy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

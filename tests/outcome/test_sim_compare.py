@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from experiments.outcome import measured_profile as mp
-from experiments.outcome import sim_compare
+from experiments.sim_compare import measured_profile as mp
+from experiments.sim_compare import study as sim_compare
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from experiments.outcome import problems, summaries, time_to_target
+from experiments.harness import problems, summaries
+from experiments.time_to_target import study as time_to_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +28,7 @@ def test_shapes_are_deterministic_balanced_and_noisy() -> None:
 
 
 def test_one_draw_for_every_seed_varies_only_the_order() -> None:
-    from experiments.outcome.trainer import shapes_data
+    from experiments.harness.trainer import shapes_data
 
     cfg = {"train_size": 300, "val_size": 50, "noise": 0.4, "data_seed": 7}
     a, b = (shapes_data({**cfg, "seed": seed}) for seed in (0, 1))
@@ -306,15 +307,13 @@ def test_short_is_the_first_calibration() -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("problem", ["shapes", "dyck"])
 def test_one_quick_adaptive_run_trains_and_reports(problem: str) -> None:
-    from experiments.outcome._common import launch
+    from experiments.harness.launch import launch
 
     cfg = time_to_target.configs(problem, 0, quick=True)[0]
     assert cfg["autoscale"]
-    # `--smoothing` (on one problem; the other keeps the estimator's default).
-    smoothing = {"shapes": 0.99, "dyck": None}[problem]
-    cfg = {**cfg, "stop_at_target": False, "smoothing": smoothing}
-    result = launch("experiments.outcome.trainer", 2, cfg)
-    assert result["smoothing"] == (smoothing or 0.999)
+    cfg = {**cfg, "stop_at_target": False}
+    result = launch("experiments.harness.trainer", 2, cfg)
+    assert result["smoothing"] == 0.999 and result["estimator"] == "GradientNoiseScale"
     steps = np.asarray(result["steps"])
     assert result["replicas"] == 2 and not result["diverged"]
     assert result["progress"] >= cfg["progress_epochs"] * cfg["train_size"] / 16 - 1e-6
@@ -397,7 +396,7 @@ def test_preconditioned_is_refused_for_a_problem_without_adamscale(
 def test_evaluations_shared_over_replicas_are_the_whole_sets() -> None:
     """Each replica evaluates its share and the sums are all-reduced: the figures every
     replica gets are the whole validation set's, also when the shares are unequal."""
-    from experiments.outcome._common import launch
+    from experiments.harness.launch import launch
 
     result = launch("tests.outcome.eval_worker", 2, {"images": 1001, "sequences": 301})
     assert result["world"] == 2
@@ -439,7 +438,7 @@ def test_the_decision_at_target_is_the_last_one_before_it() -> None:
 
 
 def test_parameters_finite_sees_a_nan_or_inf_in_any_parameter() -> None:
-    from experiments.outcome.trainer import parameters_finite
+    from experiments.harness.trainer import parameters_finite
 
     import torch
 

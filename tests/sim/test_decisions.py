@@ -20,7 +20,6 @@ from adaptdl.core.goodput import PerfParams
 from adaptdl.core.job import Job
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.stats.gns import GradientNoiseScale
-from adaptdl.core.stats.profiler import Profiler
 from adaptdl.core.topology import Topology
 from adaptdl.sim.apps import ApplicationModel, ParametricApplication, builtin_applications
 from adaptdl.sim.jobs import SimJob
@@ -59,7 +58,6 @@ def _torch_decision(
     topo = Topology(rank=0, num_replicas=num_replicas, num_nodes=num_nodes)
     job = Job(topo, collective=_RankZero(num_replicas))  # type: ignore[arg-type]
     loader = LoaderHelper(job, m0)
-    job.metrics.profiler = Profiler.from_json(sim.goodput.profiler.to_json())
     grad = sim.goodput.grad
     # An estimator that has seen as many samples as the simulated job trained on (the
     # decision's warm-up reads them off the normaliser), with the same statistics.
@@ -67,7 +65,7 @@ def _torch_decision(
     weight = max(-math.expm1(sim.goodput.samples / m0 * math.log(smoothing)), 1e-12)
     # The simulator's statistics are exact: every step's estimate the same, no spread,
     # so the decision's confidence cap (which the simulator does not apply) is no cap.
-    job.metrics.gns = GradientNoiseScale(
+    gns = GradientNoiseScale(
         init_batch_size=m0,
         smoothing=smoothing,
         sqr_biased=(grad.sqr * weight,),
@@ -77,6 +75,10 @@ def _torch_decision(
         var_diff_biased=0.0,
         moment_weight=weight,
         moment_weight_sq=weight**2 / 1e6,
+    )
+    # Restored as a checkpoint would restore them: the metrics' own state, as data.
+    job.metrics.load_json(
+        {"gns": gns.to_json(), "progress": 0.0, "profiler": sim.goodput.profiler.to_json()}
     )
     # The simulated job takes the statistics exactly as core's estimator reports them.
     measured = job.metrics.grad_params()

@@ -13,7 +13,10 @@ from torch.utils.data import TensorDataset
 import adaptdl.torch as adl
 import torch
 from adaptdl.core.loop.boundary import Preempted
-from adaptdl.core.stats.floor import floor_level, floor_share, sgd_rate
+from adaptdl.core.stats.estimators import ESTIMATORS
+from adaptdl.core.stats.floor import FloorConfig, floor_level, floor_share, sgd_rate
+from adaptdl.core.stats.gns import GradientNoiseScale
+from adaptdl.core.stats.metrics import MetricsConfig
 from adaptdl.core.stats.scaling import adascale_gain
 from adaptdl.torch import _context
 from adaptdl.torch.parallel import AdaptiveDataParallel
@@ -296,3 +299,37 @@ def test_a_job_with_two_models_counts_the_lapse_once_per_batch() -> None:
     floor = adp._job.metrics.floor
     # Batches 1 and 2 count one optimiser step each toward the lapse, not two.
     assert floor is not None and floor.steps == 1 and floor.idle == 2
+
+
+def test_the_floor_off_by_config_takes_the_reported_losses_and_credits_nothing(
+    writer: Any,
+) -> None:
+    adl.init_process_group("gloo", metrics_config=MetricsConfig(floor=FloorConfig(enabled=False)))
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.autoscale_batch_size(8, (1, 8))
+    _context.current_job().batch_size_decision = lambda query: (8, 0)
+    model, opt = sgd(momentum=0.9)
+    adp = AdaptiveDataParallel(model, opt)
+    _train(adp, opt, loader, 16)  # 128 steps: past the floor's 100, were it on
+    metrics = adp._job.metrics
+    assert metrics.floor is None and metrics.floor_share() == 0.0
+    fn = adp._job.goodput_fn()
+    assert fn is not None and fn.grad_params == metrics.grad_params()
+    adp.to_tensorboard(writer, 1)
+    assert "Gradient/floor_share" not in writer.scalars
+
+
+def test_init_process_group_makes_the_estimator_the_config_names() -> None:
+    def smoothed(init_batch_size: int, num_groups: int) -> GradientNoiseScale:
+        return GradientNoiseScale(
+            init_batch_size=init_batch_size, num_groups=num_groups, smoothing=0.9
+        )
+
+    adl.init_process_group(
+        "gloo",
+        metrics_config=MetricsConfig(estimator="smoothed"),
+        estimators={**ESTIMATORS, "smoothed": smoothed},
+    )
+    loader, adp, opt = accumulating()
+    _train(adp, opt, loader, 1)
+    assert adp.gns is not None and adp.gns.smoothing == 0.9 and adp.gns.has_estimate

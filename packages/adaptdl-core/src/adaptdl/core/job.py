@@ -39,7 +39,8 @@ from adaptdl.core.persist.restore import (
     where,
 )
 from adaptdl.core.persist.shardedfiles import FileState
-from adaptdl.core.stats.metrics import MetricsState
+from adaptdl.core.stats.estimators import ESTIMATORS, EstimatorFactory
+from adaptdl.core.stats.metrics import MetricsConfig, MetricsState
 from adaptdl.core.topology import Topology
 from adaptdl.core.validate import check_float, check_int
 
@@ -75,6 +76,10 @@ class Job:
     loop that runs now and the one that trains (`enter_loader`, `exit_loader`,
     `accumulating`, `set_training_loader`), and what the training loop measures
     (`record_sync_time`, `goodput`, `goodput_fn`).
+
+    ``metrics_config`` (`MetricsConfig`) names the gradient-noise estimator, one of
+    ``estimators`` (the declared factory, `adaptdl.core.stats.estimators`), and
+    configures the experimental loss floor.
     """
 
     def __init__(
@@ -92,6 +97,8 @@ class Job:
         share: Share | None = None,
         report_interval: float = REPORT_INTERVAL,
         config: JobConfig | None = None,
+        metrics_config: MetricsConfig | None = None,
+        estimators: Mapping[str, EstimatorFactory] = ESTIMATORS,
     ) -> None:
         self.topology = topology or (config.topology if config is not None else Topology())
         self.config = config if config is not None else JobConfig(topology=self.topology)
@@ -166,7 +173,9 @@ class Job:
         self._count_replay()
         self.epoch = EpochState()
         self.register(self.epoch)
-        self.metrics = MetricsState()
+        # The estimator by name from ``estimators`` (the declared factory), and the
+        # experimental loss floor's configuration.
+        self.metrics = MetricsState(config=metrics_config, estimators=estimators)
         self.register(self.metrics)
         self.started_at = clock()
         if self._loaded is not None and self._rank0:

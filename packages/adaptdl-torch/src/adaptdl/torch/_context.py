@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +25,8 @@ from adaptdl.core.persist.journal import Journal, journal_name
 from adaptdl.core.persist.localfs import LocalShare, LocalStorage
 from adaptdl.core.persist.shardedfiles import ShardedCheckpointStore
 from adaptdl.core.persist.storage import StagingStorage, Storage
+from adaptdl.core.stats.estimators import ESTIMATORS, EstimatorFactory
+from adaptdl.core.stats.metrics import MetricsConfig
 from adaptdl.core.topology import Topology
 from adaptdl.torch import _log, _release, _signals
 from adaptdl.torch.collective import TorchCollective, collective_timeout
@@ -53,6 +56,8 @@ def init_process_group(
     *,
     timeout: timedelta | None = None,
     storage: Storage | None = None,
+    metrics_config: MetricsConfig | None = None,
+    estimators: Mapping[str, EstimatorFactory] | None = None,
 ) -> None:
     """Join the job: set up ``torch.distributed``, the default job and its checkpoints.
 
@@ -81,6 +86,11 @@ def init_process_group(
     point they all reach, within ``ADAPTDL_STOP_WAIT`` seconds (see
     `adaptdl.torch._signals`).
 
+    ``metrics_config`` (`adaptdl.core.stats.metrics.MetricsConfig`) picks the
+    gradient-noise estimator by name from ``estimators`` (default
+    `adaptdl.core.stats.estimators.ESTIMATORS`) and configures the EXPERIMENTAL loss
+    floor (`report_loss`); by default core's estimator and the floor on.
+
     When an adaptdl.torch object made before this call (an `AdaptiveDataLoader`,
     the seed tutorial's order) already initialised the job with the default
     backend, this call only checks that it asks for nothing else.
@@ -92,7 +102,14 @@ def init_process_group(
     global _job, _gloo_group, _owns_process_group, _locked
     if _job is not None:
         _check_placement(_job.topology, world_size, rank)
-        _accept_after_implicit(backend, timeout, init_method, storage)
+        _accept_after_implicit(
+            backend,
+            timeout,
+            init_method,
+            storage,
+            metrics_config=metrics_config,
+            estimators=estimators,
+        )
         return
     config = JobConfig.from_env(os.environ)  # the one read of the environment
     _log.configure(config.log_level)
@@ -158,6 +175,8 @@ def init_process_group(
             share=LocalShare(config.share_path) if config.share_path is not None else None,
             report_interval=config.report_interval,
             config=config,
+            metrics_config=metrics_config,
+            estimators=ESTIMATORS if estimators is None else estimators,
         )
     except BaseException:
         # A failed restore must not leave this process holding the directory: a retry
@@ -190,13 +209,14 @@ def _accept_after_implicit(
     timeout: timedelta | None,
     init_method: str | None,
     storage: Storage | None,
+    **more: Any,
 ) -> None:
     """Accept an explicit call that repeats what the implicit initialisation did."""
     global _implicit_backend
     implicit = _implicit_backend
     if implicit is None:
         raise RuntimeError("adaptdl.torch.init_process_group() was already called in this process")
-    given = {"timeout": timeout, "init_method": init_method, "storage": storage}
+    given = {"timeout": timeout, "init_method": init_method, "storage": storage, **more}
     extra = [name for name, value in given.items() if value is not None]
     if (backend is not None and backend != implicit) or extra:
         asked = f"backend={backend!r}" if not extra else ", ".join(extra)

@@ -325,7 +325,8 @@ class AdaptiveStrategy(DDPStrategy):  # type: ignore[misc,unused-ignore]
     Launch with torchrun; the job starts (`adaptdl.torch.init_process_group`) when
     the Trainer sets up its environment, unless the program started it before.
     ``report_loss`` (with ``target_loss``, None: none stated): report each training
-    step's loss to `AdaptiveDataParallel.report_loss` (SGD under AdaScale only).
+    step's loss to `AdaptiveDataParallel.report_loss` (SGD under AdaScale only;
+    the loss floor is EXPERIMENTAL).
     """
 
     def __init__(

@@ -734,7 +734,9 @@ class AdaptiveSteps:
     def report_loss(self, loss: torch.Tensor | float, *, target_loss: float | None = None) -> None:
         """Report this micro-batch's training loss (the mean over its samples, whose
         gradient the step takes), opt-in: the batch-size decision then credits the
-        noise floor a batch keeps (`adaptdl.core.stats.floor`).
+        noise floor a batch keeps (`adaptdl.core.stats.floor`). EXPERIMENTAL: not yet
+        shown to win on problems it was not tuned on; configured (or turned off) by
+        ``init_process_group(metrics_config=MetricsConfig(floor=FloorConfig(...)))``.
 
         Call it inside the training loop, once per micro-batch, before or after
         ``optimizer.step()``; the losses since the last step are averaged into the next

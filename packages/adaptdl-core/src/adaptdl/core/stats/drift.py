@@ -1,4 +1,6 @@
-"""The training loss's drift over progress, and what it sheds over a horizon.
+"""The training loss's drift over progress, and what it sheds over a horizon (EXPERIMENTAL).
+
+Part of the loss floor (`adaptdl.core.stats.floor`), an experimental, optional component.
 
 Without a stated target, the floor's share (`adaptdl.core.stats.floor`) needs the loss a
 run will shed from here. `DriftHistory` keeps the drift (the training loss less the

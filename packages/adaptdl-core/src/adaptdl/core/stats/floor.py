@@ -1,4 +1,11 @@
-"""The noise floor an SGD batch keeps, and the decision's credit for it (opt-in).
+"""The noise floor an SGD batch keeps, and the decision's credit for it (opt-in, EXPERIMENTAL).
+
+**Experimental.** The credit won on the problem it was developed on (the shapes CNN)
+and is not yet shown on a problem it was not tuned on (issue 36's held-out problems,
+``experiments/outcome/RESULTS.md``): until it is, it stays an optional component a
+program opts into by reporting its training loss, configured by `FloorConfig`
+(``FloorConfig(enabled=False)`` turns it off whatever the program reports), and its
+behaviour may change.
 
 Pollux's goodput credits a batch with its progress per second: its throughput times
 its statistical efficiency ``E(M)``, the progress a sample makes at total batch ``M``
@@ -167,6 +174,12 @@ def shared_params(params: GradParams, share: float) -> GradParams:
 
 
 # attrs converters (named, for mypy's attrs plugin), each naming its field.
+def _enabled(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"enabled must be True or False, got {value!r}")
+    return value
+
+
 def _memory(value: Any) -> float:
     return _fraction("memory", value)
 
@@ -222,18 +235,47 @@ class _Basis:
         return cls(**values)
 
 
+DEFAULT_MEMORY = 0.99
+"""The loss's moving average's memory per optimiser step, by default."""
+DEFAULT_MIN_STEPS = 100
+"""Losses folded before any credit, by default."""
+DEFAULT_CAP = 0.9
+"""The share's largest value, by default."""
+
+
+@attrs.frozen
+class FloorConfig:
+    """The loss floor's configuration (EXPERIMENTAL: see the module docstring).
+
+    ``enabled`` False: a reported loss is accepted and folds nothing, so the decision
+    is core's rule and the job holds no floor. ``memory`` (per optimiser step, in
+    [0, 1)), ``min_steps`` (>= 1) and ``cap`` (in [0, 1)) are `LossFloor`'s.
+    ValueError naming the field for a value outside those ranges.
+    """
+
+    enabled: bool = attrs.field(default=True, converter=_enabled)
+    memory: float = attrs.field(default=DEFAULT_MEMORY, converter=_memory)
+    min_steps: int = attrs.field(default=DEFAULT_MIN_STEPS, converter=_min_steps)
+    cap: float = attrs.field(default=DEFAULT_CAP, converter=_cap)
+
+    def make(self) -> LossFloor:
+        """A new floor with this configuration (whether or not ``enabled``)."""
+        return LossFloor(memory=self.memory, min_steps=self.min_steps, cap=self.cap)
+
+
 @attrs.define(eq=False)
 class LossFloor:
-    """The training loss's moving average, and the floor's share of the loss left.
+    """The training loss's moving average, and the floor's share of the loss left
+    (EXPERIMENTAL: see the module docstring; made from a `FloorConfig`).
 
     ``memory`` (per step), ``min_steps`` (losses folded before any credit) and
     ``cap`` (the share's largest value) are configuration; the rest is state, all
     of it checkpointed.
     """
 
-    memory: float = attrs.field(default=0.99, converter=_memory)
-    min_steps: int = attrs.field(default=100, converter=_min_steps)
-    cap: float = attrs.field(default=0.9, converter=_cap)
+    memory: float = attrs.field(default=DEFAULT_MEMORY, converter=_memory)
+    min_steps: int = attrs.field(default=DEFAULT_MIN_STEPS, converter=_min_steps)
+    cap: float = attrs.field(default=DEFAULT_CAP, converter=_cap)
     steps: int = attrs.field(default=0, converter=_steps)
     loss_sum: float = attrs.field(default=0.0, converter=_loss_sum)
     loss_weight: float = attrs.field(default=0.0, converter=_loss_weight)

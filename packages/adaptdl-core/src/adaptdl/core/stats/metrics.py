@@ -3,18 +3,52 @@ and (where the program reports its training loss) the noise floor's share."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import attrs
 
 from adaptdl.core.goodput import GoodputFunction, GradParams
 from adaptdl.core.persist.checkpoint import JsonState
-from adaptdl.core.stats.floor import LossFloor
+from adaptdl.core.stats.estimators import (
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    EstimatorFactory,
+    estimator_factory,
+)
+from adaptdl.core.stats.floor import FloorConfig, LossFloor
 from adaptdl.core.stats.gns import GNS_SCHEMA_WITHOUT_SPREAD, GradientNoiseScale
 from adaptdl.core.stats.profiler import Profiler
 from adaptdl.core.validate import check_float
 
 # The estimator's schema before progress moved here; its JSON held the progress.
 _GNS_SCHEMA_WITH_PROGRESS = "adaptdl.gns/1"
+
+
+def _estimator_name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"estimator must be a non-empty name, got {value!r}")
+    return value
+
+
+def _floor_config(value: Any) -> FloorConfig:
+    if not isinstance(value, FloorConfig):
+        raise ValueError(f"floor must be a FloorConfig, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class MetricsConfig:
+    """The configuration of a job's metrics: which estimator, and the loss floor's.
+
+    ``estimator`` names a constructor of the registry the job is given
+    (`adaptdl.core.stats.estimators`; the name is checked against it where the
+    `MetricsState` is made). ``floor`` configures the loss floor, an EXPERIMENTAL
+    component that acts only where the program reports its training loss.
+    """
+
+    estimator: str = attrs.field(default=DEFAULT_ESTIMATOR, converter=_estimator_name)
+    floor: FloorConfig = attrs.field(factory=FloorConfig, converter=_floor_config)
 
 
 class MetricsState(JsonState):
@@ -27,12 +61,24 @@ class MetricsState(JsonState):
 
     ``floor`` exists once the program reports its training loss (`observe_loss`):
     the goodput model the decision reads then credits the noise floor a batch keeps
-    (`adaptdl.core.stats.floor`) while the losses keep coming. `grad_params` stays the
-    estimator's own.
+    (`adaptdl.core.stats.floor`, EXPERIMENTAL) while the losses keep coming, unless
+    ``config.floor`` is disabled. `grad_params` stays the estimator's own.
+
+    The estimator is made by the constructor ``config.estimator`` names in
+    ``estimators`` (the declared factory; ValueError naming the value and the
+    registered names for an unknown one).
     """
 
-    def __init__(self, name: str = "adaptdl-metrics") -> None:
+    def __init__(
+        self,
+        name: str = "adaptdl-metrics",
+        *,
+        config: MetricsConfig | None = None,
+        estimators: Mapping[str, EstimatorFactory] = ESTIMATORS,
+    ) -> None:
         self.name = name
+        self.config = MetricsConfig() if config is None else config
+        self._make_estimator = estimator_factory(self.config.estimator, estimators)
         self.gns: GradientNoiseScale | None = None
         self.progress = 0.0
         self.profiler = Profiler()
@@ -43,8 +89,14 @@ class MetricsState(JsonState):
     def ensure_gns(self, init_batch_size: int, num_groups: int = 1) -> GradientNoiseScale:
         """The gradient-noise estimator for this shape, made anew if needed."""
         gns = self.gns
-        if gns is None or (gns.init_batch_size, gns.num_groups) != (init_batch_size, num_groups):
-            gns = GradientNoiseScale(init_batch_size=init_batch_size, num_groups=num_groups)
+        shape = (init_batch_size, num_groups)
+        if gns is None or (gns.init_batch_size, gns.num_groups) != shape:
+            gns = self._make_estimator(init_batch_size, num_groups)
+            if (gns.init_batch_size, gns.num_groups) != shape:
+                raise ValueError(
+                    f"estimator {self.config.estimator!r} made one for (init_batch_size, "
+                    f"num_groups) {(gns.init_batch_size, gns.num_groups)}, asked for {shape}"
+                )
             self.gns = gns
         return gns
 
@@ -92,9 +144,12 @@ class MetricsState(JsonState):
         target_loss: float | None = None,
     ) -> None:
         """Fold one step's training ``loss`` into the floor (`LossFloor.observe`, made
-        at the first call), at the job's progress now (None: no target stated)."""
+        at the first call from ``config.floor``), at the job's progress now (None: no
+        target stated). Nothing where the floor is disabled: no floor is made."""
+        if not self.config.floor.enabled:
+            return
         if self.floor is None:
-            self.floor = LossFloor()
+            self.floor = self.config.floor.make()
         self.floor.observe(loss, rates, self.gns, batch_size, target_loss, self.progress)
 
     def floor_share(self) -> float:
@@ -156,3 +211,5 @@ class MetricsState(JsonState):
             self.floor = LossFloor.from_json(floor) if floor is not None else None
         except (TypeError, ValueError) as err:
             raise ValueError(f"the metrics state's floor: {err}") from err
+        if not self.config.floor.enabled:
+            self.floor = None  # checked, but a job configured without the floor credits none

@@ -3,7 +3,7 @@
 One worker trains one configuration to a target scale-invariant progress (in
 epochs of the initial batch size: ``progress_epochs * train_size / init_batch_size``
 initial-batch steps) and reports the trajectory; the loop and what it reports are
-`experiments.outcome.trainer.train`'s, shared with the problems of item 4.
+`experiments.harness.trainer.train`'s, shared with the problems of item 4.
 
 Either the batch size is fixed (``local_bsz`` and ``accum_steps`` given: the job's
 batch-size decision is replaced by `FixedSplit`) or it is adaptive
@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import gaussian_mixture, worker_config
+from experiments.harness.launch import gaussian_mixture, worker_config
+from experiments.harness.trainer import classifier_eval, train
 
 #: The problem and the base optimiser, tuned at the initial batch size only.
 PROBLEM = {
@@ -52,7 +53,6 @@ def data(cfg: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 def worker() -> None:
     """One replica of one training run (see the module docstring for the config)."""
     import torch.nn.functional as F
-    from experiments.outcome.trainer import classifier_eval, train
 
     import adaptdl.torch as adl
     import torch

@@ -10,7 +10,7 @@ noise scale is the wrong statistic for this network (McCandlish et al.'s
 curvature-weighted ``B_noise = tr(H Sigma) / G^T H G`` is the one their theory
 derives). This experiment tells them apart.
 
-How. One process trains the CNN as `experiments.outcome.trainer` does (SGD,
+How. One process trains the CNN as `experiments.harness.trainer` does (SGD,
 momentum 0.9, learning rate 0.01) at the initial batch, 16 samples per step as
 two micro-batches of 8: exactly what two replicas hand the estimator. Each step's
 squared norms feed core's `GradientNoiseScale` at every ``smoothing`` given (the
@@ -34,7 +34,7 @@ vector includes the part of the gradient the momentum iterate is bouncing
 along), so `summarise` compares ratios of means over phases of the run (the
 estimator's averages are means too), not single points.
 
-    python -m experiments.outcome.gns_truth --seeds 0,1 --out out/gns_truth
+    python -m experiments.gns_truth --seeds 0,1 --out out/gns_truth
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from experiments.harness import problems
+from experiments.harness.trainer import shapes_cnn
 
 #: The run: the shapes problem of `time_to_target` as first calibrated (`SHORT`: pixel
 #: noise 0.5, RESULTS.md item 4, sixth follow-up), truth every ``every`` samples.
@@ -151,8 +153,6 @@ def exact_statistics(
 def run(seed: int, cfg: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train one seed, returning the estimator's readings and the truth at each checkpoint."""
     import torch.nn.functional as F
-    from experiments.outcome import problems
-    from experiments.outcome.trainer import shapes_cnn
 
     import torch
     from adaptdl.core.stats.gns import GradientNoiseScale

@@ -24,7 +24,7 @@ size chosen in hindsight by each column itself). The profile check line gives, f
 each configuration the real runs used, the model's step time over the mean measured
 one: what the simulated seconds inherit.
 
-    python -m experiments.outcome.sim_compare out/outcome [--out DIR] [--perf cpu]
+    python -m experiments.sim_compare out/outcome [--out DIR] [--perf cpu]
         [--noise sweep]
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 import numpy as np
-from experiments.outcome import measured_profile as mp
+from experiments.sim_compare import measured_profile as mp
 
 from adaptdl.core.stats.scaling import AdamScale, AdaScale, LinearScale, ScalingRule
 from adaptdl.sim.profiled import ProfiledApplication, simulate_to_progress

@@ -18,9 +18,13 @@ follows a cosine schedule over the *progress*, so that runs at different scales 
 the same schedule per unit of progress, and the scaling rule (``adascale``,
 ``adamscale`` or ``linear``) multiplies it at each step.
 
-``python -m experiments.outcome.trainer`` runs the worker of the ``problem`` named in
+What the run changes from the library's default path is one declared choice,
+`experiments.harness.variants.Variant` (core's path, the loss floor, noise matching
+or AdamScale's preconditioned noise), read once from the config.
+
+``python -m experiments.harness.trainer`` runs the worker of the ``problem`` named in
 its config: ``shapes`` (a small CNN) or ``dyck`` (a small transformer language
-model), both from `experiments.outcome.problems`.
+model), both from `experiments.harness.problems`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from experiments.outcome._common import FixedSplit, worker_config, write_result
+from experiments.harness import problems
+from experiments.harness.launch import FixedSplit, worker_config, write_result
+from experiments.harness.noisematch import check_config, extra_noise_weight, match_noise
+from experiments.harness.variants import Variant
 
 #: The shapes CNN: 8 classes of 16 x 16 images, tuned at the initial batch size only.
 SHAPES = {
@@ -106,56 +113,17 @@ def train(
 
     job = current_job()
     b0 = cfg["init_batch_size"]
-    if cfg.get("smoothing") is not None and job.restored_from is None:
-        # `time_to_target --smoothing`: another memory (a restored estimator keeps its own)
-        from adaptdl.core.stats.gns import GradientNoiseScale
-
-        job.metrics.gns = GradientNoiseScale(init_batch_size=b0, smoothing=cfg["smoothing"])
-    memory = None
-    if cfg.get("signal_memory") is not None:
-        # `time_to_target --signal-memory`: the prototype persistent-signal estimator.
-        # Its queue pairs each step's product with the step's norms only where the step
-        # contract folds them one step late (several replicas), and only from a fresh
-        # start (a restored estimator is core's and would take the products in its gain).
-        if job.topology.num_replicas < 2 or job.restored_from is not None:
-            raise ValueError("signal_memory needs two or more replicas and a fresh start")
-        from experiments.outcome.signal_persistence import GradientMemory, PersistentSignalScale
-
-        job.metrics.gns = PersistentSignalScale(
-            init_batch_size=b0, decision_only=cfg.get("signal_decision_only", False)
-        )
-        memory = GradientMemory(cfg["signal_memory"])
-    meter = None
-    # `time_to_target --floor-target-loss LOSS`: core's floor share (adaptdl.core.stats.floor),
-    # through the loss the loop reports (`report_loss`), with LOSS its target.
-    report_target = cfg.get("floor_target_loss")
-    reporting = report_target is not None
-    if report_target == "horizon":
-        report_target = None  # report_loss's default: no target stated
-    if cfg.get("floor_credit") or reporting:
-        from experiments.outcome import noise_floor
-
-        noise_floor.check_config(cfg)
-        if cfg.get("floor_credit") and reporting:
-            raise ValueError("floor_credit and floor_target_loss are two decisions: one at a time")
-    if cfg.get("floor_credit"):
-        # `time_to_target --floor-credit` (noise_floor): the per-step credit, a prototype
-        # estimator. A restored estimator would be core's; another option's replaced.
-        if job.restored_from is not None or memory is not None or cfg.get("smoothing"):
-            raise ValueError(
-                "floor_credit needs a fresh start and no other estimator option "
-                "(smoothing, signal_memory)"
-            )
-        meter = noise_floor.FloorMeter()
-        job.metrics.gns = noise_floor.FloorCreditScale(init_batch_size=b0, meter=meter)
+    variant = Variant.of(cfg)  # the one declared choice (core's path, or one variant)
+    # `floor`: core's floor share (adaptdl.core.stats.floor), through the loss the loop
+    # reports (`report_loss`), its target the variant's (None: the horizon).
+    reporting = variant.kind == "floor"
+    report_target = variant.floor_target
     matched = None
-    if cfg.get("noise_match"):
-        # `time_to_target --noise-match` (noise_match): a fixed size's steps carry the
-        # initial batch's gradient noise per unit of progress.
-        from experiments.outcome.noise_match import check_config, extra_noise_weight, match_noise
-
+    if variant.kind == "noise-match":
+        # A fixed size's steps carry the initial batch's gradient noise per unit of
+        # progress (times the variant's level).
         matched = check_config(cfg, job.topology.num_replicas)
-        level = float(cfg["noise_match"])  # True (1.0): the initial batch's noise
+        level = variant.noise_level
     n = cfg["train_size"]
     loader = adl.AdaptiveDataLoader(range(n), batch_size=b0, shuffle=True)
     if cfg.get("autoscale"):
@@ -174,9 +142,7 @@ def train(
     optimizer = make_optimizer(cfg, model.parameters())
     rules = {"linear": LinearScale, "adamscale": AdamScale, "adascale": AdaScale}
     rule = rules[cfg["rule"]]()
-    if cfg.get("preconditioned"):  # `time_to_target --preconditioned`: the original's noise
-        if cfg["rule"] != "adamscale":
-            raise ValueError(f"preconditioned applies to rule 'adamscale', not {cfg['rule']!r}")
+    if variant.kind == "preconditioned":  # the original's noise (Variant.of checked the rule)
         rule = AdamScale(preconditioned=True)
     adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
 
@@ -192,10 +158,9 @@ def train(
     reached: dict[str, float] | None = None
     diverged = False
     noise: list[list[float]] = []
-    # Floor decisions only: per-step-credit rows (progress, lambda), floor-share rows
-    # (progress, the training loss's average, the initial batch's floor, the share).
+    # The floor variant only: rows (progress, the training loss's average, the initial
+    # batch's floor, the share), once the job holds a floor with a share.
     floor: list[list[float]] = []
-    params = list(model.parameters())
     tick, tick_cpu = time.perf_counter(), time.process_time()
     for _ in adl.remaining_epochs_until(cfg["progress_epochs"]):
         for idx in loader:
@@ -213,15 +178,11 @@ def train(
             fraction = min(adp.progress / target, 1.0)
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(cfg, fraction)
-            if memory is not None:
-                job.metrics.gns.pending.append(memory.product(list(model.parameters())))
             if matched is not None:
                 weight = extra_noise_weight(helper.current_batch_size / b0, adp.gain, level)
                 if weight > 0.0:  # the same on every replica: the gain is the job's
                     match_noise(model, batch_loss, torch.as_tensor(idx), matched, weight)
             step_loss = float(loss)
-            if meter is not None:
-                meter.before_step(params)
             optimizer.step()
             if reporting:
                 # Each replica reports its own; rank 0's decision (broadcast) reads its.
@@ -230,9 +191,6 @@ def train(
                 if shared is not None and share > 0.0 and len(steps) % 8 == 0:
                     floor0 = shared.floor0_at(job.metrics.grad_params())
                     floor.append([adp.progress, shared.average, floor0, share])
-            if meter is not None:
-                lr = cosine_lr(cfg, fraction) * adp.last_lr_factor
-                meter.after_step(params, lr, adp.gns.var, helper.current_batch_size)
             # Judged on the parameters, the same on every replica after the averaged
             # step: a rank judging its own loss could stop while the other enters the
             # next all-reduce and waits there.
@@ -254,9 +212,6 @@ def train(
             if len(steps) % 8 == 1 and adp.gns is not None:
                 g = adp.gns
                 noise.append([adp.progress, samples, g.sqr, g.var, min(g.samples, 1e300)])
-                if meter is not None:  # (progress, the meter's share; NaN while immature)
-                    share = meter.share
-                    floor.append([adp.progress, math.nan if share is None else share])
             if samples >= next_eval:
                 train_time += time.perf_counter() - tick
                 train_cpu += time.process_time() - tick_cpu
@@ -307,7 +262,7 @@ def train(
                 "decisions": getattr(job.batch_size_decision, "records", []),
                 # Every few steps: (progress, samples, |G|^2, tr(Sigma), estimate samples).
                 "noise": noise,
-                **({"floor": floor} if meter is not None or reporting else {}),
+                **({"floor": floor} if reporting else {}),
             }
         )
 
@@ -348,10 +303,6 @@ class DecisionLog:
         gns = self.job.metrics.gns
         if gns is not None and gns.has_estimate:
             record["gns"] = [gns.sqr, gns.var, min(gns.samples, 1e300)]
-            persistent = getattr(gns, "persistent", None)
-            if persistent is not None and persistent.has_estimate:
-                # The prototype's decision-only statistics (signal_persistence).
-                record["decision_gns"] = [persistent.sqr, persistent.var]
             z = getattr(self.inner, "confidence_z", None)
             bound = gns.grad_params_bound(z) if z is not None else None
             if bound is not None:
@@ -460,7 +411,6 @@ def shapes_data(cfg: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     loader visits them in (its shuffle is seeded alike in every run).
     """
     import numpy as np
-    from experiments.outcome import problems
 
     n, data_seed = cfg["train_size"], cfg.get("data_seed")
     x, y = problems.shapes(
@@ -542,7 +492,6 @@ def build_problem(
     indices)`` and ``evaluate()`` are what `train` takes.
     """
     import torch.nn.functional as F
-    from experiments.outcome import problems
 
     import torch
 

@@ -1,4 +1,4 @@
-"""What a real run of `experiments.outcome.trainer` measured, read back as a simulator profile.
+"""What a real run of `experiments.harness.trainer` measured, read back as a simulator profile.
 
 A run leaves one result JSON (``launch`` starts every run without a checkpoint path,
 so no checkpoint survives it). From it:

@@ -24,11 +24,11 @@ account; if it keeps the plain run's, (b).
 
 ``--noise-match LEVEL`` asks for LEVEL (in (0, 1]) times that noise instead.
 
-    python -m experiments.outcome.time_to_target --problems shapes --kinds fixed \
+    python -m experiments.time_to_target --problems shapes --kinds fixed \
         --sizes 128,256 --noise-match --seed-list 0,1,2 --out out/nm/matched
-    python -m experiments.outcome.time_to_target --problems shapes --kinds fixed \
+    python -m experiments.time_to_target --problems shapes --kinds fixed \
         --sizes 16,128,256 --seed-list 0,1,2 --out out/nm/plain
-    python -m experiments.outcome.noise_match out/nm/matched/time_to_target.jsonl \
+    python -m experiments.noise_match out/nm/matched/time_to_target.jsonl \
         out/nm/plain/time_to_target.jsonl --levels 0.5,0.7,0.8,0.86
 
 The summary takes the runs of one calibration and target per problem (it refuses a
@@ -41,120 +41,26 @@ import argparse
 import itertools
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from experiments.harness.noisematch import check_config, extra_noise_weight, match_noise
+from experiments.harness.runs import (
+    check_one_calibration,
+    level_of,
+    name_of,
+    own_target,
+    retarget,
+    total_of,
+)
 
-
-def extra_noise_weight(scale: float, gain: float, level: float = 1.0) -> float:
-    """``k`` for which ``g_M + k (g_m - g_M)`` has covariance ``level * Sigma / (gain * m)``.
-
-    ``g_m`` is the mean gradient of ``m`` of the ``M = scale * m`` samples whose mean is
-    ``g_M``, so ``Cov(g_m, g_M) = Sigma / M`` and the mix's covariance is
-    ``((1 - k^2) / M + k^2 / m) Sigma``. ``gain`` is clipped to ``[1, scale]`` (the
-    AdaScale gain's range). At ``level`` 1 (the initial batch's noise per unit of
-    progress) a gain of 1 gives ``k = 1`` (the small batch's gradient) and ``scale``
-    gives 0 (no added noise); a ``level`` in (0, 1) asks for that fraction of it, and
-    ``k`` is 0 where the batch's own noise is already below it.
-    """
-    if not (scale >= 1.0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number >= 1, got {scale!r}")
-    if not math.isfinite(gain):
-        raise ValueError(f"gain must be finite, got {gain!r}")
-    if not 0.0 < level <= 1.0:
-        raise ValueError(f"level must be in (0, 1], got {level!r}")
-    if scale == 1.0:
-        return 0.0
-    r = min(max(gain, 1.0), scale)
-    return math.sqrt(max(scale * level / r - 1.0, 0.0) / (scale - 1.0))
-
-
-def check_config(cfg: dict[str, Any], replicas: int) -> int:
-    """The samples each of ``replicas`` contributes to the small batch of a
-    ``noise_match`` run of the trainer config ``cfg``; ValueError for an adaptive
-    run, one that accumulates, a batch below the initial one, or an initial batch the
-    replicas do not divide."""
-    b0 = cfg["init_batch_size"]
-    local = cfg.get("local_bsz", 0)
-    if (
-        cfg.get("autoscale")
-        or cfg.get("accum_steps", 0)
-        or replicas < 1
-        or b0 % replicas
-        or local * replicas < b0
-    ):
-        raise ValueError(
-            "noise_match needs a fixed size at least the initial batch, without "
-            "accumulation, and an initial batch that the replicas divide; got "
-            f"autoscale={cfg.get('autoscale')!r}, accum_steps={cfg.get('accum_steps')!r}, "
-            f"local_bsz={local!r}, init_batch_size={b0!r}, replicas={replicas!r}"
-        )
-    return int(b0 // replicas)
-
-
-def match_noise(
-    model: Any,
-    batch_loss: Callable[[Any, Any], Any],
-    local_indices: Any,
-    local_samples: int,
-    weight: float,
-) -> None:
-    """Mix ``weight`` of the small-batch gradient into ``model``'s averaged ``.grad``.
-
-    The small batch is the first ``local_samples`` of ``local_indices`` on every
-    replica (the loader's order is already shuffled), its gradient averaged over the
-    replicas with `torch.distributed` when a process group is up. The gradient is
-    taken through detached copies of the parameters, so AdaptDL's gradient hooks
-    (on the parameters themselves) do not see it. Its extra forward pass would
-    update batch-norm statistics and draw dropout masks: the outcome problems' models
-    have neither.
-    """
-    import torch.distributed as dist
-
-    import torch
-
-    if not 0 < local_samples <= len(local_indices):
-        raise ValueError(
-            f"local_samples must be in [1, {len(local_indices)}] (the local batch), "
-            f"got {local_samples}"
-        )
-    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
-    copies = {name: p.detach().requires_grad_() for name, p in named}
-
-    def net(*inputs: Any) -> Any:
-        return torch.func.functional_call(model, copies, inputs)
-
-    loss = batch_loss(net, local_indices[:local_samples])
-    grads = torch.autograd.grad(loss, list(copies.values()))
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-    offset = 0
-    with torch.no_grad():
-        for _, p in named:
-            small = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            p.grad.add_(small - p.grad, alpha=weight)
-
-
-def level_of(run: dict[str, Any]) -> float:
-    """The run's ``noise_match`` level: 0 for a plain run, 1 for ``True`` (older logs)."""
-    return float(run["config"].get("noise_match") or 0.0)
-
-
-def name_of(size: int, level: float) -> str:
-    """'fixed 256', 'fixed 256, noise matched' (level 1) or 'fixed 256, noise at 0.5'."""
-    if level == 0.0:
-        return f"fixed {size}"
-    return f"fixed {size}, " + ("noise matched" if level == 1.0 else f"noise at {level:g}")
+# Re-exported: the mechanism lives in the harness, which the trainer applies.
+__all__ = ["check_config", "extra_noise_weight", "level_of", "match_noise", "name_of"]
 
 
 def _size(run: dict[str, Any]) -> int:
-    from experiments.outcome.time_to_target import total_of
-
     return total_of(run["config"], run.get("replicas", 2))
 
 
@@ -262,8 +168,6 @@ def level_table(runs: Sequence[dict[str, Any]], levels: Sequence[float]) -> str:
     first reached the level (read off its evaluations, `time_to_target.retarget`: an
     accuracy, or for a loss target the excess over the optimal loss) over that seed's
     smallest plain size's."""
-    from experiments.outcome.time_to_target import retarget
-
     key = "accuracy" if "target_accuracy" in runs[0]["config"] else "excess"
     columns = []
     for level in levels:
@@ -330,8 +234,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "statistics",
     )
     args = parser.parse_args(argv)
-    from experiments.outcome.time_to_target import check_one_calibration, own_target
-
     runs = [json.loads(line) for p in args.logs for line in p.read_text().splitlines() if line]
     fixed = [r for r in runs if not r["config"].get("autoscale")]
     rows = []

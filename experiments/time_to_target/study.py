@@ -1,7 +1,7 @@
 """Time to a target, adaptive against every size of a fixed sweep, over seeds (item 4).
 
-The two problems of `experiments.outcome.problems` (the shapes CNN and the Dyck
-transformer; `experiments.outcome.trainer` trains them) on 2 replicas under
+The two problems of `experiments.harness.problems` (the shapes CNN and the Dyck
+transformer; `experiments.harness.trainer` trains them) on 2 replicas under
 torchrun, each seed a new initialisation and order (shapes: on one data draw,
 `data_seed`) or a new data draw as well (dyck):
 
@@ -18,7 +18,7 @@ run the table gives the median over seeds and the range; "best fixed" is the fix
 size with the smallest median, chosen in hindsight.
 
 The summaries and tables (medians, pairs by seed, the model against the sweep) are
-`experiments.outcome.summaries`'s. `PROBLEMS` holds the problems as calibrated now
+`experiments.harness.summaries`'s. `PROBLEMS` holds the problems as calibrated now
 (a target at least a minute of CPU time away at the initial size); `--short` runs
 the first, shorter calibration (`SHORT`) that RESULTS.md's earlier follow-ups
 measured. `--from-log` refuses to summarise runs of two calibrations, or made to
@@ -35,278 +35,53 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import launch
-from experiments.outcome.summaries import (
+from experiments.harness.runs import (
+    ADAPTIVE,
+    CALIBRATION_KEYS,
+    PROBLEMS,
+    QUICK,
+    SHORT,
+    SWEEP,
+    TARGET_KEYS,
+    check_one_calibration,
+    configs,
+    label_of,
+    own_target,
+    retarget,
+    run,
+    total_of,
+)
+from experiments.harness.summaries import (
     decision_paths,
     model_table,
     model_vs_measured,
     phase_table,
     summarise,
 )
-from experiments.outcome.summaries import table as summary_table
-from experiments.outcome.trainer import DYCK, SHAPES
+from experiments.harness.summaries import table as summary_table
+from experiments.harness.variants import Variant
+from experiments.loss_floor import study as loss_floor
+from experiments.noise_match import study as noise_match
 
-#: Fixed total batch sizes (16, 32, ..., 1024) as (local batch, accumulation steps) on 2
-#: replicas, within the adaptive run's local bounds.
-SWEEP = ((8, 0), (16, 0), (32, 0), (64, 0), (128, 0), (128, 1), (128, 3))
-
-ADAPTIVE = {
-    "autoscale": True,
-    "max_batch_size": 1024,
-    # A local batch of at most 128 stands for a device's memory limit.
-    "local_bsz_bounds": [8, 128],
-    "gradient_accumulation": True,
-}
-
-#: Each problem with its target and progress cap (the cosine schedule's length).
-#: Calibrated so that the target takes at least a minute of CPU time at the initial
-#: size (the issue's floor; RESULTS.md item 4, seventh and eighth follow-ups): with a
-#: shorter run the warm-up at small sizes weighs on every comparison.
-PROBLEMS: dict[str, dict[str, Any]] = {
-    "shapes": {
-        **SHAPES,
-        # Four times the images of the first calibration: on 16,384 the CNN overfit
-        # (validation loss rising after about 6 epochs) and plateaued at 73-76%.
-        "train_size": 65536,
-        # At pixel noise 0.5 the accuracy plateaued at 76-77% within 3 epochs (a Bayes
-        # error); at 0.4 it still climbs at 8 (final 87.1-88.5% at 16, a draw per seed).
-        "noise": 0.4,
-        # Four times the validation images: on 2,048 the accuracy's standard error
-        # (0.75 points) was half the climb of the last half of training, so the time to
-        # a target was mostly the luck of one evaluation. An evaluation every 8,192
-        # samples keeps their cost (wall time, not counted as training) as it was.
-        "val_size": 8192,
-        "eval_every_samples": 8192,
-        # One data draw for every seed (the seed varies initialisation and order), so
-        # that seeds differ in training only. (With a draw per seed the initial size
-        # reached the target in 34-58 CPU s; on one draw its spread stayed wide,
-        # 47-110 over 6 seeds: RESULTS.md item 4, eighth follow-up.)
-        "data_seed": 0,
-        # The target, from the fixed-16 runs of 3 seeds by `choose_targets` (final
-        # 87.0-87.8%), reached at 16 in 62-70 CPU s. On 8 epochs the same draw reached
-        # it in 50 s (seed 0): a longer cosine schedule keeps the rate up for longer;
-        # the final accuracy barely moves.
-        "target_accuracy": 0.86,
-        "progress_epochs": 12,
-    },
-    "dyck": {
-        **DYCK,
-        # Twice the sequences of the first calibration: on 32,768 the fixed-16 runs end
-        # within 0.0002 nats of the optimum, on 16,384 within 0.0005-0.001.
-        "train_size": 32768,
-        # The best possible loss of each seed's draw is known exactly (problems.dyck).
-        # The target, from the fixed-16 runs of 3 seeds by `choose_targets`.
-        "target_excess": 0.001,
-        "progress_epochs": 8,
-        "eval_every_samples": 4096,
-    },
-}
-
-#: The first calibration (RESULTS.md item 4 up to its sixth follow-up; `--short`):
-#: shapes at 75% in 22 CPU s at the initial size, dyck at optimal + 0.001 in 36.
-SHORT: dict[str, dict[str, Any]] = {
-    "shapes": {
-        "data_seed": None,
-        "noise": 0.5,
-        "progress_epochs": 3,
-        "val_size": 2048,
-        "eval_every_samples": 4096,
-        "target_accuracy": 0.75,
-    },
-    "dyck": {"train_size": 16384, "target_excess": 0.001},
-}
-
-#: Settings small enough for CI (tests/outcome): the same code, a fraction of the data.
-QUICK = {"train_size": 2048, "val_size": 512, "progress_epochs": 2, "eval_every_samples": 1024}
-
-
-def total_of(cfg: dict[str, Any], replicas: int = 2) -> int:
-    """The total batch size of a fixed run's config on ``replicas`` replicas."""
-    return int(replicas * cfg["local_bsz"] * (cfg["accum_steps"] + 1))
-
-
-def label_of(cfg: dict[str, Any]) -> str:
-    """'adaptive' or 'fixed <total>' for a run's config on 2 replicas."""
-    if cfg.get("autoscale"):
-        return "adaptive"
-    return f"fixed {total_of(cfg)}"
-
-
-def configs(
-    problem: str,
-    seed: int,
-    quick: bool = False,
-    *,
-    kinds: str = "adaptive,fixed",
-    to_cap: bool = False,
-    overrides: dict[str, Any] | None = None,
-    sizes: Sequence[int] | None = None,
-) -> list[dict[str, Any]]:
-    """The adaptive run and the fixed sweep for one problem and seed, in run order.
-
-    ``kinds`` selects "adaptive" and/or "fixed" runs; ``to_cap`` runs every one to its
-    progress cap instead of stopping at the target (the time to any target no
-    stricter is then read off its evaluations, `retarget`); ``overrides`` replace
-    settings of the problem (e.g. a target); ``sizes`` keeps only those fixed totals
-    of the sweep (ValueError for a total the sweep does not have).
-    """
-    base = {**PROBLEMS[problem], **(overrides or {}), "seed": seed, "stop_at_target": not to_cap}
-    if quick:
-        base.update(QUICK)
-    wanted = set(kinds.split(","))
-    runs = [{**base, **ADAPTIVE}] if "adaptive" in wanted else []
-    sweep = {2 * local * (accum + 1): (local, accum) for local, accum in SWEEP}
-    if sizes is not None:
-        unknown = sorted(set(sizes) - set(sweep))
-        if unknown:
-            raise ValueError(f"sizes {unknown} are not in the fixed sweep {sorted(sweep)}")
-        sweep = {total: split for total, split in sweep.items() if total in sizes}
-    if "fixed" in wanted:
-        runs += [
-            {**base, "local_bsz": local, "accum_steps": accum} for local, accum in sweep.values()
-        ]
-    return runs
-
-
-def run(
-    problem: str,
-    seeds: Sequence[int],
-    quick: bool = False,
-    *,
-    jobs: int = 1,
-    log: Path | None = None,
-    kinds: str = "adaptive,fixed",
-    to_cap: bool = False,
-    overrides: dict[str, Any] | None = None,
-    sizes: Sequence[int] | None = None,
-) -> list[dict[str, Any]]:
-    """Every run of ``problem`` for every seed; each result carries label and seed.
-
-    ``jobs`` runs launch at a time (CPU time, the primary measure, is per process;
-    wall time then includes the contention). Each result is appended to ``log`` (JSON
-    lines) as it arrives, so that an interrupted measurement keeps what it finished.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    todo = [
-        (seed, cfg)
-        for seed in seeds
-        for cfg in configs(
-            problem, seed, quick, kinds=kinds, to_cap=to_cap, overrides=overrides, sizes=sizes
-        )
-    ]
-
-    def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any]:
-        seed, cfg = item
-        result = launch("experiments.outcome.trainer", 2, cfg, timeout=3600.0)
-        result.update(label=label_of(cfg), seed=seed, problem=problem)
-        if log is not None:
-            with log.open("a") as f:
-                f.write(json.dumps(result) + "\n")
-        return result
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, todo))
-
-
-def retarget(
-    result: dict[str, Any], accuracy: float | None = None, excess: float | None = None
-) -> dict[str, Any]:
-    """``result`` as if its target had been ``accuracy`` (or the loss ``excess`` above
-    the optimal one), read off its evaluations.
-
-    Valid for any target when the run went on to its cap, and for a target no stricter
-    than the run's own when it stopped there (its trajectory beyond is not known);
-    raises ValueError otherwise.
-    """
-    cfg = result["config"]
-    if (accuracy is None) == (excess is None):
-        raise ValueError("give exactly one of accuracy and excess")
-    stopped = cfg.get("stop_at_target", False) and result["reached"] is not None
-    if accuracy is not None:
-        own = cfg.get("target_accuracy")
-        if own is None or (stopped and accuracy > own):
-            raise ValueError(f"accuracy must be <= the run's own target {own!r}, got {accuracy!r}")
-
-        def hit(loss: float, acc: float) -> bool:
-            return acc >= accuracy
-    else:
-        optimal, own = cfg.get("optimal_loss"), cfg.get("target_excess")
-        if optimal is None or own is None or (stopped and excess < own):  # type: ignore[operator]
-            raise ValueError(f"excess must be >= the run's own target {own!r}, got {excess!r}")
-        target_loss = optimal + excess
-
-        def hit(loss: float, acc: float) -> bool:
-            return loss <= target_loss
-
-    reached = None
-    for progress, samples, seconds, loss, acc, cpu in result["evals"]:
-        if hit(loss, acc):
-            reached = {
-                "seconds": seconds,
-                "cpu_seconds": cpu,
-                "progress": progress,
-                "samples": samples,
-                "steps": sum(1 for s in result["steps"] if s[0] <= progress),
-            }
-            break
-    target = {"target_accuracy": accuracy} if accuracy is not None else {"target_excess": excess}
-    return {**result, "reached": reached, "retarget": target}
-
-
-#: The configuration keys that make a problem what it is: its data and its schedule.
-CALIBRATION_KEYS = (
-    "data_seed",
-    "train_size",
-    "val_size",
-    "noise",
-    "length",
-    "brackets",
-    "max_depth",
-    "progress_epochs",
-    # How finely the time to the target is read off.
-    "eval_every_samples",
-)
-
-
-def check_one_calibration(runs: Sequence[dict[str, Any]]) -> None:
-    """Raise ValueError when ``runs`` were made on different calibrations of a problem.
-
-    Times to target on different data or schedules do not compare (`SHORT` against
-    `PROBLEMS`, for instance), whatever target they are read at.
-    """
-    # Runs logged before `data_seed` existed drew their data from their own seed.
-    runs = [{**r, "config": {"data_seed": None, **r["config"]}} for r in runs]
-    _shared(runs, CALIBRATION_KEYS, "on different calibrations of the problem")
-
-
-#: The configuration keys that name a run's target.
-TARGET_KEYS = ("target_accuracy", "target_excess")
-
-
-def own_target(runs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
-    """The target ``runs`` were run to, or None without runs.
-
-    Raises ValueError when they were run to different targets: their times to target
-    do not compare until `retarget` reads them off at one.
-    """
-    return _shared(
-        runs,
-        TARGET_KEYS,
-        "to different targets",
-        "; give one to read them at (--retarget-accuracy, --retarget-excess or --auto-targets)",
-    )
-
-
-def _shared(
-    runs: Sequence[dict[str, Any]], keys: Sequence[str], what: str, hint: str = ""
-) -> dict[str, Any] | None:
-    """The values of ``keys`` (those a run's configuration has) that every run shares;
-    None without runs; ValueError ("runs were made ``what``: ...``hint``") otherwise."""
-    seen = {tuple((key, r["config"][key]) for key in keys if key in r["config"]) for r in runs}
-    if len(seen) > 1:
-        raise ValueError(f"runs were made {what}: {sorted(seen, key=repr)}{hint}")
-    return dict(seen.pop()) if seen else None
+# Re-exported: the runs' machinery is the harness's (`experiments.harness.runs`).
+__all__ = [
+    "ADAPTIVE",
+    "CALIBRATION_KEYS",
+    "PROBLEMS",
+    "QUICK",
+    "SHORT",
+    "SWEEP",
+    "TARGET_KEYS",
+    "check_one_calibration",
+    "choose_targets",
+    "configs",
+    "label_of",
+    "main",
+    "own_target",
+    "retarget",
+    "run",
+    "total_of",
+]
 
 
 #: Grids the targets are rounded to: half a point of accuracy, 0.0005 nats of loss.
@@ -376,15 +151,37 @@ def run_overrides(args: argparse.Namespace) -> dict[str, Any]:
     options = {
         "lr": args.lr,
         "progress_epochs": args.progress_epochs,
+        # The variant (at most one: the parser's exclusive group).
         "preconditioned": True if args.preconditioned else None,
-        "smoothing": args.smoothing,
-        "signal_memory": args.signal_memory,
-        "signal_decision_only": True if args.signal_decision_only else None,
         "noise_match": args.noise_match,
-        "floor_credit": True if args.floor_credit else None,
         "floor_target_loss": args.floor_target_loss,
     }
     return {key: value for key, value in options.items() if value is not None}
+
+
+def floor_errors(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--floor-target-loss`` in ``args`` (the `Variant` checks the
+    rest: SGD problems only), or None.
+
+    It selects adaptive runs to make: not with ``--from-log`` or fixed runs, and a
+    finite loss (or ``horizon``).
+    """
+    target = args.floor_target_loss
+    if target is None:
+        return None
+    if args.from_log:
+        return (
+            "--floor-target-loss selects runs to make; summarise their logs with "
+            "python -m experiments.loss_floor"
+        )
+    if args.kinds != "adaptive":
+        return (
+            "--floor-target-loss applies to adaptive runs: give --kinds adaptive, "
+            f"not {args.kinds!r}"
+        )
+    if isinstance(target, float) and not math.isfinite(target):
+        return f"--floor-target-loss must be finite, got {target}"
+    return None
 
 
 def floor_target(text: str) -> float | str:
@@ -418,29 +215,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         type=int,
         help="the progress cap (the cosine schedule's length) instead of the problem's",
     )
-    parser.add_argument(
+    # One variant of core's path at most (experiments.harness.variants).
+    variant = parser.add_mutually_exclusive_group()
+    variant.add_argument(
         "--preconditioned",
         action="store_true",
         help="AdamScale(preconditioned=True): the noise of Adam's preconditioned gradient",
     )
-    parser.add_argument(
-        "--smoothing",
-        type=float,
-        help="the gradient-noise estimator's smoothing instead of its default (a sweep)",
-    )
-    parser.add_argument(
-        "--signal-memory",
-        type=float,
-        help="the prototype estimator whose |G|^2 is the step's gradient times the "
-        "average of the earlier ones with this memory (signal_persistence)",
-    )
-    parser.add_argument(
-        "--signal-decision-only",
-        action="store_true",
-        help="with --signal-memory: the product steers the batch-size decision only; "
-        "the AdaScale gain keeps core's estimate",
-    )
-    parser.add_argument(
+    variant.add_argument(
         "--noise-match",
         nargs="?",
         const=1.0,
@@ -449,12 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="fixed sizes whose steps carry the initial batch's gradient noise per unit of "
         "progress, or LEVEL (in (0, 1]) times it (noise_match)",
     )
-    parser.add_argument(
-        "--floor-credit",
-        action="store_true",
-        help="the batch-size decision credits the noise floor a batch keeps (floor_credit)",
-    )
-    parser.add_argument(
+    variant.add_argument(
         "--floor-target-loss",
         type=floor_target,
         metavar="LOSS",
@@ -515,25 +292,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "--short selects the calibration to run; --from-log reads runs as they were made "
             "(give --retarget-accuracy or --retarget-excess to read them at another target)"
         )
-    if args.signal_decision_only and args.signal_memory is None:
-        parser.error("--signal-decision-only needs --signal-memory")
     if args.noise_match is not None and args.from_log:
         parser.error(
             "--noise-match selects the runs to make; summarise noise-matched runs with "
-            "python -m experiments.outcome.noise_match"
+            "python -m experiments.noise_match"
         )
     if args.noise_match is not None and "adaptive" in args.kinds.split(","):
         parser.error("--noise-match applies to fixed sizes: give --kinds fixed")
     if args.noise_match is not None and not 0.0 < args.noise_match <= 1.0:
         parser.error(f"--noise-match LEVEL must be in (0, 1], got {args.noise_match}")
-    from experiments.outcome import floor_credit
-
-    if (wrong := floor_credit.check_options(args, PROBLEMS)) is not None:
+    if (wrong := floor_errors(args)) is not None:
         parser.error(wrong)
     if args.preconditioned:
         other = [p for p in args.problems.split(",") if PROBLEMS[p]["rule"] != "adamscale"]
         if other:
             parser.error(f"--preconditioned applies to AdamScale problems (dyck), not {other}")
+    for problem in args.problems.split(","):
+        try:
+            Variant.of({**PROBLEMS[problem], **run_overrides(args)})
+        except ValueError as err:
+            parser.error(f"problem {problem}: {err}")
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     summaries: dict[str, Any] = {}
@@ -558,15 +336,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             )
             for key, kind, module in [
                 ("noise_match", "noise-matched", "noise_match"),
-                ("floor_credit", "per-step-credit", "floor_credit"),
-                ("floor_target_loss", "floor-share", "floor_credit"),
+                ("floor_credit", "per-step-credit", "loss_floor"),  # logs of the archive
+                ("floor_target_loss", "floor-share", "loss_floor"),
             ]:
                 # Their labels are core's ("fixed 256", "adaptive"): they would merge.
                 values = [r["config"].get(key) for r in runs]
                 if any(v is not None and v is not False for v in values):  # 0.0 is given
                     parser.error(
                         f"{problem}: the logs hold {kind} runs; summarise them with "
-                        f"python -m experiments.outcome.{module}"
+                        f"python -m experiments.{module}"
                     )
             try:
                 check_one_calibration(runs)
@@ -608,13 +386,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.noise_match is not None:
             # Noise-matched runs carry the plain sizes' labels, which the sweep's summaries
             # would read as hand-tuned sizes: noise_match's table names them instead.
-            from experiments.outcome import noise_match
-
             print(f"{problem}:\n{noise_match.table(noise_match.at_target(runs))}\n")
             continue
-        if args.floor_credit or args.floor_target_loss is not None:
-            # Their label is core's ("adaptive"): floor_credit's table names the decision.
-            print(f"{problem}:\n{floor_credit.target_table(runs)}\n")
+        if args.floor_target_loss is not None:
+            # Their label is core's ("adaptive"): loss_floor's table names the decision.
+            print(f"{problem}:\n{loss_floor.target_table(runs)}\n")
             continue
         summaries[problem] = summarise(runs)
         print(table(problem, summaries[problem], target))

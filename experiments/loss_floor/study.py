@@ -1,14 +1,17 @@
-"""The noise floor's tables (#18, eleventh follow-up): runs to the target, and loss gaps.
+"""The loss floor study (#18, item 4's eleventh to thirteenth follow-ups): its tables.
 
-    python -m experiments.outcome.floor_credit LOGS [--pool]     # target_table
-    python -m experiments.outcome.floor_credit LOGS --gaps P,... # floor_gap_table
+The floor (`adaptdl.core.stats.floor`, EXPERIMENTAL in core) is run through
+``report_loss`` by the trainer's ``floor`` variant:
 
-`target_table` compares the adaptive runs of each decision (core's rule, the per-step
-credit of `noise_floor`, ``time_to_target --floor-credit``, and core's floor share
-through ``report_loss``, ``--floor-target-loss``) with the fixed sizes in the logs;
-`floor_gap_table` sets the fixed runs' training loss gaps to fixed 16 beside what
-`adaptdl.core.stats.floor.floor_level` predicts. `check_options`
-holds ``time_to_target``'s refusals of the floor options.
+    python -m experiments.time_to_target --problems shapes --kinds adaptive \
+        --floor-target-loss horizon --seed-list S --out out/floor/horizon-S
+    python -m experiments.loss_floor LOGS [--pool]     # target_table
+    python -m experiments.loss_floor LOGS --gaps P,... # floor_gap_table
+
+`target_table` compares the adaptive runs of each decision (core's rule, core's floor
+share through ``report_loss``; in logs of the archive, the per-step credit) with the
+fixed sizes in the logs; `floor_gap_table` sets the fixed runs' training loss gaps to
+fixed 16 beside what `adaptdl.core.stats.floor.floor_level` predicts.
 """
 
 from __future__ import annotations
@@ -21,60 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome.noise_floor import check_config
+from experiments.harness.noisematch import extra_noise_weight
+from experiments.harness.runs import check_one_calibration, level_of, name_of, own_target, total_of
+from experiments.harness.summaries import paired, with_misses
+from experiments.harness.trainer import cosine_lr
 
 from adaptdl.core.stats.floor import floor_level, sgd_rate
 
 
-def check_options(args: argparse.Namespace, problems: dict[str, Any]) -> str | None:
-    """What is wrong with ``time_to_target``'s floor options in ``args``, or None.
-
-    They select adaptive runs to make under one decision: not with ``--from-log``,
-    fixed runs or each other; ``--floor-credit`` not with another estimator option
-    (whose estimator its own would replace); ``--floor-target-loss`` finite; SGD
-    problems only.
-    """
-    given = [
-        option
-        for option, on in [
-            ("--floor-credit", args.floor_credit),
-            ("--floor-target-loss", args.floor_target_loss is not None),
-        ]
-        if on
-    ]
-    if not given:
-        return None
-    name = " and ".join(given)
-    if len(given) > 1:
-        return f"{name}: give one decision at a time"
-    if args.from_log:
-        return (
-            f"{name} selects runs to make; summarise their logs with "
-            "python -m experiments.outcome.floor_credit"
-        )
-    if args.kinds != "adaptive":
-        return f"{name} applies to adaptive runs: give --kinds adaptive, not {args.kinds!r}"
-    estimators = [("--smoothing", args.smoothing), ("--signal-memory", args.signal_memory)]
-    others = [option for option, value in estimators if value is not None]
-    if args.preconditioned:
-        others.append("--preconditioned")
-    if others and args.floor_credit:
-        return f"{name} replaces the estimator {', '.join(others)} would set: give one"
-    target = args.floor_target_loss
-    if isinstance(target, float) and not math.isfinite(target):
-        return f"--floor-target-loss must be finite, got {args.floor_target_loss}"
-    for problem in args.problems.split(","):
-        try:
-            check_config(problems[problem])
-        except ValueError as err:
-            return f"{name}, problem {problem}: {err}"
-    return None
-
-
 def kind_of(run: dict[str, Any]) -> str:
     """A run's kind: adaptive (and which decision), or fixed N (and its noise level)."""
-    from experiments.outcome.noise_match import level_of, name_of
-    from experiments.outcome.time_to_target import total_of
 
     cfg = run["config"]
     if cfg.get("floor_target_loss") is not None:
@@ -100,8 +59,6 @@ def _by_kind(runs: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, An
 
 
 def _cpu(run: dict[str, Any]) -> float:
-    from experiments.outcome.summaries import with_misses
-
     return with_misses([run], "cpu_seconds", "train_cpu_seconds")[0]
 
 
@@ -134,8 +91,6 @@ def target_table(runs: Sequence[dict[str, Any]]) -> str:
     plain fixed sizes in ``runs`` (the best by median, in hindsight): per seed their
     CPU time over the run's, the ratio of the medians and its bootstrap interval; for
     each floor decision also core's adaptive run's CPU time over its, per seed."""
-    from experiments.outcome.summaries import paired
-
     kinds = _by_kind(runs)
     fixed = [k for k in kinds if k.startswith("fixed") and "," not in k]
     labelled = [{**r, "label": kind_of(r)} for r in runs]
@@ -176,8 +131,6 @@ def _floor_along(run: dict[str, Any], grid: np.ndarray) -> tuple[np.ndarray, np.
     """(training loss, predicted floor) of a fixed run at the progress ``grid``: the
     loss averaged over the steps within 5% of each progress, the floor at the step's
     applied rate (the cosine base rate times the rule's lr factor), tr(Sigma) and noise."""
-    from experiments.outcome.noise_match import extra_noise_weight, level_of
-    from experiments.outcome.trainer import cosine_lr
 
     cfg = run["config"]
     steps = np.asarray(run["steps"], dtype=np.float64)
@@ -242,7 +195,6 @@ def floor_gap_table(runs: Sequence[dict[str, Any]], grid: Sequence[float]) -> st
 def main(argv: Sequence[str] | None = None) -> None:
     """Print `target_table` (``--gaps``: `floor_gap_table`) of time_to_target logs,
     per problem; a mix of calibrations or targets in one problem is refused."""
-    from experiments.outcome.time_to_target import check_one_calibration, own_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", type=Path, help="time_to_target JSON-lines logs")

@@ -58,65 +58,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import (
+from experiments.harness.estimators import smoothed
+from experiments.harness.launch import (
+    FixedSplit,
     accumulated_step,
     launch,
     rel_error,
     worker_config,
     write_result,
 )
+from experiments.harness.regression import DEFAULT, problem, sample, true_sqr, true_var
 
-#: The default experiment; tests shrink it.
-DEFAULT = {
-    "dim": 64,
-    "lam_min": 0.5,
-    "lam_max": 1.5,
-    "sigma": 1.0,
-    "delta0": 2.0,  # initial |delta| per coordinate (|delta0|^2 = dim * delta0^2)
-    "num_samples": 65536,
-    "batch_size": 256,  # total, two micro-batches of 128 per step
-    "lr": 1.5e-4,
-    "steps": 4000,
-    "smoothing": 0.99,  # None: the adapter's default (0.999)
-    "exact_every": 100,
-    "seed": 0,
-    "share": None,  # None: the measuring budget's own share; else a fixed share of steps
-}
+# Re-exported: the problem is the harness's (`experiments.harness.regression`).
+__all__ = ["DEFAULT", "problem", "sample", "true_sqr", "true_var"]
 
 
 # -- closed form ------------------------------------------------------------------------
-
-
-def problem(cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The problem's constants: ``lam`` (feature variances), ``w_star`` and ``w0``."""
-    gen = np.random.default_rng(cfg["seed"])
-    d = cfg["dim"]
-    lam = np.linspace(cfg["lam_min"], cfg["lam_max"], d)
-    w_star = gen.standard_normal(d)
-    signs = gen.choice([-1.0, 1.0], size=d)
-    w0 = w_star + cfg["delta0"] * signs
-    return {"lam": lam, "w_star": w_star, "w0": w0}
-
-
-def true_sqr(lam: np.ndarray, delta: np.ndarray) -> float:
-    """|G|^2 = |Lambda delta|^2."""
-    return float(np.sum((lam * delta) ** 2))
-
-
-def true_var(lam: np.ndarray, delta: np.ndarray, sigma: float) -> float:
-    """tr(Sigma) = tr(Lambda) delta' Lambda delta + |Lambda delta|^2 + sigma^2 tr(Lambda)."""
-    tr = float(np.sum(lam))
-    return tr * float(np.sum(lam * delta**2)) + true_sqr(lam, delta) + sigma**2 * tr
-
-
-def sample(
-    cfg: dict[str, Any], lam: np.ndarray, w_star: np.ndarray, n: int, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` draws of (x, y)."""
-    gen = np.random.default_rng(seed)
-    x = gen.standard_normal((n, lam.size)) * np.sqrt(lam)
-    y = x @ w_star + cfg["sigma"] * gen.standard_normal(n)
-    return x, y
 
 
 def population_truth(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
@@ -170,7 +127,6 @@ def simulate_core(
     factor (1: the batch is the initial one). Returns what `worker` returns.
     """
     from adaptdl.core.collective import LocalCollective
-    from adaptdl.core.stats.gns import GradientNoiseScale
     from adaptdl.core.stats.metrics import MetricsState
     from adaptdl.core.stats.scaling import AdaScale
     from adaptdl.core.stats.step import StepStatistics
@@ -179,11 +135,10 @@ def simulate_core(
     lam, w_star = p["lam"], p["w_star"]
     batch = cfg["batch_size"]
     local = batch // micro_batches
-    metrics = MetricsState()
-    gns = GradientNoiseScale(
-        init_batch_size=batch, smoothing=smoothing or cfg["smoothing"] or 0.999
-    )
-    metrics.gns = gns
+    # Core's estimator at this smoothing, made by the metrics through its factory.
+    config, estimators = smoothed(smoothing or cfg["smoothing"] or 0.999)
+    metrics = MetricsState(config=config, estimators=estimators)
+    gns = metrics.ensure_gns(batch)
     steps = StepStatistics(metrics, LocalCollective())
     gen = np.random.default_rng(cfg["seed"] + 2)
     w = p["w0"].copy()
@@ -217,15 +172,16 @@ def simulate_core(
 
 def worker() -> None:
     """One replica of the training job (launched by `run_mode`)."""
-    from experiments.outcome._common import FixedSplit
-
     import adaptdl.torch as adl
     import torch
-    from adaptdl.core.stats.gns import GradientNoiseScale
     from adaptdl.torch._context import current_job
 
     cfg = worker_config()
-    adl.init_process_group("gloo")
+    if cfg["smoothing"] is not None:  # core's estimator at this smoothing, by name
+        metrics_config, estimators = smoothed(cfg["smoothing"])
+        adl.init_process_group("gloo", metrics_config=metrics_config, estimators=estimators)
+    else:
+        adl.init_process_group("gloo")
     job = current_job()
     replicas = job.topology.num_replicas
     torch.manual_seed(0)
@@ -242,8 +198,6 @@ def worker() -> None:
 
     loader = adl.AdaptiveDataLoader(range(cfg["num_samples"]), batch_size=batch, shuffle=True)
     loader.train()
-    if cfg["smoothing"] is not None:
-        job.metrics.gns = GradientNoiseScale(init_batch_size=batch, smoothing=cfg["smoothing"])
     model = torch.nn.Linear(cfg["dim"], 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.from_numpy(p["w0"]).float()[None, :])
@@ -320,7 +274,7 @@ def run_mode(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
     micro-batches; "single": 1 replica, 1 micro-batch, each step paired with the last)."""
     nproc = 2 if mode == "replicas" else 1
     micro = 1 if mode == "single" else 2
-    result = launch("experiments.outcome.gns_accuracy", nproc, {**cfg, "micro_batches": micro})
+    result = launch("experiments.gns_accuracy.study", nproc, {**cfg, "micro_batches": micro})
     result["mode"] = mode
     return result
 

@@ -1,6 +1,6 @@
 """Adaptive batch size on real training, against a sweep of fixed batch sizes in the same run.
 
-The classifier of `experiments.outcome.classifier` on 2 replicas (torchrun, CPU):
+The classifier of `experiments.harness.classifier` on 2 replicas (torchrun, CPU):
 
 * adaptive: ``autoscale_batch_size(max_batch_size, local_bsz_bounds,
   gradient_accumulation=True)``: AdaptDL's goodput-driven decision picks the local
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import launch
-from experiments.outcome.classifier import PROBLEM
+from experiments.harness.classifier import PROBLEM
+from experiments.harness.launch import launch
 
 #: Fixed total batch sizes of the sweep (16, 64, 256, 1024), as (local batch size,
 #: accumulation steps) on 2 replicas, within the same local bounds as the adaptive run.
@@ -52,7 +52,7 @@ def run_adaptive(cfg: dict[str, Any]) -> dict[str, Any]:
     # It goes on to the progress cap after reaching the target (the time to the target is
     # recorded when it is reached), so that the plot shows its later decisions too.
     result = launch(
-        "experiments.outcome.classifier",
+        "experiments.harness.classifier",
         2,
         {**cfg, "autoscale": True, "rule": "adascale", "stop_at_target": False},
     )
@@ -63,7 +63,7 @@ def run_adaptive(cfg: dict[str, Any]) -> dict[str, Any]:
 def run_fixed(cfg: dict[str, Any], local: int, accum: int) -> dict[str, Any]:
     """One fixed run at total batch size ``2 * local * (accum + 1)``."""
     result = launch(
-        "experiments.outcome.classifier",
+        "experiments.harness.classifier",
         2,
         {**cfg, "rule": "adascale", "local_bsz": local, "accum_steps": accum},
     )

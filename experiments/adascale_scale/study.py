@@ -1,6 +1,6 @@
 """AdaScale at scale: the classifier trained to the same progress at scales 1, 4 and 16.
 
-Every run trains the same MLP (`experiments.outcome.classifier`) from the same
+Every run trains the same MLP (`experiments.harness.classifier`) from the same
 initialisation, with the learning rate tuned at the initial batch size of 16,
 until the job's scale-invariant progress reaches the same target (the adaptive
 loop's stop rule). The scale is the total batch size over the initial one: it is
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from experiments.outcome._common import accumulated_step, launch
-from experiments.outcome.classifier import PROBLEM
+from experiments.harness import regression
+from experiments.harness.classifier import PROBLEM
+from experiments.harness.launch import accumulated_step, launch
 
 #: (scale, local batch size, accumulation steps) on 2 replicas, initial batch 16.
 SHAPES = ((1, 8, 0), (4, 16, 1), (16, 32, 3))
@@ -52,15 +53,13 @@ def simulate_core(
     the job's progress reaches ``progress``. Returns the gains, the steps taken and the final
     excess loss ``E loss - sigma^2 / 2 = delta' Lambda delta / 2`` (closed form).
     """
-    from experiments.outcome import gns_accuracy as ga
-
     from adaptdl.core.collective import LocalCollective
     from adaptdl.core.stats import scaling
     from adaptdl.core.stats.metrics import MetricsState
     from adaptdl.core.stats.step import StepStatistics
 
-    cfg = {**ga.DEFAULT, "seed": seed}
-    p = ga.problem(cfg)
+    cfg = {**regression.DEFAULT, "seed": seed}
+    p = regression.problem(cfg)
     lam, w_star = p["lam"], p["w_star"]
     count = max(scale, 2)
     batch = init_batch_size * scale
@@ -97,7 +96,7 @@ def simulate_core(
 def run(cfg: dict[str, Any], rule: str, scale: int, local: int, accum: int) -> dict[str, Any]:
     """One training run on 2 replicas at ``2 * local * (accum + 1)`` samples per step."""
     result = launch(
-        "experiments.outcome.classifier",
+        "experiments.harness.classifier",
         2,
         {**cfg, "rule": rule, "local_bsz": local, "accum_steps": accum},
     )
