@@ -2,7 +2,7 @@
 
 import attrs
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptdl.core.decide.batchsize import (
@@ -304,6 +304,19 @@ events = st.tuples(
 
 @settings(max_examples=150, deadline=None)
 @given(settings_=job_settings(), timeline=st.lists(events, min_size=1, max_size=8))
+# A subnormal noise (sqr) once underflowed the optimiser's search bound to a division
+# by zero (found by this property).
+@example(
+    settings_=(2, 3, (None, None), True),
+    timeline=[
+        (
+            1,
+            (PerfParams(1.0, 0.03125, 1.0, 0.0625, 1.0, 0.0625, 1.0), GradParams(5e-324, 0.0)),
+            0.0,
+            False,
+        )
+    ],
+)
 def test_no_sequence_of_resizes_and_decisions_trains_below_the_initial_batch(settings_, timeline):
     batch_size, max_batch_size, bounds, accumulation = settings_
     local, accum = 0, 0  # the loader's last decision, kept in its checkpoint

@@ -22,6 +22,7 @@ All integers are held as floats, exact below 2**53.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import attrs
@@ -130,7 +131,10 @@ def _first_micro_batches(prob: Problem, floor_total: Any, m_max: int, bmin: int,
     if prob.sqr == 0.0:
         m_peak: Any = math.inf
     else:
-        m_peak = (a0 * prob.var * prob.m0 / (a1 * prob.sqr * replicas)) ** 0.5
+        # A subnormal sqr can underflow the product to 0: the smallest normal float
+        # keeps the quotient finite (0 without variance, else past any m_max).
+        denominator = m.maximum(a1 * prob.sqr * replicas, sys.float_info.min)
+        m_peak = (a0 * prob.var * prob.m0 / denominator) ** 0.5
     # Below the kink at total M0 the envelope increases, unless nothing is
     # synchronised (a0 = 0): then it is flat there, and fewer steps tie.
     kink = (a0 > 0) * (prob.m0 / replicas)
