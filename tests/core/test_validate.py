@@ -91,3 +91,20 @@ def test_check_bool_and_seed() -> None:
     assert check_seed(np.int64(7)) == 7
     with pytest.raises(ValueError, match="seed must be >= 0"):
         check_seed(-1)
+
+
+def test_the_attrs_validators_name_the_field_and_its_range():
+    import attrs
+
+    from adaptdl.core.validate import float_in, int_in
+
+    @attrs.define
+    class Settings:
+        count: int = attrs.field(default=1, validator=int_in(min=1, max=4))
+        rate: float = attrs.field(default=0.5, validator=float_in(min=0.0, min_exclusive=True))
+
+    assert Settings(4, 1e-9) == Settings(count=4, rate=1e-9)
+    with pytest.raises(ValueError, match=r"count must be .*got 5"):
+        Settings(count=5)
+    with pytest.raises(ValueError, match=r"rate must be .*got 0"):
+        Settings(rate=0.0)

@@ -8,15 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from adaptdl.core.validate import check_int
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    check_int(attribute.name, value, min=1)
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    check_int(attribute.name, value, min=0)
+from adaptdl.core.validate import int_in
 
 
 @attrs.frozen
@@ -27,11 +19,11 @@ class Topology:
     variable names it.
     """
 
-    rank: int = attrs.field(default=0, validator=_non_negative)
-    num_replicas: int = attrs.field(default=1, validator=_positive)
-    num_nodes: int = attrs.field(default=1, validator=_positive)
-    num_restarts: int = attrs.field(default=0, validator=_non_negative)
-    local_world_size: int = attrs.field(default=1, validator=_positive)
+    rank: int = attrs.field(default=0, validator=int_in(min=0))
+    num_replicas: int = attrs.field(default=1, validator=int_in(min=1))
+    num_nodes: int = attrs.field(default=1, validator=int_in(min=1))
+    num_restarts: int = attrs.field(default=0, validator=int_in(min=0))
+    local_world_size: int = attrs.field(default=1, validator=int_in(min=1))
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.num_replicas:

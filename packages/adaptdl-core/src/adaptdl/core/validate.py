@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,30 @@ def check_seed(value: Any) -> int:
 def check_epoch(value: Any) -> int:
     """An epoch number: an int >= 0 (an attrs converter)."""
     return check_int("epoch", value, min=0)
+
+
+#: An attrs validator: ``(instance, attribute, value) -> None``, raising on a bad value.
+Validator = Callable[[Any, Any, Any], None]
+
+
+def int_in(*, min: int | None = None, max: int | None = None) -> Validator:
+    """An attrs validator that applies `check_int` to the field, named by the field."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        check_int(attribute.name, value, min=min, max=max)
+
+    return check
+
+
+def float_in(
+    *, min: float | None = None, max: float | None = None, min_exclusive: bool = False
+) -> Validator:
+    """An attrs validator that applies `check_float` to the field, named by the field."""
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        check_float(attribute.name, value, min=min, max=max, min_exclusive=min_exclusive)
+
+    return check
 
 
 def check_float(

@@ -21,7 +21,7 @@ from typing import Any, Protocol, overload
 import attrs
 
 from adaptdl.core.goodput import GoodputFunction, PerfParams
-from adaptdl.core.validate import check_float, check_int
+from adaptdl.core.validate import check_float, check_int, float_in
 
 
 @attrs.frozen
@@ -303,18 +303,6 @@ def _optimum(query: BatchSizeQuery, fn: GoodputFunction, max_batch_size: int) ->
     )
 
 
-def _check_growth(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
-    check_float(attribute.name, value, min=1.0)
-
-
-def _check_nonnegative(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
-    check_float(attribute.name, value, min=0.0)
-
-
-def _check_threshold(instance: object, attribute: attrs.Attribute[float], value: Any) -> None:
-    check_float(attribute.name, value, min=1.0)
-
-
 @attrs.define
 class GoodputDecision:
     """Maximise goodput with the model that ``goodput_fn`` returns (None: even split).
@@ -371,13 +359,13 @@ class GoodputDecision:
     """
 
     goodput_fn: Callable[[], GoodputFunction | None]
-    speedup_threshold: float = attrs.field(default=1.05, validator=_check_threshold)
+    speedup_threshold: float = attrs.field(default=1.05, validator=float_in(min=1.0))
     fallback: BatchSizeDecision = even_split
     estimate_samples: Callable[[], float] | None = None
-    warmup_steps: float = attrs.field(default=100.0, validator=_check_nonnegative)
-    max_growth: float = attrs.field(default=2.0, validator=_check_growth)
+    warmup_steps: float = attrs.field(default=100.0, validator=float_in(min=0.0))
+    max_growth: float = attrs.field(default=2.0, validator=float_in(min=1.0))
     bound_fn: Callable[[float], GoodputFunction | None] | None = None
-    confidence_z: float = attrs.field(default=2.0, validator=_check_nonnegative)
+    confidence_z: float = attrs.field(default=2.0, validator=float_in(min=0.0))
     resolved: Callable[[], bool] | None = None
     explore_fn: Callable[[], tuple[PerfParams, int] | None] | None = None
 
