@@ -248,7 +248,12 @@ class AdaptiveSteps:
         self._hook_params: list[tuple[int, torch.Tensor]] = []
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._stat_cost = 0.0  # seconds spent on the step's statistics so far
+        # The CPU clock and the loop run (`Job.loop_runs`) at the last synchronised
+        # backward pass, and the last interval between two such passes of one loop run:
+        # the step time the budget weighs the statistics against.
         self._last_sync: float | None = None
+        self._last_sync_run = -1
+        self._step_time = 0.0
         # Loop positions of the micro-batches accumulated in .grad since the last step:
         # several backward passes on one micro-batch add up, they are not averaged.
         self._micro: set[int] = set()
@@ -384,8 +389,13 @@ class AdaptiveSteps:
         job = self._job
         job.record_sync_time(job.clock() - self._sync_start)
         now = _cpu()
-        step_time = now - self._last_sync if self._last_sync is not None else 0.0
-        self._last_sync = now
+        # Only two steps of one loop run bound a step: across runs the interval also
+        # holds whatever ran between the loops (an evaluation, another model's
+        # training, a checkpoint), which would let the budget allow that much more.
+        if self._last_sync is not None and self._last_sync_run == job.loop_runs:
+            self._step_time = now - self._last_sync
+        self._last_sync, self._last_sync_run = now, job.loop_runs
+        step_time = self._step_time
         loader = self._loader
         assert loader is not None
         micro, self._micro = max(len(self._micro), 1), set()
