@@ -475,3 +475,22 @@ def test_a_sharded_grad_scaler_skips_a_step_on_every_replica_when_one_shard_is_i
         assert r["scales"][1:3] == [2.0**12, 2.0**11]
         assert r["progress"] == 7 and all(v > 0 for v in r["var"] + r["sqr"])
     assert ranks[0]["scales"] == ranks[1]["scales"] and ranks[0]["var"] == ranks[1]["var"]
+
+
+@pytest.mark.e2e
+def test_fsdp2s_flat_local_norms_equal_the_per_parameter_ones(tmp_path: Path) -> None:
+    for out in ("hooks", "fused"):
+        (tmp_path / out).mkdir()
+        torchrun("norms", 2, tmp_path / out, **({"FSDP_NORMS": "hooks"} if out == "hooks" else {}))
+    for rank in range(2):
+        hooks = results(tmp_path / "hooks", "norms", rank)
+        fused = results(tmp_path / "fused", "norms", rank)
+        assert hooks["fusable"] and fused["fusable"]
+        steps = len(fused["measured"])
+        assert steps == len(hooks["measured"]) == 64 // 8
+        # Two modules with parameters, one optimiser group each: two flat norms a step.
+        assert sorted(fused["flats"]) == [0] * steps + [1] * steps and hooks["flats"] == []
+        assert fused["armed"] == hooks["armed"] == 0  # no hook left armed after a step
+        for f, h in zip(fused["measured"], hooks["measured"], strict=True):
+            assert f["local"] == pytest.approx(h["local"], rel=1e-6)
+            assert f["total"] == pytest.approx(h["total"], rel=1e-6)

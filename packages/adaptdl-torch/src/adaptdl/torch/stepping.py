@@ -301,15 +301,32 @@ class AdaptiveSteps:
         self._buckets_local = measuring and fused and self._need_local
         self._buckets_local &= loader.accumulation_steps == 0 and not self._micro
         self._hook_local = measuring and self._need_local and not self._buckets_local
-        if self._hook_local and self._hook_params and not self._hook_handles:
-            if not armable:
-                measuring = self._hook_local = False  # too late to arm: skip this step
-            else:
-                self._hook_handles = register_grad_hooks(self, self._hook_params)
+        if self._hook_local and not self._arm_hooks(armable):
+            measuring = self._hook_local = False  # too late to arm: skip this step
+        if self._buckets_local:
+            self._arm_buckets()
         self._measuring = measuring
         # The share the step was chosen under: a lagged fold finished before this step's
         # own may move the budget's share, and the step stands for 1 / its own share.
         self._plan_share = self._steps.share
+
+    def _arm_hooks(self, armable: bool) -> bool:
+        """Arm the gradient hooks for a step that measures by them; whether they are
+        (``armable``: early enough to)."""
+        if self._hook_params and not self._hook_handles:
+            if not armable:
+                return False
+            self._hook_handles = register_grad_hooks(self, self._hook_params)
+        return True
+
+    def _arm_buckets(self) -> None:
+        """Prepare a step whose local norms come from whole buckets (DDP's comm hook
+        measures every step it is asked to: nothing to do)."""
+
+    def _buckets_whole(self) -> bool:
+        """Whether every bucket of the step was measured (a wrapper may find one that
+        could not be, after the plan); the step is then measured no further."""
+        return True
 
     def _disarm(self) -> None:
         for handle in self._hook_handles:
@@ -419,8 +436,10 @@ class AdaptiveSteps:
         self._finish_lagged()
         replicas = job.topology.num_replicas
         single = replicas * micro == 1
-        if buckets_local and micro > 1:
-            measuring = False  # the buckets summed micro-batches the plan did not expect
+        if buckets_local and (micro > 1 or not self._buckets_whole()):
+            # The buckets summed micro-batches the plan did not expect, or one could not
+            # be measured.
+            measuring = False
         cost, self._stat_cost = self._stat_cost, 0.0
         if not measuring:
             if single and self._steps.measures(ahead=1):
