@@ -10,13 +10,16 @@ pass, with the seconds the statistics cost; an unmeasured step computes no norm.
 
 Where the norms come from is the wrapper's: DDP measures each flattened bucket in
 its communication hook, before and after its all-reduce (one norm per bucket,
-however many tensors it holds); a replica's accumulation micro-batches, a
-preconditioned gradient (`AdamScale(preconditioned=True)`) and FSDP2's unsharded
-gradients are measured per parameter by gradient hooks, armed only for measured
-steps (DDP) or returning at once on others (FSDP2). With one replica and one
+however many tensors it holds); FSDP2 measures each module's flat local gradient
+at its reduce-scatter and the reduced shards with one fused norm per group; a
+replica's accumulation micro-batches and a preconditioned gradient
+(`AdamScale(preconditioned=True)`) are measured per parameter by gradient hooks,
+armed only for the measured steps that need them. With one replica and one
 micro-batch, a measured step pairs with the step before it, whose gradient is
 copied (into a buffer kept for it) only when the next step is measured. On a GPU
-the norms stay on the device and core reads them one step later.
+the norms stay on the device and core reads them one step later. The step time
+the budget weighs the cost against is the CPU time between two steps of one loop
+run, never what ran between two loops.
 
 The time spent waiting for the reduction after the backward computation goes to
 the profiler. Accumulation micro-batches leave the gradients summing in ``.grad``
