@@ -11,7 +11,7 @@
   measured; ``FSDP_NORMS=hooks`` measures the local gradients per parameter (the
   gradient hooks), otherwise from each module's flat gradient at its
   reduce-scatter; each replica writes every step's measurement and how many flat
-  gradients it measured.
+  gradients it measured (``FSDP_REDUCE_FP16=1``: gradients reduced in float16).
 * ``save``: FSDP2 with AdamW, a few steps, then a checkpoint; ``load``: restores it
   (at whatever world size torchrun gives); both write the full parameters and the
   full optimiser state.
@@ -68,7 +68,11 @@ def model() -> torch.nn.Module:
 
 def shard(net: torch.nn.Module) -> torch.nn.Module:
     bf16 = os.environ.get("FSDP_BF16") == "1"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    # FSDP_REDUCE_FP16=1: gradients reduced in float16, which FSDP2 divides before reducing.
+    fp16 = os.environ.get("FSDP_REDUCE_FP16") == "1"
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float16 if fp16 else None
+    )
     fully_shard(net[0], mp_policy=policy)
     fully_shard(net[2], mp_policy=policy)
     fully_shard(net, mp_policy=policy)
