@@ -7,6 +7,11 @@
   under `AdaptiveDataParallel` or `AdaptiveFSDP` (with ``FSDP_ADAM=1``: Adam and
   AdamScale); each replica writes the gradient-noise statistics per group, the
   progress and the full parameters.
+* ``norms``: FSDP2, 2 replicas, one micro-batch of 4 each per step, every step
+  measured; ``FSDP_NORMS=hooks`` measures the local gradients per parameter (the
+  gradient hooks), otherwise from each module's flat gradient at its
+  reduce-scatter; each replica writes every step's measurement and how many flat
+  gradients it measured (``FSDP_REDUCE_FP16=1``: gradients reduced in float16).
 * ``save``: FSDP2 with AdamW, a few steps, then a checkpoint; ``load``: restores it
   (at whatever world size torchrun gives); both write the full parameters and the
   full optimiser state.
@@ -63,7 +68,11 @@ def model() -> torch.nn.Module:
 
 def shard(net: torch.nn.Module) -> torch.nn.Module:
     bf16 = os.environ.get("FSDP_BF16") == "1"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    # FSDP_REDUCE_FP16=1: gradients reduced in float16, which FSDP2 divides before reducing.
+    fp16 = os.environ.get("FSDP_REDUCE_FP16") == "1"
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float16 if fp16 else None
+    )
     fully_shard(net[0], mp_policy=policy)
     fully_shard(net[2], mp_policy=policy)
     fully_shard(net, mp_policy=policy)
@@ -127,6 +136,44 @@ def train_gns() -> None:
             "floor": floor.to_json() if floor is not None else None,
             "steps": adl.global_step(),
         }
+    )
+
+
+def measured_norms() -> None:
+    from adaptdl.core.stats.statsbudget import MeasureBudget
+
+    loader = adl.AdaptiveDataLoader(data(), batch_size=8)
+    _context.current_job().batch_size_decision = lambda query: (4, 0)
+    net = shard(model())
+    optimizer = torch.optim.SGD(two_groups(net), lr=0.1)
+    wrapped = AdaptiveFSDP(net, optimizer)
+    fused = wrapped._fused_norms
+    if os.environ.get("FSDP_NORMS") == "hooks":
+        wrapped._fused_norms = False
+    wrapped._steps.budget = MeasureBudget(fixed=1.0)
+    seen: list[dict[str, Any]] = []
+    measure = wrapped._steps.measure
+
+    def spy(m: Any, init: int) -> Any:
+        seen.append({"local": list(m.local_sqr), "total": list(m.total_sqr)})
+        return measure(m, init)
+
+    wrapped._steps.measure = spy
+    flats = []
+    measure_flat = wrapped._measure_flat
+
+    def count(group: int, flat: torch.Tensor) -> None:
+        flats.append(group)
+        measure_flat(group, flat)
+
+    wrapped._measure_flat = count  # type: ignore[method-assign]
+    for _ in adl.remaining_epochs_until(1):
+        for _idx, x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+            optimizer.step()
+    write(
+        {"measured": seen, "flats": flats, "fusable": fused, "armed": len(wrapped._hook_handles)}
     )
 
 
@@ -244,6 +291,8 @@ def main() -> None:
     adl.init_process_group("gloo")
     if MODE in ("ddp", "fsdp"):
         train_gns()
+    elif MODE == "norms":
+        measured_norms()
     elif MODE == "scaler":
         scaled()
     else:

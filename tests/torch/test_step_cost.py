@@ -185,3 +185,94 @@ def test_a_comm_hook_of_ones_own_reduces_the_buckets_inside_the_wrappers() -> No
     steps = train(adp, optimizer, loader, seen)
     assert calls == ["mine"] * steps
     assert len(seen) == steps and adp.gns is not None and adp.gns.num_updates == steps - 1
+
+
+def test_the_budgets_step_time_is_a_step_of_the_loop_never_what_ran_between_loops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The statistics' CPU clock, driven by hand: each step takes 1 s, and 100 s pass
+    # between two epochs (an evaluation, another model's training, a checkpoint). The
+    # budget compares the statistics' cost with a step: it must never read a step of
+    # 101 s, which would let the statistics cost 100 times what they may.
+    import adaptdl.torch.stepping as stepping
+
+    clock = [0.0]
+    monkeypatch.setattr(stepping, "_cpu", lambda: clock[0])
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    torch.manual_seed(0)
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 1.0)
+    seen: list[StepMeasurement] = []
+    measure = adp._steps.measure
+
+    def spy(m: StepMeasurement, init: int) -> Any:
+        seen.append(m)
+        return measure(m, init)
+
+    adp._steps.measure = spy
+    for _ in adl.remaining_epochs_until(3):
+        clock[0] += 100.0  # between the loops
+        for x, y in loader:
+            clock[0] += 1.0
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            optimizer.step()
+    assert len(seen) == 3 * N // 4
+    # The first step knows no step time yet; every later one reads a step of the loop.
+    assert seen[0].step_time == 0.0
+    assert [m.step_time for m in seen[1:]] == [1.0] * (len(seen) - 1)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.25])
+def test_one_replicas_measured_statistics_are_the_gradients_own_norms(share: float) -> None:
+    # Pins what a measured step of one replica hands core, whatever the path that
+    # computes it (buffers kept or not, fused or not): per group, |g_k|^2, and paired
+    # with the step before, |g_{k-1}|^2 and |(g_{k-1} + g_k) / 2|^2.
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    optimizer = torch.optim.SGD(
+        [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}],
+        lr=0.05,
+    )
+    adp, _ = wrap(model, share, optimizer=optimizer)
+    seen: list[tuple[int, StepMeasurement]] = []
+    measure = adp._steps.measure
+
+    def spy(m: StepMeasurement, init: int) -> Any:
+        seen.append((adp._steps.taken, m))
+        return measure(m, init)
+
+    adp._steps.measure = spy
+    grads: list[list[list[torch.Tensor]]] = []  # per step, per group
+    for _ in adl.remaining_epochs_until(2):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            groups = optimizer.param_groups
+            grads.append([[p.grad.detach().double().clone() for p in g["params"]] for g in groups])
+            optimizer.step()
+
+    def sqr(tensors: list[torch.Tensor]) -> float:
+        return sum(float(t.square().sum()) for t in tensors)
+
+    budget = adp._steps.budget
+    assert [k for k, _ in seen] == [k for k in range(len(grads)) if budget.measures(k)]
+    paired = 0
+    for k, m in seen:
+        assert m.num_replicas == m.micro_batches == 1 and m.batch_size == 4 and m.share == share
+        assert m.total_sqr == pytest.approx([sqr(g) for g in grads[k]], rel=1e-6)
+        assert m.local_sqr == m.total_sqr
+        if k == 0:  # nothing before it to pair with
+            assert m.pair is None
+            continue
+        assert m.pair is not None and m.pair.prev_batch_size == 4
+        prev = grads[k - 1]
+        pairs = zip(prev, grads[k], strict=True)
+        mixed = [sqr([(a + b) / 2 for a, b in zip(p, c, strict=True)]) for p, c in pairs]
+        assert m.pair.prev_sqr == pytest.approx([sqr(g) for g in prev], rel=1e-6)
+        assert m.pair.mixed_sqr == pytest.approx(mixed, rel=1e-6)
+        paired += 1
+    # The step before each measured one was kept for it (measured or not).
+    assert paired == len(seen) - (seen[0][0] == 0) > 0

@@ -500,3 +500,36 @@ def test_a_sharded_grad_scaler_skips_a_step_on_every_replica_when_one_shard_is_i
         assert r["scales"][1:3] == [2.0**12, 2.0**11]
         assert r["progress"] == 7 and all(v > 0 for v in r["var"] + r["sqr"])
     assert ranks[0]["scales"] == ranks[1]["scales"] and ranks[0]["var"] == ranks[1]["var"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("reduce_fp16", [False, True], ids=["fp32", "fp16-reduce"])
+def test_fsdp2s_flat_local_norms_equal_the_per_parameter_ones(
+    tmp_path: Path, reduce_fp16: bool
+) -> None:
+    # fp16-reduce: FSDP2 divides the flat gradient before reducing it, so the first
+    # measured step finds it unusable, is dropped, and the hooks measure from then on.
+    env = {"FSDP_REDUCE_FP16": "1"} if reduce_fp16 else {}
+    for out in ("hooks", "fused"):
+        (tmp_path / out).mkdir()
+        extra = {"FSDP_NORMS": "hooks"} if out == "hooks" else {}
+        torchrun("norms", 2, tmp_path / out, **env, **extra)
+    steps = 64 // 8
+    for rank in range(2):
+        hooks = results(tmp_path / "hooks", "norms", rank)
+        fused = results(tmp_path / "fused", "norms", rank)
+        assert hooks["fusable"] and fused["fusable"] and hooks["flats"] == []
+        assert fused["armed"] == hooks["armed"] == 0  # no hook left armed after a step
+        assert len(hooks["measured"]) == steps
+        if reduce_fp16:
+            # Both modules' flat gradients of the first step, then none.
+            assert sorted(fused["flats"]) == [0, 1]
+            expected = hooks["measured"][1:]
+        else:
+            # Two modules with parameters, one optimiser group each: two flat norms a step.
+            assert sorted(fused["flats"]) == [0] * steps + [1] * steps
+            expected = hooks["measured"]
+        assert len(fused["measured"]) == len(expected)
+        for f, h in zip(fused["measured"], expected, strict=True):
+            assert f["local"] == pytest.approx(h["local"], rel=1e-6)
+            assert f["total"] == pytest.approx(h["total"], rel=1e-6)

@@ -5,13 +5,17 @@ For a model too large for one device, shard it with torch's ``fully_shard``
 the sharded model what `AdaptiveDataParallel` does for a replicated one (it shares
 `adaptdl.torch.stepping.AdaptiveSteps`):
 
-* the gradient-noise statistics: the local gradient of each micro-batch is
-  measured on the unsharded parameters (FSDP2 all-gathers them for the forward
-  and backward passes; a hook on each sees the replica's own gradient before the
-  reduce-scatter), and the reduced gradient's squared norm is the sum over
-  replicas of each shard's squared norm (one ``all_reduce`` of one number per
-  parameter group), under `AdamScale(preconditioned=True)` of the preconditioned
-  gradient;
+* the gradient-noise statistics, on the steps core has measured: a replica's
+  local gradient is measured where FSDP2 flattens it for the reduce-scatter (one
+  norm per ``fully_shard`` module, however many tensors it holds, through the
+  module's reduce-scatter communication, wrapped for the step), and the reduced
+  gradient's squared norm is the sum over replicas of each shard's squared norm
+  (one fused norm of the local shards per parameter group, one ``all_reduce`` of
+  one number per group). Where a module's flat gradient cannot serve (its
+  parameters in several optimiser groups, accumulation micro-batches, a
+  preconditioned gradient under `AdamScale(preconditioned=True)`, a reduce dtype
+  FSDP2 divides before reducing), gradient hooks on the unsharded parameters
+  measure each one, armed only for those steps;
 * accumulation micro-batches run with ``set_requires_gradient_sync(False)``: the
   gradients sum locally and only the step's last micro-batch reduce-scatters;
 * the learning-rate scaling rules, bf16 (``MixedPrecisionPolicy``) and a GradScaler,
@@ -25,6 +29,7 @@ the sharded model what `AdaptiveDataParallel` does for a replicated one (it shar
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,13 +44,47 @@ from adaptdl.torch.stepping import (
     _cpu,
     _norm,
     _norms,
+    _sqr,
     _sum_sqr_norms,
     check_arguments,
 )
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["AdaptiveFSDP"]
+
+#: Dtypes FSDP2 reduce-scatters without dividing the input first (it pre-divides
+#: others against overflow, which would scale the norm measured there).
+_UNDIVIDED = (torch.float32, torch.bfloat16)
+
+
+class _MeasuredReduceScatter:
+    """A ``fully_shard`` module's reduce-scatter, wrapped for one measured step: the
+    squared norm of the flat local gradient it is handed goes to ``steps`` (as the
+    local norm of optimiser group ``group``), then ``inner`` reduces it."""
+
+    def __init__(self, inner: Any, steps: AdaptiveFSDP, group: int) -> None:
+        self.inner = inner
+        self.steps = steps
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        tensor: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
+        return tensor
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self.steps._measure_flat(self.group, input_tensor)
+        return self.inner(output_tensor, input_tensor, group, op, async_op)
 
 
 class AdaptiveFSDP(AdaptiveSteps):
@@ -102,21 +141,18 @@ class AdaptiveFSDP(AdaptiveSteps):
         job = current_job()
         self._init_steps(job, optimizer, lr_scheduler, mp_scaler, scaling_rule, name)
         self._sync = True
-        in_optimizer = {
-            id(p): index
-            for index, group in enumerate(optimizer.param_groups)
-            for p in group["params"]
-        }
-        self._group_of = {
-            fqn: in_optimizer[id(p)]
-            for fqn, p in model.named_parameters()
-            if id(p) in in_optimizer
-        }
-        # The sharded parameters by name (FSDP2 registers them between passes): an
-        # unsharded parameter's gradient hook finds its optimiser state through them.
-        self._sharded = dict(model.named_parameters())
-        self._hooked: set[int] = set()
+        # FSDP2's parameter groups (one per ``fully_shard`` module, usually): per group,
+        # its trainable parameters as (optimiser group, sharded parameter, FSDPParam),
+        # and the optimiser group its flat gradient belongs to (None: not one alone).
+        self._fsdp_groups: list[tuple[Any, list[tuple[int, torch.Tensor, Any]], int | None]] = []
+        # The unsharded parameters seen (FSDP2 keeps one object per parameter for the
+        # model's life, its storage freed and refilled) and those armed this step.
         self._unsharded: list[torch.Tensor] = []
+        self._seen: set[int] = set()
+        self._armed: set[int] = set()
+        # The reduce-scatter communications replaced for the step under way.
+        self._wrapped_comms: list[tuple[Any, Any]] = []
+        self._flat_dtype_ok = True  # whether every flat gradient of the step could be measured
         # Registered before the optimiser is patched: restoring may initialise its state.
         if async_checkpoint:
             timeout = collective_timeout(job.config)
@@ -132,11 +168,37 @@ class AdaptiveFSDP(AdaptiveSteps):
         )
         self.module: torch.nn.Module = model
         self.module.register_forward_pre_hook(self._set_sync)
-        for fqn, module in self.module.named_modules():
-            if isinstance(module, FSDPModule):
-                # After FSDP2's own pre-forward hook (prepended): the parameters are unsharded.
-                hook = functools.partial(self._hook_unsharded, fqn)
-                torch.nn.Module.register_forward_pre_hook(module, hook)  # type: ignore[arg-type]
+        # Each backward pass's bookkeeping starts when the outputs' gradients arrive.
+        self.module.register_forward_hook(self._hook_outputs)
+        in_optimizer = {
+            id(p): index
+            for index, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+        }
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        fused = True
+        for module in self.module.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            for param_group in groups:
+                params: list[tuple[int, torch.Tensor, Any]] = [
+                    (in_optimizer.get(id(fp.sharded_param), -1), fp.sharded_param, fp)
+                    for fp in param_group.fsdp_params
+                    if fp.sharded_param.requires_grad
+                ]
+                owners = {index for index, _, _ in params}
+                owner = owners.pop() if len(owners) == 1 and -1 not in owners else None
+                self._fsdp_groups.append((param_group, params, owner))
+                # The flat gradient is the whole local gradient only where the module
+                # reduce-scatters over every replica (not HSDP's replicas) by itself.
+                size = getattr(param_group.mesh_info, "shard_mesh_size", None)
+                fused &= len(groups) == 1 and size == world and (owner is not None or not params)
+            # After FSDP2's own pre-forward hook (prepended): the parameters are unsharded.
+            end = len(self._fsdp_groups)
+            hook = functools.partial(self._hook_unsharded, end - len(groups), end)
+            torch.nn.Module.register_forward_pre_hook(module, hook)
+        self._fused_norms = fused and world > 1
         self._patch_optimizer(optimizer)
         if mp_scaler is not None:
             self._patch_scaler(mp_scaler)
@@ -151,25 +213,89 @@ class AdaptiveFSDP(AdaptiveSteps):
         if self._measuring is None and torch.is_grad_enabled():
             self._plan_step(armable=True)
 
-    def _hook_unsharded(self, fqn: str, module: torch.nn.Module, args: Any) -> None:
-        # FSDP2 keeps one unsharded parameter object per parameter for the model's
-        # life (its storage is freed and refilled), so each is hooked once.
-        for name, param in module.named_parameters(prefix=fqn):
-            if isinstance(param, DTensor) or id(param) in self._hooked or not param.requires_grad:
-                continue
-            group = self._group_of.get(name)
-            if group is None:
-                continue
-            hook = functools.partial(self._grad_hook, group, self._sharded.get(name, param))
-            param.register_hook(hook)  # type: ignore[no-untyped-call]
-            self._hooked.add(id(param))
-            self._unsharded.append(param)
+    def _hook_unsharded(self, first: int, end: int, module: torch.nn.Module, args: Any) -> None:
+        """Arm the gradient hooks of ``module``'s unsharded parameters (its FSDP2
+        parameter groups are ``_fsdp_groups[first:end]``) for a step that measures them."""
+        for _, params, _ in self._fsdp_groups[first:end]:
+            for group, sharded, fsdp_param in params:
+                if not hasattr(fsdp_param, "_unsharded_param"):
+                    continue  # not gathered (yet)
+                param = fsdp_param.unsharded_param
+                if id(param) not in self._seen:
+                    self._seen.add(id(param))
+                    self._unsharded.append(param)
+                if not self._hook_local or group < 0 or id(param) in self._armed:
+                    continue
+                self._armed.add(id(param))
+                hook = functools.partial(self._grad_hook, group, sharded)
+                self._hook_handles.append(param.register_hook(hook))
 
-    def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """``grad`` is the unsharded gradient of sharded ``param``: this replica's, unreduced."""
+    def _hook_outputs(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        hooked = False
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._output_hook)  # type: ignore[no-untyped-call]
+                hooked = True
+        if not hooked:
+            # Outputs torch cannot look into: the parameters' hooks start it instead.
+            for param in self._unsharded:
+                if id(param) not in self._armed:
+                    self._armed.add(id(param))
+                    hook = functools.partial(self._grad_hook, -1, param)
+                    self._hook_handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
+
+    def _output_hook(self, grad: torch.Tensor) -> None:
         if not self._in_backward:
             self._begin_backward()
-        if not self._hook_local:
+
+    def _arm_hooks(self, armable: bool) -> bool:
+        # Each module's pre-forward arms its own parameters' hooks (`_hook_unsharded`),
+        # after the root's plans the step: too late once the backward pass started.
+        return armable
+
+    def _arm_buckets(self) -> None:
+        """Wrap each module's reduce-scatter for the step under way (see `_measure_flat`)."""
+        if self._wrapped_comms:
+            return
+        for param_group, _, owner in self._fsdp_groups:
+            if owner is None:
+                continue
+            inner = param_group._reduce_scatter_comm
+            param_group._reduce_scatter_comm = _MeasuredReduceScatter(inner, self, owner)
+            self._wrapped_comms.append((param_group, inner))
+
+    def _disarm(self) -> None:
+        super()._disarm()
+        self._armed = set()
+        for param_group, inner in self._wrapped_comms:
+            param_group._reduce_scatter_comm = inner
+        self._wrapped_comms = []
+
+    def _buckets_whole(self) -> bool:
+        whole, self._flat_dtype_ok = self._flat_dtype_ok, True
+        return whole
+
+    def _measure_flat(self, group: int, flat: torch.Tensor) -> None:
+        """Add the squared norm of a module's flat local gradient (padding is zeros) to
+        the local norms of optimiser group ``group``."""
+        if not self._buckets_local:
+            return
+        start = _cpu()
+        if flat.dtype not in _UNDIVIDED:
+            # FSDP2 divided it first: measured by the hooks from the next step on.
+            self._flat_dtype_ok = self._fused_norms = False
+        else:
+            self._bucket_local.append((group, _sqr(flat)))
+        self._stat_cost += _cpu() - start
+
+    def _grad_hook(self, group: int, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``grad`` is the unsharded gradient of sharded ``param``: this replica's, unreduced
+        (``group`` -1: a hook that only starts the backward pass's bookkeeping)."""
+        if not self._in_backward:
+            self._begin_backward()
+        if not self._hook_local or group < 0:
             # An unmeasured step (the same on every replica), or one replica and one
             # micro-batch: the local gradient is the step's.
             return

@@ -10,13 +10,16 @@ pass, with the seconds the statistics cost; an unmeasured step computes no norm.
 
 Where the norms come from is the wrapper's: DDP measures each flattened bucket in
 its communication hook, before and after its all-reduce (one norm per bucket,
-however many tensors it holds); a replica's accumulation micro-batches, a
-preconditioned gradient (`AdamScale(preconditioned=True)`) and FSDP2's unsharded
-gradients are measured per parameter by gradient hooks, armed only for measured
-steps (DDP) or returning at once on others (FSDP2). With one replica and one
+however many tensors it holds); FSDP2 measures each module's flat local gradient
+at its reduce-scatter and the reduced shards with one fused norm per group; a
+replica's accumulation micro-batches and a preconditioned gradient
+(`AdamScale(preconditioned=True)`) are measured per parameter by gradient hooks,
+armed only for the measured steps that need them. With one replica and one
 micro-batch, a measured step pairs with the step before it, whose gradient is
 copied (into a buffer kept for it) only when the next step is measured. On a GPU
-the norms stay on the device and core reads them one step later.
+the norms stay on the device and core reads them one step later. The step time
+the budget weighs the cost against is the CPU time between two steps of one loop
+run, never what ran between two loops.
 
 The time spent waiting for the reduction after the backward computation goes to
 the profiler. Accumulation micro-batches leave the gradients summing in ``.grad``
@@ -249,7 +252,12 @@ class AdaptiveSteps:
         self._hook_params: list[tuple[int, torch.Tensor]] = []
         self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._stat_cost = 0.0  # seconds spent on the step's statistics so far
+        # The CPU clock and the loop run (`Job.loop_runs`) at the last synchronised
+        # backward pass, and the last interval between two such passes of one loop run:
+        # the step time the budget weighs the statistics against.
         self._last_sync: float | None = None
+        self._last_sync_run = -1
+        self._step_time = 0.0
         # Loop positions of the micro-batches accumulated in .grad since the last step:
         # several backward passes on one micro-batch add up, they are not averaged.
         self._micro: set[int] = set()
@@ -297,15 +305,32 @@ class AdaptiveSteps:
         self._buckets_local = measuring and fused and self._need_local
         self._buckets_local &= loader.accumulation_steps == 0 and not self._micro
         self._hook_local = measuring and self._need_local and not self._buckets_local
-        if self._hook_local and self._hook_params and not self._hook_handles:
-            if not armable:
-                measuring = self._hook_local = False  # too late to arm: skip this step
-            else:
-                self._hook_handles = register_grad_hooks(self, self._hook_params)
+        if self._hook_local and not self._arm_hooks(armable):
+            measuring = self._hook_local = False  # too late to arm: skip this step
+        if self._buckets_local:
+            self._arm_buckets()
         self._measuring = measuring
         # The share the step was chosen under: a lagged fold finished before this step's
         # own may move the budget's share, and the step stands for 1 / its own share.
         self._plan_share = self._steps.share
+
+    def _arm_hooks(self, armable: bool) -> bool:
+        """Arm the gradient hooks for a step that measures by them; whether they are
+        (``armable``: early enough to)."""
+        if self._hook_params and not self._hook_handles:
+            if not armable:
+                return False
+            self._hook_handles = register_grad_hooks(self, self._hook_params)
+        return True
+
+    def _arm_buckets(self) -> None:
+        """Prepare a step whose local norms come from whole buckets (DDP's comm hook
+        measures every step it is asked to: nothing to do)."""
+
+    def _buckets_whole(self) -> bool:
+        """Whether every bucket of the step was measured (a wrapper may find one that
+        could not be, after the plan); the step is then measured no further."""
+        return True
 
     def _disarm(self) -> None:
         for handle in self._hook_handles:
@@ -385,8 +410,13 @@ class AdaptiveSteps:
         job = self._job
         job.record_sync_time(job.clock() - self._sync_start)
         now = _cpu()
-        step_time = now - self._last_sync if self._last_sync is not None else 0.0
-        self._last_sync = now
+        # Only two steps of one loop run bound a step: across runs the interval also
+        # holds whatever ran between the loops (an evaluation, another model's
+        # training, a checkpoint), which would let the budget allow that much more.
+        if self._last_sync is not None and self._last_sync_run == job.loop_runs:
+            self._step_time = now - self._last_sync
+        self._last_sync, self._last_sync_run = now, job.loop_runs
+        step_time = self._step_time
         loader = self._loader
         assert loader is not None
         micro, self._micro = max(len(self._micro), 1), set()
@@ -410,8 +440,10 @@ class AdaptiveSteps:
         self._finish_lagged()
         replicas = job.topology.num_replicas
         single = replicas * micro == 1
-        if buckets_local and micro > 1:
-            measuring = False  # the buckets summed micro-batches the plan did not expect
+        if buckets_local and (micro > 1 or not self._buckets_whole()):
+            # The buckets summed micro-batches the plan did not expect, or one could not
+            # be measured.
+            measuring = False
         cost, self._stat_cost = self._stat_cost, 0.0
         if not measuring:
             if single and self._steps.measures(ahead=1):
