@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,22 +25,46 @@ from adaptdl.sched.scheduler import Scheduler  # noqa: E402
 JOB = str(Path(__file__).with_name("emulated_job.py"))
 
 
+NODES = 2
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """One cluster for the module: a head and `NODES` simulated nodes (starting one
+    takes most of a test's time). Each test leaves it as it found it (`cluster`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+        )
+        try:
+            for _ in range(NODES):
+                c.add_node(num_cpus=2, num_gpus=2)
+            c.wait_for_nodes()
+            ray.init(address=c.address, namespace="adaptdl", log_to_driver=False)
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()  # every process the cluster started, by its handle
+
+
 @pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
-    )
-    try:
-        for _ in range(2):
-            c.add_node(num_cpus=2, num_gpus=2)
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace="adaptdl", log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()  # every process the cluster started, by its handle
+def cluster(ray_cluster: Any) -> Iterator[Any]:
+    """The module's cluster, idle, with `NODES` nodes; a node a test removed is
+    replaced after it, and nothing a test placed outlives it."""
+    yield ray_cluster
+    while len(ray_cluster.worker_nodes) < NODES:
+        ray_cluster.add_node(num_cpus=2, num_gpus=2)
+    ray_cluster.wait_for_nodes()
+    # Every job of the test ended (its placement groups removed, which the GCS may
+    # finish a moment later): the next test sees the whole cluster free.
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + 30.0
+    while live := [g for g in placement_group_table().values() if g["state"] != "REMOVED"]:
+        assert time.monotonic() < deadline, live
+        time.sleep(0.2)
 
 
 def _backend() -> Any:
