@@ -62,7 +62,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
@@ -74,7 +73,6 @@ from adaptdl.core.order.seed import SHUFFLE_SEED
 from adaptdl.core.persist.localfs import LocalStorage
 from adaptdl.core.persist.manifest import MANIFEST
 from adaptdl.torch import current_job
-from adaptdl.torch.fsdp import AdaptiveFSDP
 
 N = int(os.environ.get("FAULTS_N", "64"))
 EPOCHS = int(os.environ.get("FAULTS_EPOCHS", "2"))
@@ -214,6 +212,12 @@ def main() -> None:
     adp: Any
     model: torch.nn.Module
     if FSDP:
+        # Imported here: FSDP2 and DTensor add half again to the import of every
+        # replica of every trial, and most trials train with DDP.
+        from torch.distributed.fsdp import fully_shard
+
+        from adaptdl.torch.fsdp import AdaptiveFSDP
+
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         for layer in (model[0], model[2], model):
             fully_shard(layer)

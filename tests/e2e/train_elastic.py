@@ -28,8 +28,6 @@ import os
 import time
 from typing import Any
 
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 import adaptdl.torch as adl
@@ -38,7 +36,6 @@ from adaptdl.core.order.sampling import Shard
 from adaptdl.core.order.seed import SHUFFLE_SEED
 from adaptdl.core.order.shards import BlockOrder, replica_chunk
 from adaptdl.torch import current_job
-from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.shards import JsonLinesReader, ShardedDataset
 
 N = int(os.environ.get("E2E_N", "120"))
@@ -125,7 +122,7 @@ def digest(model: torch.nn.Module) -> str:
     """A fingerprint of the parameters' exact bits: replicas in step have the same."""
     h = hashlib.sha256()
     for p in model.parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p  # collective for a shard
+        full = p.full_tensor() if FSDP else p  # a DTensor: collective for a shard
         h.update(full.detach().numpy().tobytes())
     return h.hexdigest()
 
@@ -147,6 +144,12 @@ def main() -> None:
     )
     model = torch.nn.Linear(8, 1)
     if FSDP:
+        # Imported here: FSDP2 and DTensor add half again to every replica's import,
+        # and most launches train with DDP.
+        from torch.distributed.fsdp import fully_shard
+
+        from adaptdl.torch.fsdp import AdaptiveFSDP
+
         fully_shard(model)  # before the optimiser, which then holds the shards
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)

@@ -11,6 +11,7 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,27 @@ class Payload:
 
     def __reduce__(self) -> Any:
         return (os.system, (f"touch {self.marker}",))
+
+
+def test_adaptive_fsdp_is_exported_and_imported_only_when_used() -> None:
+    """A DDP program (every replica of most launches) loads neither FSDP2, DTensor nor
+    DCP; ``adaptdl.torch.AdaptiveFSDP`` is the class, and ``import *`` exports it."""
+    code = (
+        "import sys, adaptdl.torch as adl\n"
+        "heavy = ('torch.distributed.checkpoint', 'torch.distributed.tensor',"
+        " 'torch.distributed.fsdp', 'adaptdl.torch.fsdp')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "from adaptdl.torch import *\n"
+        "from adaptdl.torch.fsdp import AdaptiveFSDP as Class\n"
+        "print(AdaptiveFSDP is Class is adl.AdaptiveFSDP)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout
+    with pytest.raises(AttributeError, match="has no attribute 'AdaptiveFSPD'"):
+        adl.AdaptiveFSPD  # noqa: B018
 
 
 # --------------------------------------------------------------------- metadata, unit

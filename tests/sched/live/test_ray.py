@@ -1,7 +1,7 @@
 """The live scheduler on a local Ray cluster of simulated nodes (declared GPUs, no
 dashboard): jobs placed by placement groups, resized, picked up by a restarted
-scheduler without restarting, and moved off a removed node. Each test stops every
-Ray process it started (the cluster's own, by their handles)."""
+scheduler without restarting, and moved off a removed node. The module's one cluster
+(conftest) stops every Ray process it started, by their handles."""
 
 from __future__ import annotations
 

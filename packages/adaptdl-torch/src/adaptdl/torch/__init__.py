@@ -8,6 +8,8 @@ replicas without losing or repeating data. Every decision is made by
 ``adaptdl.core``; this package is the glue to ``torch``.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from adaptdl.torch._context import current_job, init_process_group, is_initialized
 from adaptdl.torch.accumulator import Accumulator
 from adaptdl.torch.data import (
@@ -17,10 +19,12 @@ from adaptdl.torch.data import (
     current_dataloader,
 )
 from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
-from adaptdl.torch.fsdp import AdaptiveFSDP
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.progress import global_step
 from adaptdl.torch.state import register_state
+
+if TYPE_CHECKING:
+    from adaptdl.torch.fsdp import AdaptiveFSDP
 
 __all__ = [
     "Accumulator",
@@ -46,3 +50,14 @@ __all__ = [
 import adaptdl.checkpoint
 import adaptdl.collective
 import adaptdl.env  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    # AdaptiveFSDP on first use: its module imports torch's distributed checkpoint and
+    # DTensor, which double the import's time, and a DDP program (every replica of
+    # every launch) uses neither.
+    if name == "AdaptiveFSDP":
+        from adaptdl.torch.fsdp import AdaptiveFSDP
+
+        return AdaptiveFSDP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
