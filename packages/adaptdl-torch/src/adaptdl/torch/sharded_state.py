@@ -30,6 +30,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
+import attrs
+
 import torch
 import torch.distributed as dist
 from adaptdl.core.persist.checkpoint import CheckpointError
@@ -144,6 +146,7 @@ class _HashingWriter(_StagedWriter):
         self.records = records
 
 
+@attrs.define(eq=False)
 class ShardedState:
     """``model`` (sharded by ``fully_shard``, or any module) and ``optimizer`` saved with DCP.
 
@@ -155,17 +158,12 @@ class ShardedState:
     wrapper must not take for a training step.
     """
 
-    def __init__(
-        self,
-        name: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        plain: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
-    ) -> None:
-        self._name = name
-        self._model = model
-        self._optimizer = optimizer
-        self._plain = plain
+    _name: str = attrs.field(alias="name")
+    _model: torch.nn.Module = attrs.field(alias="model")
+    _optimizer: torch.optim.Optimizer = attrs.field(alias="optimizer")
+    _plain: Callable[[], AbstractContextManager[None]] = attrs.field(
+        default=contextlib.nullcontext, alias="plain"
+    )
 
     @property
     def name(self) -> str:
@@ -213,6 +211,7 @@ class ShardedState:
             ) from exc
 
 
+@attrs.define(eq=False)
 class AsyncShardedState(ShardedState):
     """A `ShardedState` written in the background.
 
@@ -228,21 +227,10 @@ class AsyncShardedState(ShardedState):
     it for torch's default half hour.
     """
 
-    _group: Any = None
-
-    def __init__(
-        self,
-        name: str,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        plain: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
-        *,
-        timeout: timedelta,
-    ) -> None:
-        super().__init__(name, model, optimizer, plain)
-        if not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout must be a timedelta, got {timeout!r}")
-        self._timeout = timeout
+    _timeout: timedelta = attrs.field(
+        kw_only=True, alias="timeout", validator=attrs.validators.instance_of(timedelta)
+    )
+    _group: Any = attrs.field(default=None, init=False)
 
     def start_files(
         self, directory: StagedFiles
