@@ -65,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", type=float, default=0.01, help="seconds to synchronise")
     parser.add_argument("--fail-after", type=int, default=0)
     parser.add_argument("--model", default=None, help="an application model, as JSON")
+    parser.add_argument(
+        "--start-delay", type=float, default=0.0, help="seconds before the SIGTERM handler"
+    )
     args = parser.parse_args(argv)
+    # A program still starting (importing torch, say): a SIGTERM now kills it.
+    time.sleep(args.start_delay)
     if args.model is not None:
         return run_model(json.loads(args.model))
     signal.signal(signal.SIGTERM, _on_term)

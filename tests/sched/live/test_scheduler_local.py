@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -147,3 +148,24 @@ def test_a_job_relaunched_at_a_new_size_keeps_it_until_it_steps_there(
     _run(sched, lambda: sched.job("b").status.done, timeout=180.0)
     assert sched.job("b").status is Status.SUCCEEDED
     assert sched.job("a").failures == 0
+
+
+def test_a_job_killed_by_the_stop_before_its_handler_is_preempted_not_failed(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    # A resize's SIGTERM can reach a program before it installs its handler (still
+    # importing, on a loaded node): it dies of the signal (-15) having written
+    # nothing. That is the stop the scheduler asked for, not a crash: the job resumes
+    # from its last checkpoint and no failure is counted.
+    sched = Scheduler(backend, tmp_path, interval=1.0, policy="pollux")
+    sched.submit(_spec("a", "--samples", "256", "--epochs", "1", "--start-delay", "3", hi=1))
+    _run(sched, lambda: sched.job("a").status is Status.RUNNING)
+    job = sched.job("a")
+    job.target = list(job.node_ids)  # a resize to where it is: the stop is what matters
+    sched._request_stop(job, time.time(), "resize")
+    _run(sched, lambda: job.stop_requested is None)
+    stopped = [e for e in events(sched) if e["event"] in ("failure", "launch")]
+    assert job.failures == 0, stopped
+    _run(sched, lambda: job.status.done, timeout=120.0)
+    assert job.status is Status.SUCCEEDED and job.failures == 0
+    _assert_exactly_once(sched, "a", 256, 1)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from tests.sched.live.driving import events, run_until
 
+from adaptdl.sched.backend import Backend
 from adaptdl.sched.local import LocalBackend
 from adaptdl.sched.record import JobSpec, Status
 from adaptdl.sched.scheduler import Scheduler
@@ -36,7 +37,7 @@ def backend() -> Iterator[LocalBackend]:
     b.close()  # every replica this test started, by its own pid
 
 
-def _spec(name: str, records: Path, epochs: int) -> JobSpec:
+def _spec(name: str, records: Path, epochs: int, env: dict[str, str]) -> JobSpec:
     return JobSpec(
         name=name,
         command=(sys.executable, JOB),
@@ -48,6 +49,7 @@ def _spec(name: str, records: Path, epochs: int) -> JobSpec:
             "SCHED_E2E_RECORDS": str(records),
             "SCHED_E2E_EPOCHS": str(epochs),
             "ADAPTDL_REPORT_INTERVAL": "1",
+            **env,
         },
     )
 
@@ -63,6 +65,14 @@ def _resized(sched: Scheduler, name: str) -> int:
 def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
     backend: LocalBackend, tmp_path: Path
 ) -> None:
+    three_jobs_resized_and_consumed_once(backend, tmp_path)
+
+
+def three_jobs_resized_and_consumed_once(
+    backend: Backend, tmp_path: Path, env: dict[str, str] | None = None
+) -> None:
+    """Three real jobs under pollux on ``backend``, each resized at least once and
+    consuming every sample of every pass exactly once; ``env`` added to each job's."""
     records = tmp_path / "records"
     records.mkdir()
     sched = Scheduler(
@@ -72,7 +82,7 @@ def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
     # each is grown (or shrunk) at least once: a grows alone and shrinks for the
     # others, b and c grow as those before them finish.
     for name in EPOCHS:
-        sched.submit(_spec(name, records, epochs=EPOCHS[name]))
+        sched.submit(_spec(name, records, EPOCHS[name], env or {}))
         # It publishes a fitted profile by itself, and pollux resizes it.
         _run(sched, lambda n=name: _resized(sched, n) >= 1 or sched.job(n).status.done, 240.0)
         assert sched.job(name).hints["perf_params"] is not None
@@ -81,7 +91,8 @@ def test_real_torch_jobs_are_resized_by_pollux_and_consume_every_sample_once(
     for name in "abc":
         job = sched.job(name)
         assert _resized(sched, name) >= 1, f"{name} was never resized: {events(sched)}"
-        assert job.restart_costs and job.failures == 0
+        failures = [e for e in events(sched) if e["event"] == "failure" and e["job"] == name]
+        assert job.restart_costs and job.failures == 0, failures
         sizes = consumed_once(records, name, EPOCHS[name])
         assert len(sizes) >= 2, f"{name} ran at one size only: {sizes}"
 

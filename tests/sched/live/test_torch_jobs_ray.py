@@ -2,10 +2,11 @@
 
 The Ray side of `test_torch_jobs.py`: replicas placed by placement groups on two
 simulated nodes (declared GPUs), launched by the Ray backend's detached actors with
-the environment torchrun would give them. One job is resized by the scheduler and
-consumes every sample of every pass exactly once across its resizes; a job that
-crashes is restarted from its checkpoint up to its failure limit, then failed. The
-cluster fixture (conftest's) stops every Ray process it started.
+the environment torchrun would give them. Three jobs are each resized by the
+scheduler at least once and consume every sample of every pass exactly once across
+their resizes (the same scenario as on the local backend); a job that crashes is
+restarted from its checkpoint up to its failure limit, then failed. The cluster
+fixture (conftest's) stops every Ray process it started.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("ray")
-from tests.sched.live.driving import events, ray_backend, run_until
-from tests.sched.live.test_torch_jobs import JOB, consumed_once
+from tests.sched.live.driving import ray_backend, run_until
+from tests.sched.live.test_torch_jobs import JOB, three_jobs_resized_and_consumed_once
 
 from adaptdl.sched.record import JobSpec, Status
 from adaptdl.sched.scheduler import Scheduler
@@ -43,21 +44,14 @@ def _spec(name: str, records: Path, *, hi: int, failures: int = 3, **env: str) -
     )
 
 
-def test_a_real_job_is_resized_on_ray_and_consumes_every_sample_once(
+def test_real_torch_jobs_are_resized_on_ray_and_consume_every_sample_once(
     cluster: Any, tmp_path: Path
 ) -> None:
-    records = tmp_path / "records"
-    records.mkdir()
-    sched = Scheduler(ray_backend(), tmp_path / "sched", interval=1.0, restart_penalty=1.0)
-    sched.submit(_spec("grown", records, hi=4, SCHED_E2E_EPOCHS="4"))
-    run_until(sched, lambda: sched.job("grown").status.done, 300.0, poll=0.2)
-    job = sched.job("grown")
-    assert job.status is Status.SUCCEEDED and job.failures == 0, sched.rows()
-    resized = [e for e in events(sched) if e["event"] == "resized" and e.get("job") == "grown"]
-    assert resized, f"never resized: {events(sched)}"
-    assert job.restart_costs
-    sizes = consumed_once(records, "grown", epochs=4)
-    assert len(sizes) >= 2, f"ran at one size only: {sizes}"
+    # The replicas are started by Ray's workers: they find the tests' modules (the
+    # records' writer) through PYTHONPATH.
+    three_jobs_resized_and_consumed_once(
+        ray_backend(), tmp_path, {"PYTHONPATH": os.pathsep.join(sys.path)}
+    )
 
 
 def test_a_real_job_that_crashes_is_restarted_then_failed_on_ray(

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -349,7 +350,10 @@ class Scheduler:
         if all(c == 0 for c in codes):
             self._finish(job, Status.SUCCEEDED, now)
             return
-        crashed = [c for c in codes if c not in (0, PREEMPTED, LOST)]
+        # A replica that died of the SIGTERM sent here had not installed its handler
+        # yet (still starting: importing, loading): it wrote nothing and resumes from
+        # the last checkpoint, as a stop asks. Not a crash.
+        crashed = [c for c in codes if c not in (0, PREEMPTED, LOST, -signal.SIGTERM)]
         if reason == "stop":
             self._finish(job, Status.STOPPED, now)
             return
