@@ -1,6 +1,7 @@
 """The live scheduler on a local Ray cluster of simulated nodes (declared GPUs, no
-dashboard): jobs placed by placement groups, resized, picked up by a restarted
-scheduler without restarting, and moved off a removed node. The module's one cluster
+dashboard): emulated jobs placed by placement groups, picked up by a restarted
+scheduler without restarting, and moved off a removed node (resizes of real jobs on
+Ray: `test_torch_jobs_ray.py`). The module's one cluster
 (conftest) stops every Ray process it started, by their handles."""
 
 from __future__ import annotations
@@ -43,18 +44,6 @@ def _exactly_once(sched: Scheduler, name: str, samples: int, epochs: int = 2) ->
     for epoch in range(epochs):
         seen = [i for e, a, b in state["consumed"] if e == epoch for i in range(a, b)]
         assert sorted(seen) == list(range(samples)), f"{name} epoch {epoch}"
-
-
-def test_jobs_run_resize_and_finish_on_ray(cluster: Any, tmp_path: Path) -> None:
-    sched = Scheduler(ray_backend(), tmp_path, interval=1.0, restart_penalty=1.0, policy="pollux")
-    sched.submit(_spec("a", "--samples", "1024", hi=4))
-    _run(sched, lambda: any(e["event"] == "resized" for e in events(sched)))
-    sched.submit(_spec("b", "--samples", "512"))
-    _run(sched, lambda: all(j.status.done for j in sched.jobs.values()), timeout=300.0)
-    assert {j.status for j in sched.jobs.values()} == {Status.SUCCEEDED}
-    _exactly_once(sched, "a", 1024)
-    _exactly_once(sched, "b", 512)
-    assert sched.job("a").restart_costs
 
 
 def test_a_restarted_scheduler_keeps_its_running_jobs(cluster: Any, tmp_path: Path) -> None:
