@@ -229,6 +229,10 @@ class Sums:
                 count = self.a_count = 0  # a moved level: afresh, from this step
                 self.a_step = self.a_step_sq = self.a_sync = self.a_sync_sq = 0.0
                 self.a_run = 0
+            if count + 1 == FIT_AFTER:
+                # Enough accumulation steps to tell the optimiser step's own cost by
+                # (`Observations.accum_measured`): a full fit.
+                self._profiler.new_config_since_fit = True
             self.a_count = count + 1
             self.a_step += step_time
             self.a_step_sq += step_time * step_time
