@@ -3,8 +3,7 @@ item 4), end to end: real torchrun replicas training `accumulation_job.py`.
 
 Its optimiser step sleeps 20 ms (a large model's optimiser step costs the same
 whatever the batch). Before any accumulation is measured the decision tries one
-accumulated step; once its steps are in the fit (``alpha_o`` identified on one
-replica; on two replicas of one size the fit may take it as synchronisation), the fit
+accumulated step; once its steps are in the fit (``alpha_o`` identified), the fit
 grows the total further by accumulation, at the bounds' one local size.
 """
 
@@ -41,9 +40,7 @@ def test_a_one_size_job_with_a_costly_optimiser_step_grows_by_accumulation(
     # The try: one accumulation step first, then more once the fit has measured it.
     assert later and later[0][2] == 1, results[0]
     assert later[-1][2] > 1 and results[0]["steps"] < 400, results[0]
+    # The optimiser step's own cost, identified (on two replicas by the optimiser
+    # step's time less its sync wait): about the sleep, whatever the machine's load.
     perf = results[0]["perf_params"]
-    if replicas == 1:
-        # The optimiser step's own cost: at least the sleep, measured (identified).
-        assert perf["alpha_o"] >= 0.015, perf
-    else:
-        assert perf["alpha_o"] + perf["alpha_r"] >= 0.015, perf
+    assert perf["alpha_o"] >= 0.015, perf

@@ -43,6 +43,11 @@ class _Observations:
     # 1.0 where the accumulation time was estimated from the optimiser steps (optim
     # minus sync: it holds the optimiser step's alpha_o too), 0.0 where measured.
     estimated: FloatArray
+    # Where a multi-replica configuration measured its accumulation: the positions,
+    # and the log of its optimiser micro-batch's time less its synchronisation wait
+    # (T_c + alpha_o: what tells alpha_o from the network's alpha).
+    apart: npt.NDArray[np.intp]
+    log_apart: FloatArray
 
     @property
     def n(self) -> int:
@@ -71,22 +76,33 @@ class _Observations:
             alpha_o = math.exp(float(theta[7]))
             optim = np.exp(log_overlap) + alpha_o
             accum = compute + alpha_o * self.estimated
+            apart = compute[self.apart] + alpha_o
             err1 = np.log(accum) - self.log_accum
             err2 = np.log(optim) - self.log_optim
+            err3 = np.log(apart) - self.log_apart
+            n1 = n + err3.shape[0]  # the compute times: accumulation, and optim less sync
+            rms1 = math.sqrt((float(err1 @ err1) + float(err3 @ err3)) / n1 + 1e-18)
         else:
             err1 = log_c - self.log_accum
             err2 = log_overlap - self.log_optim
-        rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
+            n1 = n
+            rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
         rms2 = math.sqrt(float(err2 @ err2) / n + 1e-18)
         value = rms1 + rms2 + _GAMMA_PULL * (gamma - 1.0) ** 2
-        d1 = err1 / (n * rms1)
+        d1 = err1 / (n1 * rms1)
         d2 = err2 / (n * rms2)
         grad = np.empty(theta.shape[0])
         if with_o:
             # d log(accum) / d log T_c and d log T_o / d log(overlap): below 1 by
             # alpha_o's share.
-            grad[7] = alpha_o * (float(d1 @ (self.estimated / accum)) + float(d2 @ (1.0 / optim)))
+            d3 = err3 / (n1 * rms1)
+            grad[7] = alpha_o * (
+                float(d1 @ (self.estimated / accum))
+                + float(d2 @ (1.0 / optim))
+                + float(d3 @ (1.0 / apart))
+            )
             d1_c = d1 * (compute / accum)
+            d1_c[self.apart] += d3 * (compute[self.apart] / apart)
             d2 = d2 * (np.exp(log_overlap) / optim)
         else:
             d1_c = d1
@@ -168,6 +184,7 @@ def fit_perf_params(
     accum_step_time: npt.ArrayLike,
     optim_step_time: npt.ArrayLike,
     accum_measured: npt.ArrayLike | None = None,
+    optim_less_sync: npt.ArrayLike | None = None,
     *,
     initial: PerfParams | None = None,
 ) -> PerfParams:
@@ -179,7 +196,11 @@ def fit_perf_params(
     none) tells which accumulation times were measured on accumulation micro-batches;
     the others were estimated from the optimiser steps (their time less their
     synchronisation), which hold the optimiser step's ``alpha_o`` too, so they are
-    compared with ``T_c + alpha_o``. The descent starts from whichever fits best of
+    compared with ``T_c + alpha_o``. ``optim_less_sync`` (seconds; None: not known)
+    is that time for every observation: where a multi-replica configuration
+    measured its accumulation, it is compared with ``T_c + alpha_o`` too, which tells
+    ``alpha_o`` from the network's ``alpha_r`` / ``alpha_n`` (on one replica the
+    optimiser step's time does). The descent starts from whichever fits best of
     weighted least-squares starts at several values of gamma and ``initial`` (for
     example the last fit), if given. Parameters that the data cannot identify take
     priors:
@@ -204,9 +225,11 @@ def fit_perf_params(
         num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time
     )
     measured = _check_measured(accum_measured, bsz.shape[0])
+    less_sync = _check_less_sync(optim_less_sync, bsz.shape[0])
     group = np.where(replicas == 1, 0, np.where(nodes == 1, 1, 2))
     order = np.argsort(group, kind="stable")
     group, replicas = group[order], replicas[order]
+    apart = np.flatnonzero(measured[order] & (group > 0) & (less_sync[order] > 0.0))
     obs = _Observations(
         bsz=bsz[order],
         log_accum=np.log(accum[order]),
@@ -215,13 +238,18 @@ def fit_perf_params(
         n_intra=int(np.count_nonzero(group == 1)),
         extra=np.maximum(replicas[group > 0] - 2.0, 0.0),
         estimated=np.where(measured[order], 0.0, 1.0),
+        apart=apart,
+        log_apart=np.log(less_sync[order][apart]),
     )
-    without, error = _descend(obs, group, replicas, False, initial)
+    without, theta = _descend(obs, group, replicas, False, initial)
     if not measured.any():
         return without
     # The model without the optimiser step's own cost stands unless the data ask for
-    # it: a fit with it must lower the RMS log errors by _ALPHA_O_GAIN.
-    fitted, error_with = _descend(obs, group, replicas, True, initial)
+    # it: a fit with it must lower the RMS log errors (both judged on every time,
+    # the optimisers' less their sync included) by _ALPHA_O_GAIN.
+    fitted, theta_with = _descend(obs, group, replicas, True, initial)
+    error = obs.objective(np.append(theta, math.log(PARAM_FLOOR)))[0]
+    error_with = obs.objective(theta_with)[0]
     return fitted if error_with < error - _ALPHA_O_GAIN else without
 
 
@@ -231,8 +259,8 @@ def _descend(
     replicas: FloatArray,
     with_o: bool,
     initial: PerfParams | None,
-) -> tuple[PerfParams, float]:
-    """The fit (with ``alpha_o`` or without: 0) and its objective's value."""
+) -> tuple[PerfParams, FloatArray]:
+    """The fit (with ``alpha_o`` or without: 0) and its ``theta``."""
     intra, inter = group == 1, group == 2
     floor = math.log(PARAM_FLOOR)
     size = 8 if with_o else 7
@@ -283,7 +311,22 @@ def _descend(
         values[2] = max(values[2], _INTER_NODE_PRIOR * values[4])
         values[3] = max(values[3], _INTER_NODE_PRIOR * values[5])
     values.append(float(np.exp(theta[7])) if with_o else 0.0)  # alpha_o
-    return PerfParams(*values), float(obs.objective(theta)[0])
+    return PerfParams(*values), theta
+
+
+def _check_less_sync(value: npt.ArrayLike | None, n: int) -> FloatArray:
+    """``optim_less_sync`` as n times > 0 (None: n zeros, none known)."""
+    if value is None:
+        return np.zeros(n)
+    array = as_real_array("optim_less_sync", value)
+    if array.shape != (n,):
+        raise ValueError(
+            f"optim_less_sync must hold {n} times, one per observation, or be None; "
+            f"got shape {array.shape}"
+        )
+    checked = check_reals("optim_less_sync", array, min=0.0, exclusive=True)
+    assert isinstance(checked, np.ndarray)
+    return checked
 
 
 def _check_measured(value: npt.ArrayLike | None, n: int) -> npt.NDArray[np.bool_]:
@@ -311,10 +354,13 @@ def _starts(
         measured = obs.estimated == 0.0
         excess = optim[measured] - accum[measured]
         single = measured[: obs.n_single]
-        # One replica: the excess is alpha_o; several: it holds synchronisation too.
-        share = 1.0 if single.any() else 0.5
-        pick = excess[: int(np.count_nonzero(single))] if single.any() else excess
-        trials.append(max(PARAM_FLOOR, share * float(np.median(pick))))
+        if single.any():  # one replica: the excess is alpha_o
+            guess = float(np.median(excess[: int(np.count_nonzero(single))]))
+        elif obs.apart.shape[0]:  # several: the optimiser step less sync, over compute
+            guess = float(np.median(np.exp(obs.log_apart) - accum[obs.apart]))
+        else:  # several, sync unknown: it holds synchronisation too
+            guess = 0.5 * float(np.median(excess))
+        trials.append(max(PARAM_FLOOR, guess))
     starts: list[tuple[float, ...]] = []
     for alpha_o in trials:
         # The compute times the accumulation times show (an estimate holds alpha_o).

@@ -77,6 +77,8 @@ class Observations(NamedTuple):
     ``accum_measured``: whether the row's accumulation time is the mean of `FIT_AFTER`
     or more accumulation micro-batches (else it is estimated from the optimiser steps,
     or rests on fewer: too few to tell the optimiser step's own cost by).
+    ``optim_less_sync``: the optimiser micro-batch's mean time less its mean
+    synchronisation wait (`ConfigTiming.optim_less_sync`).
     """
 
     num_nodes: npt.NDArray[np.int64]
@@ -85,6 +87,7 @@ class Observations(NamedTuple):
     accum_step_time: npt.NDArray[np.float64]
     optim_step_time: npt.NDArray[np.float64]
     accum_measured: npt.NDArray[np.bool_]
+    optim_less_sync: npt.NDArray[np.float64]
 
 
 def _check_key(num_nodes: Any, num_replicas: Any, atomic_bsz: Any) -> Key:
@@ -239,8 +242,10 @@ class Profiler:
             timing = self._sums[key].timing()
             optim = timing.optim_step_time()
             accum = timing.accum_step_time()
-            if optim is not None and accum is not None:
-                rows.append((*key, accum, optim, timing.accum.count >= FIT_AFTER))
+            less_sync = timing.optim_less_sync()
+            if optim is not None and accum is not None and less_sync is not None:
+                measured = timing.accum.count >= FIT_AFTER
+                rows.append((*key, accum, optim, measured, less_sync))
 
         def column(i: int, dtype: type[Any]) -> Any:
             return np.array([row[i] for row in rows], dtype=dtype)
@@ -252,6 +257,7 @@ class Profiler:
             column(3, np.float64),
             column(4, np.float64),
             column(5, np.bool_),
+            column(6, np.float64),
         )
 
     @property

@@ -142,6 +142,12 @@ class ConfigTiming:
         """
         if self.accum.count:
             return self.accum.mean_step
+        return self.optim_less_sync()
+
+    def optim_less_sync(self) -> float | None:
+        """Mean optimiser micro-batch time less its mean synchronisation wait (at least
+        1% of the step): its compute and the optimiser step's own cost; None if none
+        seen."""
         if self.optim.count:
             step = self.optim.mean_step
             return max(step - self.optim.mean_sync, _MIN_COMPUTE_SHARE * step)
