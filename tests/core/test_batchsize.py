@@ -327,7 +327,9 @@ def test_no_sequence_of_resizes_and_decisions_trains_below_the_initial_batch(set
             estimate_samples=lambda samples=samples: samples,
             resolved=lambda resolved=resolved: resolved,
             bound_fn=lambda z, fn=fn: fn,
-            explore_fn=lambda model=model: None if model is None else (model[0], batch_size),
+            explore_fn=lambda accumulation, model=model: (
+                None if model is None else (model[0], batch_size)
+            ),
         )
         query = batch_size_query(
             1,

@@ -506,7 +506,7 @@ def test_a_try_the_measured_steps_refute_is_undone() -> None:
 def test_the_job_explores_by_its_profiler() -> None:
     decision = Job().batch_size_decision
     assert isinstance(decision, GoodputDecision) and decision.explore_fn is not None
-    assert decision.explore_fn() is None  # nothing profiled
+    assert decision.explore_fn(True) is None  # nothing profiled
 
 
 def test_exploration_tries_once_per_size_profiled_however_often_it_is_asked() -> None:

@@ -37,6 +37,8 @@ perf_params = st.builds(
     log_uniform,
     log_uniform,
     st.floats(1.0, 10.0),
+    # The optimiser step's own cost: none (the model without it) or some.
+    st.one_of(st.just(0.0), log_uniform),
 )
 grad_params = st.builds(
     GradParams,
@@ -129,7 +131,7 @@ def test_perf_params_by_keyword_and_position_agree() -> None:
     )
     assert by_keyword == PERF
     assert by_keyword.gamma == 2.0 and isinstance(by_keyword.gamma, float)
-    assert PERF.astuple() == (0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 2.0)
+    assert PERF.astuple() == (0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 2.0, 0.0)
 
 
 def test_params_round_trip_through_json() -> None:
@@ -189,7 +191,7 @@ def test_goodput_function_takes_sequences_and_mappings() -> None:
 def test_goodput_function_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="init_batch_size must be >= 1"):
         GoodputFunction(PERF, GRAD, 0)
-    with pytest.raises(ValueError, match="perf_params must have 7 values"):
+    with pytest.raises(ValueError, match="perf_params must have 7 or 8 values"):
         GoodputFunction((0.1, 0.2), GRAD, 32)
     with pytest.raises(TypeError, match="grad_params must be a GradParams"):
         GoodputFunction(PERF, 3.0, 32)  # type: ignore[arg-type]
@@ -325,7 +327,7 @@ def test_compute_and_optimiser_step_times_are_the_model(
     else:
         network = p.alpha_r + p.beta_r * extra
     compute = p.alpha_c + p.beta_c * bsz
-    optim = (compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma)
+    optim = (compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma) + p.alpha_o
     assert compute_time(p, bsz) == pytest.approx(compute, rel=1e-12)
     assert optim_step_time(p, nodes, replicas, bsz) == pytest.approx(optim, rel=1e-9)
     # The goodput function's throughput runs on the same times.
@@ -335,7 +337,8 @@ def test_compute_and_optimiser_step_times_are_the_model(
     many = optim_step_time(p, np.array([nodes, 1]), np.array([replicas, 1]), bsz)
     assert many.shape == (2,)
     assert many[0] == pytest.approx(optim_step_time(p, nodes, replicas, bsz), rel=1e-12)
-    assert many[1] == pytest.approx(compute, rel=1e-12)  # one replica: nothing to wait for
+    # One replica: nothing to wait for, the optimiser step only.
+    assert many[1] == pytest.approx(compute + p.alpha_o, rel=1e-12)
 
 
 def test_step_times_reject_bad_configurations() -> None:

@@ -121,7 +121,7 @@ class Job:
             estimate_samples=lambda: self.metrics.estimate_samples(),
             bound_fn=self.bound_goodput_fn,
             resolved=lambda: self.metrics.gradient_resolved(),
-            explore_fn=lambda: self.metrics.profiler.optimistic_fit(),
+            explore_fn=lambda accumulation: self.metrics.profiler.optimistic_fit(accumulation),
         )
         self._states: dict[str, State] = {}
         # name -> the epoch a state belongs to (see `register`).

@@ -98,18 +98,21 @@ class JobGoodput:
         optim_time: float,
         sync_time: float = 0.0,
     ) -> None:
-        """Profile one accumulation micro-batch and the optimiser steps a configuration
-        needs to enter the fit (`FIT_AFTER`, all at the modelled time)."""
+        """Profile the accumulation micro-batches and optimiser steps a configuration
+        needs to enter the fit (`FIT_AFTER` of each, all at the modelled time): its
+        accumulation time counts as measured, as a real job's does once it has
+        accumulated that often, so the fit identifies the optimiser step's own cost
+        (``alpha_o``; the apps' is 0) and the decision has no accumulation to try."""
         bucket = round(math.log(atomic_bsz) / math.log(_BSZ_BUCKET))
         key = (num_nodes, num_replicas, bucket)
         if key in self._buckets:
             return
         self._buckets.add(key)
         p = self.profiler
-        p.record(num_nodes, num_replicas, atomic_bsz, accum_step=True, step_time=accum_time)
         # The modelled times are steady steps; as many as a configuration needs to enter
         # the fit (a real job's first few could hold a spike; these cannot).
         for _ in range(FIT_AFTER):
+            p.record(num_nodes, num_replicas, atomic_bsz, accum_step=True, step_time=accum_time)
             p.record(
                 num_nodes,
                 num_replicas,

@@ -337,20 +337,27 @@ class GoodputDecision:
        at or below 0 is also held to ``max_growth`` per decision (``resolved``).
        Near 0 the two caps meet without a jump in the bound (it reads |G|^2 at
        ``|estimate| + z * error``); only the ``max_growth`` cap starts there.
-    4. Exploration. ``explore_fn`` (None: no exploration) returns, while the
-       throughput fit has seen a single atomic batch size, the optimistic model of
-       it and that size (`Profiler.optimistic_fit`: the compute time measured there,
-       constant in the batch size). From one size the fit cannot tell a step's
-       fixed cost from its per-sample cost and takes half of each (a prior that
-       rated growth at 1.34x where 1.77x was measured, on a transformer whose fixed
-       cost is 86% of a step at the initial size), so a decision on the fit alone
-       may never try the larger size that would have shown it wrong. Where the
-       optimistic model, under the same caps and with its atomic size at most
-       ``max_growth`` times the profiled one (as Pollux's scheduler explores replica
-       counts), chooses a larger total than the fit does and rates it above the
-       current choice by the hysteresis threshold, the decision tries it;
-       otherwise the fit's choice stands, a shrink included. The new size's steps
-       identify the fit and end the exploration; the decisions that follow use the
+    4. Exploration. ``explore_fn(accumulation)`` (None: no exploration; the
+       argument is the query's ``gradient_accumulation``) returns, while the
+       throughput fit cannot speak, the optimistic model of it and the atomic size
+       a try may grow from (`Profiler.optimistic_fit`). Two gaps: while the fit has
+       seen a single atomic batch size, it cannot tell a step's fixed cost from its
+       per-sample cost and takes half of each (a prior that rated growth at 1.34x
+       where 1.77x was measured, on a transformer whose fixed cost is 86% of a step
+       at the initial size); the optimistic model takes the compute time measured
+       there as constant in the batch size. While no accumulation micro-batch was
+       measured, it cannot tell the optimiser step's own cost ``alpha_o`` from the
+       compute and takes none, so accumulation never pays on one replica; the
+       optimistic model takes the fixed compute cost as the optimiser step's. A
+       decision on the fit alone may never try the configuration that would have
+       shown it wrong. Where the optimistic model, under the same caps and with
+       its local batch (atomic size times micro-batches) at most ``max_growth``
+       times the profiled size (as Pollux's scheduler explores replica counts),
+       chooses a larger total than the fit does and rates it above the current
+       choice by the hysteresis threshold, the decision tries it (a local bound of
+       one size: one accumulation step); otherwise the fit's choice stands, a
+       shrink included. A try in flight is held until its steps are in the fit;
+       they identify it and end the exploration; the decisions that follow use the
        fit, which undoes a try it refutes (by the threshold).
     5. Hysteresis. The optimum under the caps replaces an admissible current choice
        only when its modelled goodput exceeds the current one's by more than
@@ -367,7 +374,7 @@ class GoodputDecision:
     bound_fn: Callable[[float], GoodputFunction | None] | None = None
     confidence_z: float = attrs.field(default=2.0, validator=float_in(min=0.0))
     resolved: Callable[[], bool] | None = None
-    explore_fn: Callable[[], tuple[PerfParams, int] | None] | None = None
+    explore_fn: Callable[[bool], tuple[PerfParams, int] | None] | None = None
 
     def maturity(self, query: BatchSizeQuery) -> float:
         """The noise estimate's maturity for ``query``: 0 while it resolves no gradient
@@ -421,7 +428,9 @@ class GoodputDecision:
         under the same caps, its atomic size at most ``max_growth`` times the one
         profiled, when it is larger than the fit's choice (``chosen``: its atomic size
         times its micro-batches) and passes the hysteresis on the optimistic model."""
-        found = self.explore_fn() if self.explore_fn is not None else None
+        if self.explore_fn is None:
+            return None
+        found = self.explore_fn(query.gradient_accumulation)
         if found is None:
             return None
         params, profiled = found
@@ -439,7 +448,10 @@ class GoodputDecision:
         goodput, local, accum = _capped_optimum(query, explore, bound, limit)
         if int(local) < 1 or int(local) * (int(accum) + 1) <= chosen:
             return None
-        if query.current == (int(local), int(accum)) and int(local) > profiled:
+        # An accumulation try is unmeasured while the optimistic model still holds an
+        # optimiser-step cost of its own (above the fit's: 0 until measured).
+        unmeasured = int(accum) > 0 and params.alpha_o > fn.perf_params.alpha_o
+        if query.current == (int(local), int(accum)) and (int(local) > profiled or unmeasured):
             # A try in flight (not yet profiled: the decision came first) is held
             # until its steps can speak.
             return query.current

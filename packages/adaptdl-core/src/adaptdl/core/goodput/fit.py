@@ -24,6 +24,10 @@ _INTER_NODE_PRIOR = 1.1
 _THETA_MAX = math.log(1e6)
 # Values of gamma whose least-squares starts are compared before the descent.
 _GAMMA_STARTS = (1.0, 1.5, 2.5, 4.0, 7.0, 10.0)
+# How much a fit with the optimiser step's own cost (alpha_o) must lower the RMS log
+# errors of the step times to replace the fit without it: 1% of a step, below which
+# the two predict alike (and a fit of noise is no reason for another parameter).
+_ALPHA_O_GAIN = 0.01
 
 
 @attrs.frozen
@@ -36,37 +40,78 @@ class _Observations:
     n_single: int  # observations [0, n_single) have one replica: no network time
     n_intra: int  # the next n_intra synchronise within one node, the rest across nodes
     extra: FloatArray  # max(replicas - 2, 0) of the multi-replica observations
+    # 1.0 where the accumulation time was estimated from the optimiser steps (optim
+    # minus sync: it holds the optimiser step's alpha_o too), 0.0 where measured.
+    estimated: FloatArray
+    # Where a multi-replica configuration measured its accumulation: the positions,
+    # and the log of its optimiser micro-batch's time less its synchronisation wait
+    # (T_c + alpha_o: what tells alpha_o from the network's alpha).
+    apart: npt.NDArray[np.intp]
+    log_apart: FloatArray
 
     @property
     def n(self) -> int:
         return int(self.bsz.shape[0])
 
     def objective(self, theta: FloatArray) -> tuple[float, FloatArray]:
-        """RMS log errors of both step times plus the gamma pull, and the gradient."""
+        """RMS log errors of both step times plus the gamma pull, and the gradient.
+
+        ``theta``: the logs of the alphas and betas, gamma, and (an eighth entry,
+        where the data identify it) the log of ``alpha_o``; without it ``alpha_o`` is
+        0 and every value is as the model without it computes.
+        """
         a = np.exp(theta[:6])
         gamma = float(theta[6])
+        with_o = theta.shape[0] == 8
         n, k, m = self.n, self.n_single, self.n_intra
         compute = a[0] + a[1] * self.bsz
         log_c = np.log(compute)
-        err1 = log_c - self.log_accum
         extra = self.extra
         network = np.concatenate([a[4] + a[5] * extra[:m], a[2] + a[3] * extra[m:]])
         log_n = np.log(network)
         log_cm = log_c[k:]
         log_o, z = log_optim_time(ARRAYS, log_cm, log_n, gamma)
-        err2 = np.concatenate([log_c[:k], log_o]) - self.log_optim
-        rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
+        log_overlap = np.concatenate([log_c[:k], log_o])
+        if with_o:
+            alpha_o = math.exp(float(theta[7]))
+            optim = np.exp(log_overlap) + alpha_o
+            accum = compute + alpha_o * self.estimated
+            apart = compute[self.apart] + alpha_o
+            err1 = np.log(accum) - self.log_accum
+            err2 = np.log(optim) - self.log_optim
+            err3 = np.log(apart) - self.log_apart
+            n1 = n + err3.shape[0]  # the compute times: accumulation, and optim less sync
+            rms1 = math.sqrt((float(err1 @ err1) + float(err3 @ err3)) / n1 + 1e-18)
+        else:
+            err1 = log_c - self.log_accum
+            err2 = log_overlap - self.log_optim
+            n1 = n
+            rms1 = math.sqrt(float(err1 @ err1) / n + 1e-18)
         rms2 = math.sqrt(float(err2 @ err2) / n + 1e-18)
         value = rms1 + rms2 + _GAMMA_PULL * (gamma - 1.0) ** 2
-        d1 = err1 / (n * rms1)
+        d1 = err1 / (n1 * rms1)
         d2 = err2 / (n * rms2)
+        grad = np.empty(theta.shape[0])
+        if with_o:
+            # d log(accum) / d log T_c and d log T_o / d log(overlap): below 1 by
+            # alpha_o's share.
+            d3 = err3 / (n1 * rms1)
+            grad[7] = alpha_o * (
+                float(d1 @ (self.estimated / accum))
+                + float(d2 @ (1.0 / optim))
+                + float(d3 @ (1.0 / apart))
+            )
+            d1_c = d1 * (compute / accum)
+            d1_c[self.apart] += d3 * (compute[self.apart] / apart)
+            d2 = d2 * (np.exp(log_overlap) / optim)
+        else:
+            d1_c = d1
         d2m = d2[k:]
         share_n = 1.0 / (1.0 + np.exp(-z))  # d log T_o / d log T_n
-        dlog_c = d1 + d2
+        dlog_c = d1_c + d2
         dlog_c[k:] -= d2m * share_n
         dlog_n = d2m * share_n / network
         per_c = dlog_c / compute
-        grad = np.empty(7)
         grad[0] = a[0] * float(per_c.sum())
         grad[1] = a[1] * float(per_c @ self.bsz)
         grad[2] = a[2] * float(dlog_n[m:].sum())
@@ -138,6 +183,8 @@ def fit_perf_params(
     atomic_bsz: npt.ArrayLike,
     accum_step_time: npt.ArrayLike,
     optim_step_time: npt.ArrayLike,
+    accum_measured: npt.ArrayLike | None = None,
+    optim_less_sync: npt.ArrayLike | None = None,
     *,
     initial: PerfParams | None = None,
 ) -> PerfParams:
@@ -145,17 +192,30 @@ def fit_perf_params(
 
     Minimises the RMS log error of the accumulation step times against ``T_c`` plus
     that of the optimiser step times against ``T_o`` (bounded L-BFGS-B on the log
-    of every alpha and beta, analytic gradient). The descent starts from whichever
-    fits best of weighted least-squares starts at several values of gamma and
-    ``initial`` (for example the last fit), if given. Parameters that the data
-    cannot identify take priors:
+    of every alpha and beta, analytic gradient). ``accum_measured`` (bools; None:
+    none) tells which accumulation times were measured on accumulation micro-batches;
+    the others were estimated from the optimiser steps (their time less their
+    synchronisation), which hold the optimiser step's ``alpha_o`` too, so they are
+    compared with ``T_c + alpha_o``. ``optim_less_sync`` (seconds; None: not known)
+    is that time for every observation: where a multi-replica configuration
+    measured its accumulation, it is compared with ``T_c + alpha_o`` too, which tells
+    ``alpha_o`` from the network's ``alpha_r`` / ``alpha_n`` (on one replica the
+    optimiser step's time does). The descent starts from whichever fits best of
+    weighted least-squares starts at several values of gamma and ``initial`` (for
+    example the last fit), if given. Parameters that the data cannot identify take
+    priors:
 
     * one atomic batch size: ``alpha_c`` is fixed to half the compute time;
     * no multi-replica step within a node (across nodes): ``alpha_r`` (``alpha_n``)
       stays at the floor; likewise ``beta_r`` (``beta_n``) without more than two
       replicas there (an optimistic model, so the scheduler tries the configuration);
     * no multi-node step: afterwards ``alpha_n, beta_n >= 1.1 * (alpha_r, beta_r)``;
-    * no multi-replica step at all: ``gamma = 1``.
+    * no multi-replica step at all: ``gamma = 1``;
+    * no measured accumulation time: ``alpha_o = 0`` (the optimiser step cannot be
+      told from the compute it ends; the decision tries an accumulated step,
+      `Profiler.optimistic_fit`). With some, the fit with ``alpha_o`` replaces the
+      one without (0) only where it lowers the objective by 0.01 (1% RMS log error):
+      a fit of the model without it, to data it explains, is unchanged by them.
 
     Runs in a few milliseconds with single-threaded BLAS; threaded OpenBLAS on a
     busy machine slows L-BFGS-B's tiny vector operations about tenfold
@@ -164,9 +224,12 @@ def fit_perf_params(
     nodes, replicas, bsz, accum, optim = _check_observations(
         num_nodes, num_replicas, atomic_bsz, accum_step_time, optim_step_time
     )
+    measured = _check_measured(accum_measured, bsz.shape[0])
+    less_sync = _check_less_sync(optim_less_sync, bsz.shape[0])
     group = np.where(replicas == 1, 0, np.where(nodes == 1, 1, 2))
     order = np.argsort(group, kind="stable")
     group, replicas = group[order], replicas[order]
+    apart = np.flatnonzero(measured[order] & (group > 0) & (less_sync[order] > 0.0))
     obs = _Observations(
         bsz=bsz[order],
         log_accum=np.log(accum[order]),
@@ -174,14 +237,40 @@ def fit_perf_params(
         n_single=int(np.count_nonzero(group == 0)),
         n_intra=int(np.count_nonzero(group == 1)),
         extra=np.maximum(replicas[group > 0] - 2.0, 0.0),
+        estimated=np.where(measured[order], 0.0, 1.0),
+        apart=apart,
+        log_apart=np.log(less_sync[order][apart]),
     )
+    without, theta = _descend(obs, group, replicas, False, initial)
+    if not measured.any():
+        return without
+    # The model without the optimiser step's own cost stands unless the data ask for
+    # it: a fit with it must lower the RMS log errors (both judged on every time,
+    # the optimisers' less their sync included) by _ALPHA_O_GAIN.
+    fitted, theta_with = _descend(obs, group, replicas, True, initial)
+    error = obs.objective(np.append(theta, math.log(PARAM_FLOOR)))[0]
+    error_with = obs.objective(theta_with)[0]
+    return fitted if error_with < error - _ALPHA_O_GAIN else without
+
+
+def _descend(
+    obs: _Observations,
+    group: npt.NDArray[np.int64],
+    replicas: FloatArray,
+    with_o: bool,
+    initial: PerfParams | None,
+) -> tuple[PerfParams, FloatArray]:
+    """The fit (with ``alpha_o`` or without: 0) and its ``theta``."""
     intra, inter = group == 1, group == 2
     floor = math.log(PARAM_FLOOR)
-    lower = np.array([floor] * 6 + [GAMMA_RANGE[0]])
-    upper = np.array([_THETA_MAX] * 6 + [GAMMA_RANGE[1]])
+    size = 8 if with_o else 7
+    lower = np.array([floor] * 6 + [GAMMA_RANGE[0]] + [floor] * (size - 7))
+    upper = np.array([_THETA_MAX] * 6 + [GAMMA_RANGE[1]] + [_THETA_MAX] * (size - 7))
     pinned: dict[int, float] = {}
-    if np.unique(bsz).shape[0] == 1:
-        pinned[0] = math.log(max(PARAM_FLOOR, float(np.exp(np.mean(obs.log_accum))) / 2))
+    if np.unique(obs.bsz).shape[0] == 1:
+        # Half the compute time (with alpha_o: as measured, an estimate holds alpha_o).
+        known = obs.log_accum[obs.estimated == 0.0] if with_o else obs.log_accum
+        pinned[0] = math.log(max(PARAM_FLOOR, float(np.exp(np.mean(known))) / 2))
     if not intra.any():
         pinned[4] = floor
     if not (intra & (replicas > 2)).any():
@@ -197,12 +286,13 @@ def fit_perf_params(
 
     def to_theta(params: Sequence[float]) -> FloatArray:
         logs = [math.log(max(v, PARAM_FLOOR)) for v in params[:6]]
-        theta: FloatArray = np.clip(np.array([*logs, params[6]]), lower, upper)
+        tail = [math.log(max(params[7], PARAM_FLOOR))] if with_o else []
+        theta: FloatArray = np.clip(np.array([*logs, params[6], *tail]), lower, upper)
         for i, value in pinned.items():
             theta[i] = value
         return theta
 
-    starts = [to_theta(start) for start in _starts(obs, pinned)]
+    starts = [to_theta(start) for start in _starts(obs, pinned, with_o)]
     if initial is not None:
         starts.append(to_theta(initial.astuple()))
     # One descent, from the start that already fits best: a warm start from the
@@ -220,12 +310,71 @@ def fit_perf_params(
     if not inter.any():
         values[2] = max(values[2], _INTER_NODE_PRIOR * values[4])
         values[3] = max(values[3], _INTER_NODE_PRIOR * values[5])
-    return PerfParams(*values)
+    values.append(float(np.exp(theta[7])) if with_o else 0.0)  # alpha_o
+    return PerfParams(*values), theta
 
 
-def _starts(obs: _Observations, pinned: Mapping[int, float]) -> list[tuple[float, ...]]:
-    """Weighted least-squares starting points of the fit, one per trial gamma."""
+def _check_less_sync(value: npt.ArrayLike | None, n: int) -> FloatArray:
+    """``optim_less_sync`` as n times > 0 (None: n zeros, none known)."""
+    if value is None:
+        return np.zeros(n)
+    array = as_real_array("optim_less_sync", value)
+    if array.shape != (n,):
+        raise ValueError(
+            f"optim_less_sync must hold {n} times, one per observation, or be None; "
+            f"got shape {array.shape}"
+        )
+    checked = check_reals("optim_less_sync", array, min=0.0, exclusive=True)
+    assert isinstance(checked, np.ndarray)
+    return checked
+
+
+def _check_measured(value: npt.ArrayLike | None, n: int) -> npt.NDArray[np.bool_]:
+    """``accum_measured`` as n bools (None: none measured)."""
+    if value is None:
+        return np.zeros(n, dtype=bool)
+    array = np.asarray(value)
+    if array.shape != (n,) or array.dtype != np.bool_:
+        raise ValueError(
+            f"accum_measured must be {n} bools, one per observation, or None; got {value!r}"
+        )
+    return array
+
+
+def _starts(
+    obs: _Observations, pinned: Mapping[int, float], with_o: bool
+) -> list[tuple[float, ...]]:
+    """Weighted least-squares starting points of the fit, one per trial gamma (and,
+    where ``alpha_o`` is fitted, per trial ``alpha_o``: none, and the optimiser
+    steps' excess over the measured accumulation)."""
     accum = np.exp(obs.log_accum)
+    optim = np.exp(obs.log_optim)
+    trials = [0.0]
+    if with_o:
+        measured = obs.estimated == 0.0
+        excess = optim[measured] - accum[measured]
+        single = measured[: obs.n_single]
+        if single.any():  # one replica: the excess is alpha_o
+            guess = float(np.median(excess[: int(np.count_nonzero(single))]))
+        elif obs.apart.shape[0]:  # several: the optimiser step less sync, over compute
+            guess = float(np.median(np.exp(obs.log_apart) - accum[obs.apart]))
+        else:  # several, sync unknown: it holds synchronisation too
+            guess = 0.5 * float(np.median(excess))
+        trials.append(max(PARAM_FLOOR, guess))
+    starts: list[tuple[float, ...]] = []
+    for alpha_o in trials:
+        # The compute times the accumulation times show (an estimate holds alpha_o).
+        compute_seen = np.maximum(accum - alpha_o * obs.estimated, PARAM_FLOOR)
+        overlapped = np.maximum(optim - alpha_o, PARAM_FLOOR)
+        at = _starts_at(obs, pinned, compute_seen, overlapped)
+        starts += [(*start, alpha_o) for start in at]
+    return starts
+
+
+def _starts_at(
+    obs: _Observations, pinned: Mapping[int, float], accum: FloatArray, optim_all: FloatArray
+) -> list[tuple[float, ...]]:
+    """The starts of :func:`_starts` for given compute and overlapped optimiser times."""
     if 0 in pinned:
         alpha_c = math.exp(pinned[0])
         beta_c = max(PARAM_FLOOR, float(np.median((accum - alpha_c) / obs.bsz)))
@@ -233,7 +382,7 @@ def _starts(obs: _Observations, pinned: Mapping[int, float]) -> list[tuple[float
         alpha_c, beta_c = _weighted_line(obs.bsz, accum)
     k, m = obs.n_single, obs.n_intra
     compute = (alpha_c + beta_c * obs.bsz)[k:]
-    optim = np.exp(obs.log_optim[k:])
+    optim = optim_all[k:]
     ratio = np.maximum(optim / compute, 1.0 + 1e-3)
     starts = []
     for gamma in _GAMMA_STARTS if k < obs.n else (1.0,):

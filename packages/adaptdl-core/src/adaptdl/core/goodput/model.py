@@ -6,8 +6,15 @@ Throughput, all times in seconds:
 * gradient synchronisation: ``T_n = 0`` for one replica, else
   ``alpha_r + beta_r * max(replicas - 2, 0)`` inside one node and
   ``alpha_n + beta_n * max(replicas - 2, 0)`` across nodes;
-* the optimiser micro-batch, whose backward pass overlaps synchronisation:
-  ``T_o = (T_c ** gamma + T_n ** gamma) ** (1 / gamma)``, ``gamma`` in [1, 10];
+* the optimiser micro-batch, whose backward pass overlaps synchronisation, then
+  the optimiser step itself: ``T_o = (T_c ** gamma + T_n ** gamma) ** (1 / gamma)
+  + alpha_o``, ``gamma`` in [1, 10], at every number of replicas. ``alpha_o`` is
+  what a step costs once however many micro-batches it accumulates (``optimizer.step``,
+  ``zero_grad``, the adaptive step's own work); with it, accumulation can pay on one
+  replica too (without it, ``T_n = 0`` there and ``k`` accumulation steps give
+  exactly the samples per second of none). ``alpha_o = 0`` is the model without it;
+  the fit identifies it only from measured accumulation micro-batches
+  (:func:`~adaptdl.core.goodput.fit.fit_perf_params`);
 * a step with ``k`` accumulation steps runs ``k`` micro-batches that only
   accumulate, then the optimiser one: ``k * T_c + T_o`` for
   ``replicas * atomic_bsz * (k + 1)`` samples.
@@ -260,11 +267,12 @@ class Problem:
         )
 
     def parts(self, b: Any, u: Any) -> tuple[Any, Any, Any, Any]:
-        """Return step time S, T_c, log T_o and z at atomic size b with u micro-batches."""
+        """Return step time S, T_c, log of T_o's overlapped part (without ``alpha_o``)
+        and z at atomic size b with u micro-batches."""
         p, m = self.p, self.m
         compute = p.alpha_c + p.beta_c * b
         log_optim, z = log_optim_time(m, m.log(compute), self.log_network, p.gamma)
-        step = (u - 1.0) * compute + m.exp(log_optim)
+        step = (u - 1.0) * compute + m.exp(log_optim) + p.alpha_o
         return step, compute, log_optim, z
 
     def throughput(self, b: Any, u: Any) -> Any:
@@ -294,7 +302,10 @@ class Problem:
         net_share = 1.0 / (1.0 + m.exp(-z))  # 1 - r^gamma = T_n^gamma / T_o^gamma
         d1 = p.beta_c * (u - 1.0 + w)  # S'
         # S - b S' > 0 (floored: it vanishes with alpha_c = 0 on one replica).
-        rest = m.maximum((u - 1.0) * p.alpha_c + p.alpha_c * w + optim * net_share, 1e-300)
+        # (The optimiser step's fixed cost alpha_o adds to S, not to S'.)
+        rest = m.maximum(
+            (u - 1.0) * p.alpha_c + p.alpha_c * w + optim * net_share + p.alpha_o, 1e-300
+        )
         # S'' = beta_c^2 (gamma - 1) r^(gamma - 2) net_share / T_o, and r^(gamma - 2) / T_o
         # = w / T_c: one exponential fewer.
         d2 = p.beta_c**2 * (p.gamma - 1.0) * w * net_share / compute
@@ -382,8 +393,9 @@ def optim_step_time(
 ) -> Any:
     """Time ``T_o`` of the micro-batch that ends in the optimiser step, in seconds.
 
-    ``T_c`` and ``T_n`` combined by the ``gamma``-norm; a float for plain numbers,
-    else a float64 array broadcast from the arguments.
+    ``T_c`` and ``T_n`` combined by the ``gamma``-norm, plus the optimiser step's
+    ``alpha_o``; a float for plain numbers, else a float64 array broadcast from the
+    arguments.
     """
     nodes, replicas = check_placement(num_nodes, num_replicas)
     bsz = check_reals("atomic_bsz", atomic_bsz, min=0.0, exclusive=True)
@@ -392,4 +404,4 @@ def optim_step_time(
     with m.quiet():
         log_network = log_network_time(m, p, nodes, replicas)
         log_optim, _ = log_optim_time(m, m.log(p.alpha_c + p.beta_c * bsz), log_network, p.gamma)
-        return m.exp(log_optim)
+        return m.exp(log_optim) + p.alpha_o

@@ -58,7 +58,7 @@ def _argmax_continuous(prob: Problem, u: Any, lo: Any, hi: Any) -> Any:
     left = m.minimum(m.maximum(lo, prob.m0 / (prob.replicas * u)), hi)
     xl, xr = m.log(left), m.log(hi)
     # Start from the maximiser of the additive model (gamma = 1: T_o = T_c + T_n).
-    additive = u * p.alpha_c + m.exp(prob.log_network)
+    additive = u * p.alpha_c + m.exp(prob.log_network) + p.alpha_o
     guess = 0.5 * (
         m.log(additive) - prob.log_sqr_minus_m0var - m.log(prob.replicas * u * u * p.beta_c)
     )
@@ -123,10 +123,11 @@ def _first_micro_batches(prob: Problem, floor_total: Any, m_max: int, bmin: int,
     m, p = prob.m, prob.p
     replicas = prob.replicas
     # Envelope at b = bmax: step time a0 + a1 * m, with a0 the time that
-    # synchronisation adds to T_o and a1 the compute time per sample.
+    # synchronisation and the optimiser step add to T_c and a1 the compute time per
+    # sample.
     compute = p.alpha_c + p.beta_c * bmax
     log_optim, _ = log_optim_time(m, math.log(compute), prob.log_network, p.gamma)
-    a0 = compute * m.expm1(log_optim - math.log(compute))
+    a0 = compute * m.expm1(log_optim - math.log(compute)) + p.alpha_o
     a1 = compute / bmax
     if prob.sqr == 0.0:
         m_peak: Any = math.inf
@@ -249,12 +250,12 @@ def _by_atomic(
     u_lo = np.maximum(1.0, _ceil_div(floor_total, r * b))
     u_hi = m_max // (r * b)
     step1, compute, _, _ = prob.parts(b, np.ones_like(b))
-    extra = step1 - compute  # time synchronisation adds to the optimiser step
+    extra = step1 - compute  # time synchronisation and the optimiser step add to T_c
     with np.errstate(divide="ignore", invalid="ignore"):
         peak = np.sqrt(extra * prob.var * prob.m0 / (compute * prob.sqr * r * b))
     peak = np.where(np.isnan(peak), np.inf, peak)
     u_real = np.clip(np.maximum(peak, prob.m0 / (r * b)), u_lo, np.maximum(u_lo, u_hi))
-    # Without synchronisation time more micro-batches never help: fewest steps.
+    # Without time beyond T_c more micro-batches never help: fewest steps.
     u_real = np.where(extra > 0, u_real, u_lo)
     cand = np.clip(np.stack([np.floor(u_real), np.ceil(u_real)]), u_lo, np.maximum(u_lo, u_hi))
     values = np.where(u_lo <= u_hi, prob.goodput(b, cand), -np.inf)

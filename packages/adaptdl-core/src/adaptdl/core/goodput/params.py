@@ -34,6 +34,9 @@ class PerfParams:
 
     Every alpha and beta is finite and non-negative, ``beta_c`` is positive (the
     compute time grows with the batch size) and ``gamma`` lies in [1, 10].
+    ``alpha_o`` (>= 0, last, default 0) is the optimiser step's own fixed cost, paid
+    once per step however many micro-batches it accumulates; 0 is the model without
+    it, and a mapping or sequence without it (written before it existed) means 0.
     """
 
     alpha_c: float
@@ -43,6 +46,7 @@ class PerfParams:
     alpha_r: float
     beta_r: float
     gamma: float
+    alpha_o: float = 0.0
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "alpha_c",
@@ -52,10 +56,13 @@ class PerfParams:
         "alpha_r",
         "beta_r",
         "gamma",
+        "alpha_o",
     )
+    #: The fields before ``alpha_o``: what documents written before it hold.
+    FIELDS_V1: ClassVar[tuple[str, ...]] = FIELDS[:7]
 
     def __attrs_post_init__(self) -> None:
-        for name in self.FIELDS[:-1]:
+        for name in (*self.FIELDS[:6], "alpha_o"):
             value = check_float(name, getattr(self, name), min=0.0)
             object.__setattr__(self, name, value)
         if self.beta_c <= 0.0:
@@ -69,8 +76,11 @@ class PerfParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PerfParams:
-        """Build from a mapping with exactly the keys of :meth:`to_dict`."""
-        return cls(**_from_mapping("PerfParams", cls.FIELDS, data))
+        """Build from a mapping with exactly the keys of :meth:`to_dict`, or with those
+        but ``alpha_o`` (a document written before it: 0)."""
+        old = isinstance(data, Mapping) and "alpha_o" not in data
+        names = cls.FIELDS_V1 if old else cls.FIELDS
+        return cls(**_from_mapping("PerfParams", names, data))
 
     def astuple(self) -> tuple[float, ...]:
         """Return the parameters in field order."""
@@ -112,22 +122,24 @@ def _to_params(cls: Any, name: str, value: Any) -> Any:
     if isinstance(value, Mapping):
         return cls.from_dict(value)
     fields = cls.FIELDS
+    # PerfParams also takes its values before alpha_o (the original's seven).
+    lengths = {len(fields), len(getattr(cls, "FIELDS_V1", fields))}
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ArgumentTypeError(
             f"{name} must be a {cls.__name__}, a mapping or a sequence of its "
             f"{len(fields)} values, got {value!r}"
         )
-    if len(value) != len(fields):
+    if len(value) not in lengths:
+        counts = " or ".join(str(n) for n in sorted(lengths))
         raise ValueError(
-            f"{name} must have {len(fields)} values ({', '.join(fields)}), "
-            f"got {len(value)}: {value!r}"
+            f"{name} must have {counts} values ({', '.join(fields)}), got {len(value)}: {value!r}"
         )
     return cls(*value)
 
 
 def to_perf_params(value: PerfParams | Sequence[float] | Mapping[str, Any]) -> PerfParams:
     """Return ``value`` as :class:`PerfParams`: itself, a mapping as from ``to_dict``, or
-    a sequence of the seven values in field order."""
+    a sequence of its values in field order (the first seven: ``alpha_o`` is 0)."""
     params: PerfParams = _to_params(PerfParams, "perf_params", value)
     return params
 

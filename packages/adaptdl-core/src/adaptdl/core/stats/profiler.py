@@ -72,13 +72,22 @@ Key = tuple[int, int, int]
 
 
 class Observations(NamedTuple):
-    """One row per configuration in the fit (`FIT_AFTER`), in the argument order of the fit."""
+    """One row per configuration in the fit (`FIT_AFTER`), in the argument order of the fit.
+
+    ``accum_measured``: whether the row's accumulation time is the mean of `FIT_AFTER`
+    or more accumulation micro-batches (else it is estimated from the optimiser steps,
+    or rests on fewer: too few to tell the optimiser step's own cost by).
+    ``optim_less_sync``: the optimiser micro-batch's mean time less its mean
+    synchronisation wait (`ConfigTiming.optim_less_sync`).
+    """
 
     num_nodes: npt.NDArray[np.int64]
     num_replicas: npt.NDArray[np.int64]
     atomic_bsz: npt.NDArray[np.int64]
     accum_step_time: npt.NDArray[np.float64]
     optim_step_time: npt.NDArray[np.float64]
+    accum_measured: npt.NDArray[np.bool_]
+    optim_less_sync: npt.NDArray[np.float64]
 
 
 def _check_key(num_nodes: Any, num_replicas: Any, atomic_bsz: Any) -> Key:
@@ -233,8 +242,10 @@ class Profiler:
             timing = self._sums[key].timing()
             optim = timing.optim_step_time()
             accum = timing.accum_step_time()
-            if optim is not None and accum is not None:
-                rows.append((*key, accum, optim))
+            less_sync = timing.optim_less_sync()
+            if optim is not None and accum is not None and less_sync is not None:
+                measured = timing.accum.count >= FIT_AFTER
+                rows.append((*key, accum, optim, measured, less_sync))
 
         def column(i: int, dtype: type[Any]) -> Any:
             return np.array([row[i] for row in rows], dtype=dtype)
@@ -245,6 +256,8 @@ class Profiler:
             column(2, np.int64),
             column(3, np.float64),
             column(4, np.float64),
+            column(5, np.bool_),
+            column(6, np.float64),
         )
 
     @property
@@ -291,29 +304,51 @@ class Profiler:
             self.num_fits += 1
         return self.last_fit
 
-    def optimistic_fit(self) -> tuple[PerfParams, int] | None:
-        """While the fit rests on one atomic batch size: the fit with its compute time
-        constant in the batch size, and that size; None once it has seen two (or
-        before the fit has any, `observations`).
+    def optimistic_fit(self, accumulation: bool = False) -> tuple[PerfParams, int] | None:
+        """The fit made optimistic where its data cannot speak, and the atomic size a try
+        may grow from; None where they can (or before the fit has any, `observations`).
 
-        From one size the fit cannot tell a step's fixed cost from its per-sample
-        cost; it takes half of each (`fit_perf_params`). This model takes all of it as
-        fixed (``beta_c`` at the floor, ``alpha_c`` the fit's compute time at that
-        size), the most a larger batch could gain: what `GoodputDecision` explores by.
+        * While the fit rests on one atomic batch size it cannot tell a step's fixed
+          cost from its per-sample cost; it takes half of each (`fit_perf_params`).
+          This model takes all of it as fixed (``beta_c`` at the floor, ``alpha_c``
+          the fit's compute time at that size), the most a larger batch could gain.
+          The size is that one.
+        * With ``accumulation`` (the job may accumulate), while no configuration in the
+          fit measured `FIT_AFTER` accumulation micro-batches, the fit cannot tell the
+          optimiser step's own cost ``alpha_o`` from the compute it ends, and takes
+          none. This model takes the compute's fixed cost as the optimiser step's
+          (``alpha_o`` the fit's ``alpha_c``, which then stays at the floor), the most
+          accumulation could gain. The size is the largest profiled.
+
+        What `GoodputDecision` explores by: the measured steps of a try end it.
         """
         fit = self.perf_params()
         if fit is None:
             return None
         # The sizes the fit saw, as `fit_perf_params` tells one from several.
-        sizes = np.unique(self.observations().atomic_bsz)
-        if sizes.shape[0] != 1:
+        obs = self.observations()
+        sizes = np.unique(obs.atomic_bsz)
+        if sizes.shape[0] == 0:
+            return None  # the last fit stands while its configuration re-enters
+        one_size = sizes.shape[0] == 1
+        trial = bool(accumulation) and not bool(obs.accum_measured.any())
+        if not (one_size or trial):
             return None
-        size = int(sizes[0])
-        compute = fit.alpha_c + fit.beta_c * size
-        optimistic = attrs.evolve(
-            fit, alpha_c=max(compute - PARAM_FLOOR * size, PARAM_FLOOR), beta_c=PARAM_FLOOR
-        )
-        return optimistic, size
+        optimistic = fit
+        if one_size:
+            compute = fit.alpha_c + fit.beta_c * int(sizes[0])
+            optimistic = attrs.evolve(
+                optimistic,
+                alpha_c=max(compute - PARAM_FLOOR * int(sizes[0]), PARAM_FLOOR),
+                beta_c=PARAM_FLOOR,
+            )
+        if trial:
+            optimistic = attrs.evolve(
+                optimistic,
+                alpha_c=PARAM_FLOOR,
+                alpha_o=max(optimistic.alpha_c - PARAM_FLOOR, 0.0),
+            )
+        return optimistic, int(sizes.max())
 
     def goodput_fn(
         self, grad_params: GradParams | None, init_batch_size: int

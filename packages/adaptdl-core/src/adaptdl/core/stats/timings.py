@@ -142,6 +142,12 @@ class ConfigTiming:
         """
         if self.accum.count:
             return self.accum.mean_step
+        return self.optim_less_sync()
+
+    def optim_less_sync(self) -> float | None:
+        """Mean optimiser micro-batch time less its mean synchronisation wait (at least
+        1% of the step): its compute and the optimiser step's own cost; None if none
+        seen."""
         if self.optim.count:
             step = self.optim.mean_step
             return max(step - self.optim.mean_sync, _MIN_COMPUTE_SHARE * step)
@@ -229,6 +235,10 @@ class Sums:
                 count = self.a_count = 0  # a moved level: afresh, from this step
                 self.a_step = self.a_step_sq = self.a_sync = self.a_sync_sq = 0.0
                 self.a_run = 0
+            if count + 1 == FIT_AFTER:
+                # Enough accumulation steps to tell the optimiser step's own cost by
+                # (`Observations.accum_measured`): a full fit.
+                self._profiler.new_config_since_fit = True
             self.a_count = count + 1
             self.a_step += step_time
             self.a_step_sq += step_time * step_time
