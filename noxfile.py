@@ -30,6 +30,8 @@ TEST_DEPS = (
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
     "tensorboard>=2.10",
+    # tests/core/test_no_torch.py runs ruff to check that lint bans torch in core.
+    "ruff>=0.6",
 )
 PYTHON = "3.11"
 # One BLAS/OpenMP thread per process: runs start several processes on 2 cores, and
