@@ -244,6 +244,14 @@ def fit_perf_params(
     without, theta = _descend(obs, group, replicas, False, initial)
     if not measured.any():
         return without
+    # Where what the data show of alpha_o (a median) is under half the gain's share
+    # of a step, a fit with it would move a typical log error by less than that and
+    # rarely lower both RMS terms by the gain: the second descent (as costly as the
+    # first) is skipped. The simulator's models, whose optimiser step costs only its
+    # compute, never pay for it.
+    guess, step = _alpha_o_guess(obs)
+    if guess <= 0.5 * _ALPHA_O_GAIN * step:
+        return without
     # The model without the optimiser step's own cost stands unless the data ask for
     # it: a fit with it must lower the RMS log errors (both judged on every time,
     # the optimisers' less their sync included) by _ALPHA_O_GAIN.
@@ -341,6 +349,23 @@ def _check_measured(value: npt.ArrayLike | None, n: int) -> npt.NDArray[np.bool_
     return array
 
 
+def _alpha_o_guess(obs: _Observations) -> tuple[float, float]:
+    """What the measured accumulation shows of the optimiser step's own cost, and the
+    median optimiser micro-batch it is part of (seconds; the rows that measured it)."""
+    accum = np.exp(obs.log_accum)
+    optim = np.exp(obs.log_optim)
+    measured = obs.estimated == 0.0
+    excess = optim[measured] - accum[measured]
+    single = measured[: obs.n_single]
+    if single.any():  # one replica: the excess is alpha_o
+        guess = float(np.median(excess[: int(np.count_nonzero(single))]))
+    elif obs.apart.shape[0]:  # several: the optimiser step less sync, over compute
+        guess = float(np.median(np.exp(obs.log_apart) - accum[obs.apart]))
+    else:  # several, sync unknown: it holds synchronisation too
+        guess = 0.5 * float(np.median(excess))
+    return guess, float(np.median(optim[measured]))
+
+
 def _starts(
     obs: _Observations, pinned: Mapping[int, float], with_o: bool
 ) -> list[tuple[float, ...]]:
@@ -351,16 +376,7 @@ def _starts(
     optim = np.exp(obs.log_optim)
     trials = [0.0]
     if with_o:
-        measured = obs.estimated == 0.0
-        excess = optim[measured] - accum[measured]
-        single = measured[: obs.n_single]
-        if single.any():  # one replica: the excess is alpha_o
-            guess = float(np.median(excess[: int(np.count_nonzero(single))]))
-        elif obs.apart.shape[0]:  # several: the optimiser step less sync, over compute
-            guess = float(np.median(np.exp(obs.log_apart) - accum[obs.apart]))
-        else:  # several, sync unknown: it holds synchronisation too
-            guess = 0.5 * float(np.median(excess))
-        trials.append(max(PARAM_FLOOR, guess))
+        trials.append(max(PARAM_FLOOR, _alpha_o_guess(obs)[0]))
     starts: list[tuple[float, ...]] = []
     for alpha_o in trials:
         # The compute times the accumulation times show (an estimate holds alpha_o).
