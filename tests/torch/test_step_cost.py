@@ -191,6 +191,28 @@ def test_a_comm_hook_of_ones_own_is_ddps_own() -> None:
     assert len(seen) == steps and adp.gns is not None and adp.gns.num_updates == steps - 1
 
 
+def test_a_compressing_comm_hook_measures_what_it_leaves_in_grad() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    torch.manual_seed(0)
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 1.0)
+    adp.register_comm_hook(None, fp16_compress_hook)
+    seen: list[StepMeasurement] = []
+    measure = adp._steps.measure
+    adp._steps.measure = lambda m, init: seen.append(m) or measure(m, init)
+    grads = []
+    for _ in adl.remaining_epochs_until(1):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            grads.append(sum(float(p.grad.double().square().sum()) for p in adp.parameters()))
+            optimizer.step()
+    assert len(seen) == len(grads) > 0
+    assert [m.total_sqr[0] for m in seen] == pytest.approx(grads, rel=1e-6)
+
+
 def test_the_budgets_step_time_is_a_step_of_the_loop_never_what_ran_between_loops(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

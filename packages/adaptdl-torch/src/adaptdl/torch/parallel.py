@@ -42,9 +42,9 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
     size. Other keyword arguments go to DistributedDataParallel.
 
     ``backward()`` must run inside an `AdaptiveDataLoader` loop: outside one it
-    raises RuntimeError. A communication hook of your own (``register_comm_hook``,
-    ``register_builtin_comm_hook``) is DDP's as usual: the statistics read the
-    gradients before it and what it leaves in ``.grad``.
+    raises RuntimeError. A communication hook of your own (``register_comm_hook``)
+    is DDP's as usual: the statistics read the gradients before it and what it
+    leaves in ``.grad``.
     """
 
     def __init__(
