@@ -92,6 +92,26 @@ def test_one_replica_pairs_only_measured_steps_and_copies_only_before_them(share
     assert all(m.share == share for m in seen)
 
 
+def test_an_unmeasured_step_gathers_no_gradient() -> None:
+    # Per-parameter work (a transformer has hundreds of tensors) only on the steps that
+    # measure, or keep their gradient for the next step to pair with.
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 0.25)
+    gathered = []
+    gather = adp._grad_groups
+
+    def counting() -> Any:
+        gathered.append(adp._steps.taken)
+        return gather()
+
+    adp._grad_groups = counting
+    steps = train(adp, optimizer, loader, [])
+    budget = adp._steps.budget
+    expected = [k for k in range(steps) if budget.measures(k) or budget.measures(k + 1)]
+    assert sorted(set(gathered)) == expected != list(range(steps))
+
+
 def test_the_kept_gradient_is_one_buffer_reused_step_after_step() -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=4)
     loader.train()

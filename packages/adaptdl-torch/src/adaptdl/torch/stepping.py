@@ -455,14 +455,19 @@ class AdaptiveSteps:
         grads_local, self._grads_local = self._grads_local, False
         self._hook_local = False
         self._disarm()
-        groups = self._grad_groups()
-        if len(groups) != self._num_groups:
+        num_groups = len(self.adaptdl_optimizer.param_groups)
+        if num_groups != self._num_groups:
             raise ValueError(
-                f"the optimizer has {len(groups)} parameter groups but had "
+                f"the optimizer has {num_groups} parameter groups but had "
                 f"{self._num_groups} when {type(self).__name__} wrapped it: add every "
                 "parameter group before wrapping the model and optimizer"
             )
+        # The gradients are gathered only for a step that uses them: an unmeasured step
+        # of one micro-batch per replica runs nothing per parameter (a transformer has
+        # hundreds).
+        groups: list[list[torch.Tensor]] | None = None
         if micro > 1:
+            groups = self._grad_groups()
             for grads in groups:
                 torch._foreach_div_(grads, float(micro))
         self._finish_lagged()
@@ -478,11 +483,13 @@ class AdaptiveSteps:
         cost, self._stat_cost = self._stat_cost, 0.0
         if not measuring:
             if single and self._steps.measures(ahead=1):
-                self._keep(groups, replicas * micro, loader)
+                self._keep(self._grad_groups(), replicas * micro, loader)
             else:
                 self._prev_buf_valid = False
                 self._prev_grads = None
             return
+        if groups is None:
+            groups = self._grad_groups()
         start = _cpu()
         mp = self._mp_scale()
         mp2 = mp * mp
