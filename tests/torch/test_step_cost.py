@@ -1,4 +1,4 @@
-"""What the gradient statistics cost a step: measured steps only, bucket norms, no copies.
+"""What the gradient statistics cost a step: measured steps only, fused norms, no copies.
 
 Core's budget picks the measured steps (`adaptdl.core.stats.statsbudget`); these tests fix
 its share and check that the adapter measures exactly those steps, from the right
@@ -7,6 +7,10 @@ gradients, and keeps nothing it does not need.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +21,7 @@ import torch
 from adaptdl.core.stats.statsbudget import MeasureBudget
 from adaptdl.core.stats.step import StepMeasurement
 from adaptdl.torch import _context
+from adaptdl.torch.launch import torchrun_command
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import LinearScale
 
@@ -87,6 +92,26 @@ def test_one_replica_pairs_only_measured_steps_and_copies_only_before_them(share
     assert all(m.share == share for m in seen)
 
 
+def test_an_unmeasured_step_gathers_no_gradient() -> None:
+    # Per-parameter work (a transformer has hundreds of tensors) only on the steps that
+    # measure, or keep their gradient for the next step to pair with.
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 0.25)
+    gathered = []
+    gather = adp._grad_groups
+
+    def counting() -> Any:
+        gathered.append(adp._steps.taken)
+        return gather()
+
+    adp._grad_groups = counting
+    steps = train(adp, optimizer, loader, [])
+    budget = adp._steps.budget
+    expected = [k for k in range(steps) if budget.measures(k) or budget.measures(k + 1)]
+    assert sorted(set(gathered)) == expected != list(range(steps))
+
+
 def test_the_kept_gradient_is_one_buffer_reused_step_after_step() -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=4)
     loader.train()
@@ -126,8 +151,8 @@ def test_accumulation_measures_each_micro_batch_on_measured_steps_only(share: fl
     assert 0.0 < bias_sqr < seen[0].local_sqr[0]
 
 
-def test_bucket_norms_are_the_optimiser_groups_gradients_only() -> None:
-    # Two groups, and a trainable parameter outside the optimiser: the buckets are split
+def test_norms_are_the_optimiser_groups_gradients_only() -> None:
+    # Two groups, and a trainable parameter outside the optimiser: the norms are taken
     # per group and the stranger's gradient is left out.
     loader = adl.AdaptiveDataLoader(data(), batch_size=8)
     loader.autoscale_batch_size(32, (1, 8), gradient_accumulation=True)
@@ -138,7 +163,6 @@ def test_bucket_norms_are_the_optimiser_groups_gradients_only() -> None:
         [{"params": [model[0].weight]}, {"params": [model[1].weight, model[1].bias]}], lr=0.01
     )
     adp, _ = wrap(model, None, optimizer=optimizer)
-    assert not adp._whole_buckets
     seen: list[StepMeasurement] = []
     totals = []
     measure = adp._steps.measure
@@ -164,7 +188,7 @@ def test_bucket_norms_are_the_optimiser_groups_gradients_only() -> None:
         assert m.total_sqr == pytest.approx(total, rel=1e-5)
 
 
-def test_a_comm_hook_of_ones_own_reduces_the_buckets_inside_the_wrappers() -> None:
+def test_a_comm_hook_of_ones_own_is_ddps_own() -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=4)
     loader.train()
     torch.manual_seed(0)
@@ -185,6 +209,28 @@ def test_a_comm_hook_of_ones_own_reduces_the_buckets_inside_the_wrappers() -> No
     steps = train(adp, optimizer, loader, seen)
     assert calls == ["mine"] * steps
     assert len(seen) == steps and adp.gns is not None and adp.gns.num_updates == steps - 1
+
+
+def test_a_compressing_comm_hook_measures_what_it_leaves_in_grad() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    torch.manual_seed(0)
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 1.0)
+    adp.register_comm_hook(None, fp16_compress_hook)
+    seen: list[StepMeasurement] = []
+    measure = adp._steps.measure
+    adp._steps.measure = lambda m, init: seen.append(m) or measure(m, init)
+    grads = []
+    for _ in adl.remaining_epochs_until(1):
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(adp(x), y).backward()
+            grads.append(sum(float(p.grad.double().square().sum()) for p in adp.parameters()))
+            optimizer.step()
+    assert len(seen) == len(grads) > 0
+    assert [m.total_sqr[0] for m in seen] == pytest.approx(grads, rel=1e-6)
 
 
 def test_the_budgets_step_time_is_a_step_of_the_loop_never_what_ran_between_loops(
@@ -276,3 +322,39 @@ def test_one_replicas_measured_statistics_are_the_gradients_own_norms(share: flo
         paired += 1
     # The step before each measured one was kept for it (measured or not).
     assert paired == len(seen) - (seen[0][0] == 0) > 0
+
+
+@pytest.mark.e2e
+def test_two_replicas_measure_local_gradients_and_call_no_collective_beyond_the_steps(
+    tmp_path: Path,
+) -> None:
+    # DDP reduces the buckets by itself (no communication hook of ours, no all-reduce
+    # from Python); each step adds the step boundary's one reduction, and a measured
+    # step the one that sums the local norms. The local norms are each replica's own
+    # gradients, read from .grad (DDP's defaults) or by the hooks (``.grad`` the bucket).
+    script = Path(__file__).with_name("ddp_replicas.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = torchrun_command(script, 2, args=[str(tmp_path)])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in range(2):
+        results = json.loads((tmp_path / f"ddp-rank{rank}.json").read_text())
+        assert results["grads"]["in_grads"] and not results["hooks"]["in_grads"]
+        for mode in ("grads", "hooks"):
+            steps = results[mode]["steps"]
+            assert [s["measured"] for s in steps] == [k % 2 == 1 for k in range(len(steps))]
+            for s in steps:
+                if not s["measured"]:
+                    assert s["handed"] is None
+                    continue
+                local, total = s["handed"]
+                assert local == pytest.approx(s["local"], rel=1e-6)
+                assert total == pytest.approx(s["total"], rel=1e-6)
+            for s in steps[1:]:  # the first also holds the loop's start
+                calls = {k: v for k, v in s["calls"].items() if v}
+                assert calls == {"all_gather": 1 + s["measured"]}, (mode, s)
+    # The local norms differ between the replicas; the reduced ones are the same.
+    first, second = (json.loads((tmp_path / f"ddp-rank{r}.json").read_text()) for r in (0, 1))
+    a, b = first["grads"]["steps"][1], second["grads"]["steps"][1]
+    assert a["handed"][0] != pytest.approx(b["handed"][0])
+    assert a["handed"][1] == pytest.approx(b["handed"][1], rel=1e-6)

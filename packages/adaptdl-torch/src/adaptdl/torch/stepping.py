@@ -8,10 +8,12 @@ budget, a share of them otherwise). On a measured step the local squared norms
 as a `StepMeasurement` (`adaptdl.core.stats.step`) after the step's last backward
 pass, with the seconds the statistics cost; an unmeasured step computes no norm.
 
-Where the norms come from is the wrapper's: DDP measures each flattened bucket in
-its communication hook, before and after its all-reduce (one norm per bucket,
-however many tensors it holds); FSDP2 measures each module's flat local gradient
-at its reduce-scatter and the reduced shards with one fused norm per group; a
+Where the norms come from is the wrapper's: DDP reads a replica's own gradients
+in ``.grad`` at the end of the backward pass, before its callback writes the
+reduced ones there, and the reduced ones after it (one fused norm per parameter
+group each, however many tensors it holds, and no communication hook of ours on
+any step); FSDP2 measures each module's flat local gradient at its reduce-scatter
+and the reduced shards with one fused norm per group; a
 replica's accumulation micro-batches and a preconditioned gradient
 (`AdamScale(preconditioned=True)`) are measured per parameter by gradient hooks,
 armed only for the measured steps that need them. With one replica and one
@@ -204,9 +206,11 @@ class AdaptiveSteps:
     """Gradient statistics, accumulation, learning-rate factors and metrics of one wrapper.
 
     A wrapper calls :meth:`_init_steps`, registers its gradient hooks
-    (:func:`register_grad_hooks`; or, for a replicated model, a communication
-    hook that fills ``_bucket_local`` and ``_bucket_total``) and provides
-    :meth:`_will_sync` (and, for a sharded model, :meth:`_local_grad` and :meth:`_total_norms`).
+    (:func:`register_grad_hooks`), says where a measured step's local norms may come
+    from (``_local_in_grads``: ``.grad`` at the end of the backward pass;
+    ``_fused_norms``: its reduction fills ``_bucket_local`` and ``_bucket_total``)
+    and provides :meth:`_will_sync` (and, for a sharded model, :meth:`_local_grad`
+    and :meth:`_total_norms`).
     """
 
     _job: Job
@@ -235,11 +239,21 @@ class AdaptiveSteps:
         # Per group, squared norms of the local micro-batch gradients since the last step
         # (from the gradient hooks).
         self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
-        # (group, squared norm) of each bucket before and after its reduction, this
-        # backward pass (the communication hook of a wrapper with `_fused_norms`).
+        # (group, squared norm) of each flat gradient before and after its reduction,
+        # this backward pass (the reduction of a wrapper with `_fused_norms`).
         self._bucket_local: list[tuple[int, torch.Tensor]] = []
         self._bucket_total: list[tuple[int, torch.Tensor]] = []
-        self._fused_norms = False  # whether the wrapper measures whole buckets
+        self._fused_norms = False  # whether the wrapper measures flat gradients
+        # Whether the replica's own gradients stay in ``.grad`` until after the last
+        # backward pass's bookkeeping (`_after_backward`), while their reduction runs
+        # elsewhere: then a measured step reads its local norms there, one fused norm
+        # per group (`_grads_local`), and its total norms from ``.grad`` after the
+        # reduction.
+        self._local_in_grads = False
+        self._grads_local = False
+        # Per group, the squared norm of the replica's gradient read at the end of the
+        # last backward pass (`_grads_local`), on the device; None: not read.
+        self._grad_local: list[torch.Tensor] | None = None
         self._in_backward = False
         self._need_local = True  # whether the step needs local norms at all
         # The plan of the step under way (None: not planned yet): whether core has it
@@ -299,12 +313,17 @@ class AdaptiveSteps:
             or loader.accumulation_steps > 0
         )
         measuring = self._steps.measures()
-        fused = self._fused_norms and not self._preconditions()
-        # Whole buckets serve a replica's single micro-batch; anything else is measured
-        # per parameter, by the hooks.
-        self._buckets_local = measuring and fused and self._need_local
-        self._buckets_local &= loader.accumulation_steps == 0 and not self._micro
-        self._hook_local = measuring and self._need_local and not self._buckets_local
+        plain = not self._preconditions()
+        single = loader.accumulation_steps == 0 and not self._micro
+        # Whole flat gradients, or the gradients left in .grad at the end of the backward
+        # pass, serve a replica's single micro-batch; anything else is measured per
+        # parameter, by the hooks.
+        whole = measuring and plain and single and self._need_local
+        self._buckets_local = whole and self._fused_norms
+        self._grads_local = whole and not self._buckets_local and self._local_in_grads
+        self._hook_local = (
+            measuring and self._need_local and not (self._buckets_local or self._grads_local)
+        )
         if self._hook_local and not self._arm_hooks(armable):
             measuring = self._hook_local = False  # too late to arm: skip this step
         if self._buckets_local:
@@ -389,6 +408,7 @@ class AdaptiveSteps:
         # pass's are the step's.
         self._bucket_local = []
         self._bucket_total = []
+        self._grad_local = None
         # Runs after the backward computation; it queues the step after the wrapper's
         # own callback (DDP's, queued later; FSDP2's, queued earlier), which waits for
         # the gradients' reduction.
@@ -403,6 +423,12 @@ class AdaptiveSteps:
             self._accum_run = self._job.loop_runs
             self._accum_index = loader.current_index or 0
             return
+        if self._grads_local:
+            # Before the wrapper's own callback (queued later) writes the reduced
+            # gradients into .grad: these are still this replica's.
+            start = _cpu()
+            self._grad_local = [_sum_sqr_norms(_norms(g)) for g in self._grad_groups()]
+            self._stat_cost += _cpu() - start
         self._sync_start = self._job.clock()
         torch.autograd.Variable._execution_engine.queue_callback(self._after_sync)
 
@@ -425,16 +451,23 @@ class AdaptiveSteps:
         bucket_total, self._bucket_total = self._bucket_total, []
         measuring, self._measuring = bool(self._measuring), None
         buckets_local, self._buckets_local = self._buckets_local, False
+        grad_local, self._grad_local = self._grad_local, None
+        grads_local, self._grads_local = self._grads_local, False
         self._hook_local = False
         self._disarm()
-        groups = self._grad_groups()
-        if len(groups) != self._num_groups:
+        num_groups = len(self.adaptdl_optimizer.param_groups)
+        if num_groups != self._num_groups:
             raise ValueError(
-                f"the optimizer has {len(groups)} parameter groups but had "
+                f"the optimizer has {num_groups} parameter groups but had "
                 f"{self._num_groups} when {type(self).__name__} wrapped it: add every "
                 "parameter group before wrapping the model and optimizer"
             )
+        # The gradients are gathered only for a step that uses them: an unmeasured step
+        # of one micro-batch per replica runs nothing per parameter (a transformer has
+        # hundreds).
+        groups: list[list[torch.Tensor]] | None = None
         if micro > 1:
+            groups = self._grad_groups()
             for grads in groups:
                 torch._foreach_div_(grads, float(micro))
         self._finish_lagged()
@@ -444,14 +477,19 @@ class AdaptiveSteps:
             # The buckets summed micro-batches the plan did not expect, or one could not
             # be measured.
             measuring = False
+        if grads_local and (micro > 1 or grad_local is None):
+            # .grad summed micro-batches the plan did not expect, or was not read.
+            measuring = False
         cost, self._stat_cost = self._stat_cost, 0.0
         if not measuring:
             if single and self._steps.measures(ahead=1):
-                self._keep(groups, replicas * micro, loader)
+                self._keep(self._grad_groups(), replicas * micro, loader)
             else:
                 self._prev_buf_valid = False
                 self._prev_grads = None
             return
+        if groups is None:
+            groups = self._grad_groups()
         start = _cpu()
         mp = self._mp_scale()
         mp2 = mp * mp
@@ -466,6 +504,8 @@ class AdaptiveSteps:
             local: list[torch.Tensor] = []
         elif buckets_local:
             local = _group_sums(bucket_local, count, device)
+        elif grad_local is not None:
+            local = [t.to(device) for t in grad_local]
         else:
             local = [_sum_sqr_norms(p).to(device) for p in parts]
         pair = self._pair(groups, mp, total) if single else None
@@ -674,6 +714,7 @@ class AdaptiveSteps:
             self._local_parts = [[] for _ in range(self._num_groups)]
             self._bucket_local, self._bucket_total = [], []
             self._measuring, self._hook_local, self._buckets_local = None, False, False
+            self._grads_local, self._grad_local = False, None
             self._stat_cost = 0.0
             self._disarm()
             self.adaptdl_optimizer.zero_grad(set_to_none=True)
