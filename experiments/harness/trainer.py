@@ -312,9 +312,12 @@ class DecisionLog:
         if fn is not None:
             record["perf"] = fn.perf_params.to_dict()
             prof = self.job.metrics.profiler
+            obs = prof.observations()
+            columns = (obs.num_nodes, obs.num_replicas, obs.atomic_bsz)
+            times = (obs.accum_step_time, obs.optim_step_time)
             record["profiled"] = [
                 [int(b), float(a), float(o), prof.timing(int(n), int(r), int(b)).optim.count]
-                for n, r, b, a, o in zip(*prof.observations(), strict=True)
+                for n, r, b, a, o in zip(*columns, *times, strict=True)
             ]
             r = query.num_replicas
             hi = (query.local_bsz_bounds or (None, 128))[1] or 128
