@@ -18,7 +18,7 @@ from tests.threadcollective import run_replicas
 from adaptdl.core.decide.batchsize import BatchSizeQuery, GoodputDecision, even_split
 from adaptdl.core.goodput import GoodputFunction
 from adaptdl.core.job import Job
-from adaptdl.core.loop.boundary import CheckpointPolicy, Preempted
+from adaptdl.core.loop.boundary import AgreementCadence, CheckpointPolicy, Preempted
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.loop.loaderjob import LoaderJob
 from adaptdl.core.order.sampling import Shard
@@ -312,7 +312,17 @@ def test_prefix_at_every_boundary_with_two_replicas():
 
 
 def adaptive_segment(
-    store, n, epochs, replicas, batch_size, stop_after, credit, *, decision=None, tick=None
+    store,
+    n,
+    epochs,
+    replicas,
+    batch_size,
+    stop_after,
+    credit,
+    *,
+    decision=None,
+    tick=None,
+    agreement_cadence=None,
 ):
     """One launch of an adaptive job; each replica's [(epoch, index, batch, optim)], stopped.
 
@@ -328,6 +338,7 @@ def adaptive_segment(
             store=store,
             clock=time.perf_counter if tick is None else ManualClock(tick),
             batch_size_decision=decision,
+            agreement_cadence=agreement_cadence,
         )
         loader = LoaderHelper(job, batch_size=batch_size)
         loader.autoscale_batch_size(batch_size * 4, gradient_accumulation=True)
@@ -577,7 +588,11 @@ def test_a_restart_that_decides_a_batch_above_the_dataset_loses_no_epoch():
     store = MemoryCheckpointStore()
     seen: dict[int, Counter] = {e: Counter() for e in range(3)}
     credit = nominal_gain(1.0, 32)
-    first = adaptive_segment(store, 512, 3, 2, 32, 5, credit, decision=decision)
+    # Agreeing at every boundary: a stop requested at the 5th is acted on at the 6th.
+    every_boundary = AgreementCadence(max_every=1)
+    first = adaptive_segment(
+        store, 512, 3, 2, 32, 5, credit, decision=decision, agreement_cadence=every_boundary
+    )
     # 6 batches taken from indices 0, 32, ..., 160: the checkpoint is at index 192.
     assert [index for _, index, _, _ in first[0][0]] == [32 * k for k in range(6)]
     decision.big = True

@@ -36,7 +36,12 @@ flag = c.allreduce_async(r == n - 1, logical_or)
 large = c.allreduce_async(
     [big] if r == 0 else [""], lambda a, b: a if len(a[0]) >= len(b[0]) else b
 )
+# Flat ints reduced by their maximum travel as one int64 all_reduce: the fold's result.
+ints = c.allreduce_async([r, 5 - r, -(2**62) + r, 0], maximum)
+mixed = c.allreduce_async([r, 1.5], maximum)  # not all ints: the JSON path
 c.barrier()
+results["int_max"] = [ints.result(), ints.result()]
+results["mixed_max"] = mixed.result()
 results["async_or"] = [flag.result(), flag.result()]
 results["async_large"] = len(large.result()[0])
 
@@ -57,21 +62,24 @@ def spy(fn: Callable[..., Any]) -> Callable[..., Any]:
     return handing
 
 
-originals = dist.all_gather, dist.broadcast
+originals = dist.all_gather, dist.broadcast, dist.all_reduce
 dist.all_gather, dist.broadcast = spy(dist.all_gather), spy(dist.broadcast)
+dist.all_reduce = spy(dist.all_reduce)
 held = 0
-for i in range(40):
+for i in range(50):
     handed.clear()
-    if i % 4 == 0:
+    if i % 5 == 0:
         c.allreduce(i)
-    elif i % 4 == 1:
+    elif i % 5 == 1:
         c.broadcast(big if r == 0 else None)
-    elif i % 4 == 2:
+    elif i % 5 == 2:
         c.allgather("z" * (300 * r))
+    elif i % 5 == 3:
+        c.allreduce_async([r, i], maximum).result()
     else:
         c.allreduce_async(r).result()
     held += sum(ref() is not None for ref in handed)
-dist.all_gather, dist.broadcast = originals
+dist.all_gather, dist.broadcast, dist.all_reduce = originals
 results["held_after_return"] = held
 
 # A peer that never joins: the others time out instead of hanging.

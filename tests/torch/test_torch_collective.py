@@ -66,6 +66,8 @@ def test_three_replicas_agree_and_time_out_on_a_missing_peer(tmp_path: Path) -> 
         assert res["sum"] == 6 and res["max"] == 2.0
         assert res["tuple_arrives_as_list"] == [3, 3]
         assert res["async_or"] == [True, True]
+        assert res["int_max"] == [[2, 5, -(2**62) + 2, 0]] * 2
+        assert res["mixed_max"] == [2, 1.5]
         assert res["async_large"] == 5000
         assert res["held_after_return"] == 0
         assert res.get("timeout") == (None if r == 0 else "CollectiveTimeout")

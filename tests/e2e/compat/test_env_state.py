@@ -127,8 +127,10 @@ def test_the_state_is_restored_on_resume_only(runs: dict[str, Run]) -> None:
     assert runs["first"].lines("RESTORED") == [{"value": "False", "steps": "0"}]
     (restored,) = runs["resumed"].lines("RESTORED")
     assert restored["value"] == "True"
-    # Stopped in epoch 1: the counter holds epoch 0's 12 steps and some of epoch 1's.
-    assert 12 < int(restored["steps"]) < 24
+    # Stopped in epoch 1: the counter holds epoch 0's 12 steps and some of epoch 1's (all
+    # 12 when the stop was agreed at the epoch's end: these tiny steps agree every k-th
+    # boundary, so a stop waits up to two agreements).
+    assert 12 < int(restored["steps"]) <= 24
 
 
 def test_the_stopped_and_resumed_job_prints_the_uninterrupted_metrics(

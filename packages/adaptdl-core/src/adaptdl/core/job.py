@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or
+from adaptdl.core.collective import Collective, Future, LocalCollective, logical_or, maximum
 from adaptdl.core.config import DEFAULT_STOP_WAIT, JobConfig
 from adaptdl.core.decide.batchsize import BatchSizeDecision, GoodputDecision, RedecideSchedule
 from adaptdl.core.goodput import GoodputFunction
@@ -15,6 +15,7 @@ from adaptdl.core.jobreport import REPORT_INTERVAL, Reporter, Share
 from adaptdl.core.loop import lifecycle
 from adaptdl.core.loop.boundary import (
     EXIT_CODE_PREEMPTED,
+    AgreementCadence,
     Boundary,
     CheckpointPolicy,
     Preempted,
@@ -51,6 +52,7 @@ __all__ = ["Job"]
 
 LOG = logging.getLogger("adaptdl.core.job")
 _NOTHING = Boundary.of(False, False, False)  # a boundary that agreed on nothing
+_REDECIDE = Boundary.of(False, False, True)
 # A scheduler's one stop may reach a process twice at once (torchrun's forward and
 # scancel's own signal): requests this close together count as one.
 SAME_STOP_SECONDS = 1.0
@@ -91,6 +93,7 @@ class Job:
         clock: Callable[[], float] = time.perf_counter,
         batch_size_decision: BatchSizeDecision | None = None,
         checkpoint_policy: CheckpointPolicy | None = None,
+        agreement_cadence: AgreementCadence | None = None,
         journal: Journal | None = None,
         allow_missing_state: Collection[str] = (),
         stop_wait: float = DEFAULT_STOP_WAIT,
@@ -144,6 +147,12 @@ class Job:
         # The reduction started at the last step boundary; with one replica, its result.
         self._boundary_future: Future[Any] | Boundary | None = None
         self._one_replica = getattr(self.collective, "in_process", False) is True
+        self.agreement_cadence = agreement_cadence or AgreementCadence()
+        # Boundaries to pass before the next agreement (0: the next one agrees); rank 0's
+        # mean step time proposes how many the agreement after it waits.
+        self._until_agreement = 0
+        self._last_boundary_time: float | None = None
+        self._step_time = 0.0  # rank 0's mean seconds per training step (0: unknown)
         self._rank0 = self.topology.rank == 0
         self._drains: list[Callable[[], None]] = []
         self.redecide_schedule = RedecideSchedule()
@@ -653,84 +662,131 @@ class Job:
     def step_boundary(self, *, training: bool = True) -> Boundary:
         """Called after every optimiser step, on every replica, at the same points.
 
-        Each call starts a non-blocking reduction of (any replica asked to stop,
-        rank 0 finds a periodic checkpoint due, rank 0 finds the batch size due for
-        another decision) and reads the one started at the previous boundary, so
-        every replica acts on the same answer at the same boundary without waiting
-        on the network. The job acts on that `Boundary` and returns it: a stop
-        checkpoints and raises `Preempted`; a due checkpoint is written and training
-        goes on; a due decision is returned (``redecide``) at the next training
-        boundary, for the training loop to act on. Boundaries of other loops
-        (``training=False``, e.g. validation) still stop and checkpoint, but count
-        no step toward ``every_steps``, schedule no decision and never carry one.
+        At an agreeing boundary it starts a non-blocking reduction of (any replica
+        asked to stop, rank 0 finds a periodic checkpoint due, rank 0 finds the batch
+        size due for another decision, rank 0's proposed cadence) and reads the one
+        started at the previous agreement, so every replica acts on the same answer at
+        the same boundary without waiting on the network. Agreements come every
+        ``k``-th boundary, ``k`` agreed from rank 0's step times by
+        `agreement_cadence` (1 for slow steps, more for fast ones, whose step the
+        reduction's fixed cost would otherwise burden); the boundaries between them
+        only pass on a decision a validation loop deferred. The job acts on the agreed
+        `Boundary` and returns it: a stop checkpoints and raises `Preempted`; a due
+        checkpoint is written and training goes on; a due decision is returned
+        (``redecide``) at the next training boundary, for the training loop to act
+        on. Boundaries of other loops (``training=False``, e.g. validation) still
+        stop and checkpoint, but count no step toward ``every_steps``, schedule no
+        decision and never carry one.
         """
         self.boundaries += 1
         if training:
             self._steps_since_checkpoint += 1
             self.state.steps += 1
-        # Called after every optimiser step: the common case (nothing agreed, nothing
-        # pending, nothing due) runs no call but the clock's and builds nothing.
+        now = self.clock()
+        if self._rank0:
+            if training:
+                self._report(now)
+            if not self._one_replica:
+                self._time_step(now, training)
+        if self._until_agreement > 0:
+            # Between agreements: nothing to read, nothing to start.
+            self._until_agreement -= 1
+            if self._redecide_pending and training:
+                self._redecide_pending = False
+                return _REDECIDE
+            return _NOTHING
         pending, self._boundary_future = self._boundary_future, None
-        if pending is None or pending is _NOTHING:
-            agreed = _NOTHING
-        else:
-            agreed = self._agreed(pending)
-            if agreed.stop:
-                self._stop_here()
-            if agreed.checkpoint:
-                self.checkpoint()
+        agreed, every = self._agreed(pending)
+        if agreed.stop:
+            self._stop_here()
+        if agreed.checkpoint:
+            self.checkpoint()
         # A decision waits for the next training boundary (a validation loop may run
         # in between).
         redecide = self._redecide_pending or agreed.redecide
         self._redecide_pending = redecide and not training
-        now = self.clock()
         due_now = redecide_now = False
+        proposed = 1
         if self._rank0:
-            # +1: what is found due now is written at the next boundary.
+            # +1: what is found due now is written at the next agreement (at the next
+            # boundary when checkpoints are counted in steps: those agree at every one).
             due_now = self.store is not None and self.checkpoint_policy.due(
                 self._steps_since_checkpoint + 1, now - self._last_checkpoint_time
             )
-            reporter = self.reporter
-            if training and reporter is not None and now >= reporter.due:
-                reporter.report(
-                    now,
-                    topology=self.topology,
-                    step=self.state.steps,
-                    loader=self.training_loader or self.current_loader,
-                    metrics=self.metrics,
-                )
             if training and now >= self._next_redecide:
                 redecide_now = True
                 interval = self.redecide_schedule.next_interval(self._redecide_interval)
                 self._redecide_interval = interval
                 self._next_redecide = now + interval
+            if self.checkpoint_policy.every_steps is None:
+                proposed = self.agreement_cadence.every(self._step_time)
         stop = self.stop_requested
         if self._one_replica:
             # One replica's reduction is its own flags, kept as their Boundary: no future
-            # to build every step.
+            # to build every step, and no exchange to space out.
             if stop or due_now or redecide_now:
                 self._boundary_future = Boundary.of(stop, due_now, redecide_now)
             else:
                 self._boundary_future = _NOTHING
         else:
+            # Integers reduced by their maximum: the flags' logical or, and rank 0's
+            # proposal (the others propose 1), which a collective may send as one
+            # small tensor.
             self._boundary_future = self.collective.allreduce_async(
-                [stop, due_now, redecide_now], logical_or
+                [int(stop), int(due_now), int(redecide_now), proposed], maximum
             )
+            self._until_agreement = every - 1
         if agreed.redecide == (redecide and training):  # the common case: no new value
             return agreed
         return Boundary.of(agreed.stop, agreed.checkpoint, redecide and training)
 
+    def _report(self, now: float) -> None:
+        """Rank 0, at a training boundary: tell the scheduler about the job when due."""
+        reporter = self.reporter
+        if reporter is not None and now >= reporter.due:
+            reporter.report(
+                now,
+                topology=self.topology,
+                step=self.state.steps,
+                loader=self.training_loader or self.current_loader,
+                metrics=self.metrics,
+            )
+
+    def _time_step(self, now: float, training: bool) -> None:
+        """Rank 0: fold the time since the last training boundary into the mean step
+        time it proposes the agreements' cadence from (a boundary of another loop, and
+        the first of a loop, time no step)."""
+        last = self._last_boundary_time
+        self._last_boundary_time = now if training else None
+        if last is None or not training:
+            return
+        interval = now - last
+        if self._step_time <= 0.0:
+            self._step_time = interval
+        else:
+            self._step_time += 0.1 * (interval - self._step_time)
+
     def _settle(self) -> Boundary:
-        """What the replicas agreed at the last step boundary (nothing if none is pending)."""
+        """What the replicas agreed at the last agreement (nothing if none is pending).
+
+        Every replica settles at the same points (the end of a loop, of training), so
+        the next step boundary agrees again on every replica.
+        """
         pending, self._boundary_future = self._boundary_future, None
-        return _NOTHING if pending is None else self._agreed(pending)
+        self._until_agreement = 0
+        self._last_boundary_time = None
+        return self._agreed(pending)[0]
 
     @staticmethod
-    def _agreed(pending: Future[Any] | Boundary) -> Boundary:
-        """The boundary a pending reduction (or one replica's own flags) agreed on."""
+    def _agreed(pending: Future[Any] | Boundary | None) -> tuple[Boundary, int]:
+        """The boundary a pending reduction (or one replica's own flags) agreed on, and
+        the agreed count of boundaries to the next agreement (1: none pending)."""
+        if pending is None:
+            return _NOTHING, 1
         if isinstance(pending, Boundary):
-            return pending
-        return Boundary.from_wire(pending.result())
+            return pending, 1
+        flags = pending.result()
+        return Boundary.from_wire(flags[:3]), max(1, int(flags[3]))
 
     def _stop_here(self) -> NoReturn:
         """Every replica at one boundary: checkpoint and raise `Preempted`."""

@@ -36,6 +36,7 @@ from adaptdl.core.topology import Topology
 from adaptdl.core.validate import ArgumentTypeError, check_float, check_int
 from adaptdl.sim.apps import ApplicationModel, FloatArray, model_step_time, stats_by_batch_size
 from adaptdl.sim.replay import (
+    EVERY_BOUNDARY,
     MicroBatches,
     ReplaySteps,
     SimClock,
@@ -205,7 +206,13 @@ def simulate_to_progress(
     clock = SimClock()
     topology = Topology(rank=0, num_replicas=replicas, num_nodes=nodes, num_restarts=0)
     policy = CheckpointPolicy(every_seconds=None)
-    job = Job(topology, collective=SimCollective(replicas), clock=clock, checkpoint_policy=policy)
+    job = Job(
+        topology,
+        collective=SimCollective(replicas),
+        clock=clock,
+        checkpoint_policy=policy,
+        agreement_cadence=EVERY_BOUNDARY,
+    )
     loader = LoaderHelper(job, batch_size=b0, name="profiled")
     if split is None:
         loader.autoscale_batch_size(

@@ -32,7 +32,7 @@ import numpy as np
 
 from adaptdl.core.collective import GroupMember, Ready, add, check_root, fold, wire_copy
 from adaptdl.core.job import Job
-from adaptdl.core.loop.boundary import CheckpointPolicy, Preempted
+from adaptdl.core.loop.boundary import AgreementCadence, CheckpointPolicy, Preempted
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.order.sampling import Shard
 from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
@@ -72,6 +72,12 @@ class SimClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+#: A simulated exchange costs nothing: a simulated job agrees at every boundary (a real
+#: job on fast steps agrees every few, which moves its stops and decisions by less than
+#: half a second of steps).
+EVERY_BOUNDARY = AgreementCadence(max_every=1)
 
 
 class SimCollective(GroupMember):
@@ -369,6 +375,7 @@ def run_replay(
             store=store,
             clock=clock,
             checkpoint_policy=policy,
+            agreement_cadence=EVERY_BOUNDARY,
         )
         loader = LoaderHelper(job, batch_size=scenario.init_batch_size, name="replay")
         if scenario.max_batch_size is not None:

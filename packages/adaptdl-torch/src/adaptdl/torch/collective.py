@@ -6,6 +6,11 @@ first bytes of the payload. A value that does not fit in the slot is sent whole 
 second round whose size every replica knows from the first, so small values (flags,
 batch sizes, metric sums) cost one round trip and large ones two.
 
+One value travels another way: a flat list of ints reduced by core's `maximum` (the
+job's flags at each agreement, `Job.step_boundary`) is one ``all_reduce(MAX)`` of an
+int64 tensor, no JSON, the same result as the fold. Every replica of the call must
+pass that kind of value (the ordering contract already asks for the same operation).
+
 The group should be a gloo group (CPU tensors). Its timeout bounds every operation:
 a peer that died or hangs makes the survivors raise `CollectiveTimeout` instead of
 waiting forever. Each operation returns only once gloo's worker thread has let go of
@@ -17,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,7 @@ from adaptdl.core.collective import (
     decode,
     encode,
     fold,
+    maximum,
 )
 from adaptdl.core.config import COLLECTIVE_TIMEOUT_VAR, DEFAULT_COLLECTIVE_TIMEOUT, JobConfig
 from adaptdl.torch._release import holders, wait_released
@@ -138,6 +144,42 @@ class _Gathered:
         ]
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int_list(value: Any) -> bool:
+    """Whether ``value`` is a flat list of ints that an int64 tensor holds exactly."""
+    return isinstance(value, list) and all(
+        type(v) is int and _INT64[0] <= v <= _INT64[1] for v in value
+    )
+
+
+class _IntMaximum:
+    """A pending elementwise maximum of int lists as one int64 ``all_reduce``."""
+
+    def __init__(self, collective: TorchCollective, values: list[int]) -> None:
+        self._collective = collective
+        self._tensor = torch.tensor(values, dtype=torch.int64)
+        self._before = holders([self._tensor])
+        try:
+            self._work = dist.all_reduce(
+                self._tensor, op=dist.ReduceOp.MAX, group=collective.group, async_op=True
+            )
+        except RuntimeError as exc:
+            raise _translate(collective, exc, "allreduce") from exc
+
+    def result(self) -> list[int]:
+        try:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            wait_released([self._tensor], self._before)
+        except RuntimeError as exc:
+            raise _translate(self._collective, exc, "allreduce") from exc
+        values: list[int] = self._tensor.tolist()
+        return values
+
+
 class TorchCollective(GroupMember):
     """A core `Collective` over a ``torch.distributed`` process group (gloo, CPU tensors).
 
@@ -206,6 +248,8 @@ class TorchCollective(GroupMember):
         """Start an allreduce; ``.result()`` waits for the peers and folds."""
         if self._local is not None:
             return self._local.allreduce_async(value, op)
+        if op is maximum and _int_list(value):
+            return cast("Future[T]", _IntMaximum(self, cast("list[int]", value)))
         gathered = _Gathered(self, encode(value), async_op=True)
         return Deferred(lambda: fold(gathered.values(), op))
 

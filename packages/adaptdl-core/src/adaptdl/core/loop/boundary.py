@@ -1,12 +1,14 @@
 """What ends or interrupts a step: the agreed boundary value, when to checkpoint, the exit.
 
-`Job.step_boundary` returns a `Boundary` every replica agreed; a `CheckpointPolicy`
+`Job.step_boundary` returns a `Boundary` every replica agreed; an `AgreementCadence`
+says at which boundaries the replicas exchange their flags; a `CheckpointPolicy`
 says when a periodic checkpoint is due; a stop ends the process with `Preempted`,
 whose exit status tells a scheduler why (143 after SIGTERM, 130 after SIGINT).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -17,6 +19,7 @@ from adaptdl.core.validate import check_float, check_int
 __all__ = [
     "EXIT_CODE_INTERRUPTED",
     "EXIT_CODE_PREEMPTED",
+    "AgreementCadence",
     "Boundary",
     "CheckpointPolicy",
     "Preempted",
@@ -91,7 +94,8 @@ class Boundary:
     @classmethod
     def from_wire(cls, flags: Any) -> Boundary:
         """The boundary of ``[stop, checkpoint, redecide]`` as a collective carries them
-        (`Job.step_boundary` reduces the list with ``logical_or``)."""
+        (`Job.step_boundary` reduces them, with its proposed cadence, as integers by
+        their ``maximum``)."""
         stop, checkpoint, redecide = flags
         return cls.of(bool(stop), bool(checkpoint), bool(redecide))
 
@@ -110,3 +114,50 @@ _BOUNDARIES = {
     for checkpoint in (False, True)
     for redecide in (False, True)
 }
+
+
+@attrs.frozen
+class AgreementCadence:
+    """How often the replicas agree on their boundary flags: every ``k``-th step boundary.
+
+    An agreement is one small reduction; on a fast step its fixed cost is a visible
+    share of the step (a 2-replica gloo job on CPU: about 1 ms of CPU in all, 0.3 ms
+    of it on the training thread, 1.5% of a 60 ms step). Between agreements a
+    boundary costs a clock read. `every` picks ``k`` so that agreeing costs at most
+    ``share`` of the step time (``cost`` seconds per agreement), never more than
+    ``max_every`` boundaries apart and never more than ``max_latency`` seconds of
+    steps apart: a stop then waits for at most two agreements (the reduction started
+    at one is read at the next). Rank 0 proposes ``k`` from its own step times and
+    the replicas adopt the agreed one, so every replica agrees at the same boundaries.
+    ``max_every=1`` agrees at every boundary.
+    """
+
+    cost: float = attrs.field(default=1e-3)
+    share: float = attrs.field(default=0.0025)
+    max_latency: float = attrs.field(default=0.5)
+    max_every: int = attrs.field(default=16)
+
+    @cost.validator
+    def _check_cost(self, attribute: attrs.Attribute[float], value: Any) -> None:
+        check_float("cost", value, min=0.0)
+
+    @share.validator
+    def _check_share(self, attribute: attrs.Attribute[float], value: Any) -> None:
+        check_float("share", value, min=0.0, max=1.0, min_exclusive=True)
+
+    @max_latency.validator
+    def _check_latency(self, attribute: attrs.Attribute[float], value: Any) -> None:
+        check_float("max_latency", value, min=0.0)
+
+    @max_every.validator
+    def _check_every(self, attribute: attrs.Attribute[int], value: Any) -> None:
+        check_int("max_every", value, min=1)
+
+    def every(self, step_time: float) -> int:
+        """Boundaries from one agreement to the next for steps of ``step_time`` seconds
+        (1 when the step time is unknown, 0 or less)."""
+        if not step_time > 0.0 or not math.isfinite(step_time):
+            return 1
+        wanted = math.ceil(self.cost / (self.share * step_time))
+        cap = min(self.max_every, math.floor(self.max_latency / step_time))
+        return max(1, min(wanted, cap))
