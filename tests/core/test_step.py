@@ -84,6 +84,51 @@ def test_several_replicas_fold_the_summed_norms_one_step_late() -> None:
     assert outcome == [(Fold.PENDING, 0, Fold.PENDING, reference)] * 2
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    locals_=st.lists(st.floats(0.0, 100.0), min_size=2, max_size=2),
+    totals=st.lists(st.floats(0.0, 10.0), min_size=2, max_size=2),
+    cut=st.floats(0.0, 1.0),
+)
+def test_partial_totals_sum_to_the_whole_totals_fold(
+    locals_: list[float], totals: list[float], cut: float
+) -> None:
+    """Replicas that each hand a part of the total (``total_partial``) fold exactly as
+    replicas that each hand the whole: the parts are summed with the local norms."""
+
+    def run(partial: bool) -> Any:
+        def replica(steps: StepStatistics, metrics: MetricsState, rank: int) -> Any:
+            for step, total in enumerate(totals):
+                part = total * (cut if rank == 0 else 1.0 - cut) if partial else total
+                m = StepMeasurement(
+                    local_sqr=[locals_[step] + rank],
+                    total_sqr=[part],
+                    micro_batches=1,
+                    num_replicas=2,
+                    batch_size=4,
+                    total_partial=partial,
+                )
+                steps.measure(m, 8)
+            steps.drain()
+            return metrics.gns
+
+        return on_two_replicas(replica)
+
+    whole, parts = run(False), run(True)
+    assert whole[0] == whole[1] and parts[0] == parts[1]
+
+    def numbers(value: Any) -> list[float]:
+        if isinstance(value, dict):
+            return [x for key in sorted(value) for x in numbers(value[key])]
+        if isinstance(value, (list, tuple)):
+            return [x for item in value for x in numbers(item)]
+        return [float(value)] if isinstance(value, (int, float)) else []
+
+    assert numbers(parts[0].to_json()) == pytest.approx(
+        numbers(whole[0].to_json()), rel=1e-9, abs=1e-12
+    )
+
+
 def test_non_finite_steps_leave_the_estimator_alone() -> None:
     steps, metrics = stats()
     steps.measure(measured(), 8)
@@ -252,6 +297,8 @@ def test_decide_is_a_plain_function_of_estimator_and_progress() -> None:
         ({"micro_batches": 0}, "micro_batches must be"),
         ({"num_replicas": 1.5}, "num_replicas must be an int"),
         ({"batch_size": 0}, "batch_size must be"),
+        ({"total_partial": True}, "total_partial is for several replicas"),
+        ({"total_partial": 1, "num_replicas": 2}, "total_partial must be a bool"),
         ({"pair": (1.0, 2.0)}, "pair must be PairedNorms"),
         (
             {"pair": PairedNorms(prev_sqr=[1.0], mixed_sqr=[1.0], prev_batch_size=1)},

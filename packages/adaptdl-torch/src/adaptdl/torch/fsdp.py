@@ -331,16 +331,9 @@ class AdaptiveFSDP(AdaptiveSteps):
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return grad.to_local() if isinstance(grad, DTensor) else grad
 
-    def _total_norms(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Per group, the norm of the full gradient: on one replica its shards' norms
-        (the shards are the whole), else the square root of the shard-local squares
-        summed over the replicas' shards."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return super()._total_norms(groups)
+    def _total_squares(self, groups: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], bool]:
+        """Per group, the squared norm of this replica's shards of the reduced gradient:
+        a part, which core sums over the replicas with the local norms (no collective
+        here); on one replica the shards are the whole."""
         squares = [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
-        device = next((t.device for g in groups for t in g), torch.device("cpu"))
-        if dist.get_backend() == "nccl" and device.type == "cpu":
-            device = torch.device("cuda", torch.cuda.current_device())
-        summed = torch.stack([t.to(device) for t in squares])
-        dist.all_reduce(summed)
-        return [[t.sqrt()] for t in summed.unbind()]
+        return squares, self._job.topology.num_replicas > 1

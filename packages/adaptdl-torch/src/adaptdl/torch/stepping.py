@@ -46,7 +46,7 @@ import torch
 from adaptdl.core.job import Job
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.stats.gns import GradientNoiseScale
-from adaptdl.core.stats.step import PairedNorms, StepLoss, StepMeasurement, StepStatistics
+from adaptdl.core.stats.step import Fold, PairedNorms, StepLoss, StepMeasurement, StepStatistics
 from adaptdl.core.validate import check_float
 from adaptdl.torch._loss import check_floor_optimizer, check_loss, floor_rates, mean_loss
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
@@ -190,7 +190,7 @@ class _Lagged:
     """A step's squared norms on their way from the device to the host, and what goes
     with them into the `StepMeasurement` core is handed one step later."""
 
-    def __init__(self, values: torch.Tensor, build: Callable[[list[float]], None]) -> None:
+    def __init__(self, values: torch.Tensor, build: Callable[[list[float]], object]) -> None:
         self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         self.host.copy_(values, non_blocking=True)
         self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -210,7 +210,7 @@ class AdaptiveSteps:
     from (``_local_in_grads``: ``.grad`` at the end of the backward pass;
     ``_fused_norms``: its reduction fills ``_bucket_local`` and ``_bucket_total``)
     and provides :meth:`_will_sync` (and, for a sharded model, :meth:`_local_grad`
-    and :meth:`_total_norms`).
+    and :meth:`_total_squares`).
     """
 
     _job: Job
@@ -291,6 +291,10 @@ class AdaptiveSteps:
         self._prev_bsz = 0
         self._prev_total: list[torch.Tensor] = []
         self._lagged: _Lagged | None = None
+        # The split of the reduced gradient's tensors between the replicas (`_my_part`):
+        # this replica's indices per group, for the sizes and replicas of its key.
+        self._part: list[list[int]] = []
+        self._part_key: tuple[int, tuple[tuple[int, ...], ...]] | None = None
         self.last_lr_factor = 1.0
         self.last_gain = 1.0
         self._plain = False
@@ -482,6 +486,9 @@ class AdaptiveSteps:
             measuring = False
         cost, self._stat_cost = self._stat_cost, 0.0
         if not measuring:
+            # What was spent for the statistics but not yet counted (the last measured
+            # step's bookkeeping) waits for the next measured step.
+            self._stat_cost = cost
             if single and self._steps.measures(ahead=1):
                 self._keep(self._grad_groups(), replicas * micro, loader)
             else:
@@ -496,10 +503,12 @@ class AdaptiveSteps:
         count = self._num_groups
         fused = self._fused_norms and not self._preconditions()
         device = next((t.device for g in groups for t in g), torch.device("cpu"))
+        partial = False
         if fused and bucket_total:
             total = [t / (micro * micro) for t in _group_sums(bucket_total, count, device)]
         else:  # no bucket measured (no reduction ran through the hook): the gradients'
-            total = [_sum_sqr_norms(n).to(device) for n in self._total_norms(groups)]
+            squares, partial = self._total_squares(groups)
+            total = [t.to(device) for t in squares]
         if single:
             local: list[torch.Tensor] = []
         elif buckets_local:
@@ -516,7 +525,7 @@ class AdaptiveSteps:
         prev_bsz = self._prev_bsz
         share = self._plan_share
 
-        def build(host: list[float], cost: float) -> Any:
+        def build(host: list[float], cost: float) -> Fold:
             totals = tuple(host[:count])
             locals_ = tuple(host[count : 2 * count]) if not single else totals
             paired = None
@@ -538,24 +547,36 @@ class AdaptiveSteps:
                 share=share,
                 cost=cost,
                 step_time=step_time,
+                total_partial=partial,
             )
             return self._steps.measure(measurement, training.batch_size)
 
         if values.device.type == "cuda":
             # Read a step later, when the copy is long done: no wait for the device now.
-            lagged = _Lagged(values, lambda host: build(host, cost))
+            lagged = _Lagged(values, lambda host: self._counted(build, host, cost))
             cost += _cpu() - start
             self._lagged = lagged
             pairable = True
         else:
             host = values.tolist()
-            cost += _cpu() - start  # the tensor work; core's own bookkeeping is not the norms'
-            pairable = build(host, cost).pairable
+            cost += _cpu() - start
+            pairable = self._counted(build, host, cost).pairable
         if single and pairable and self._steps.measures(ahead=1):
             self._keep(groups, 1, loader, [t / mp2 for t in total])
         else:
             self._prev_buf_valid = False
             self._prev_grads = None
+
+    def _counted(
+        self, build: Callable[[list[float], float], Fold], host: list[float], cost: float
+    ) -> Fold:
+        """``build(host, cost)``, core's bookkeeping of a measured step (its estimator
+        update and the replicas' sum), counted in the next measured step's cost: the
+        budget then holds the whole price of measuring, not the norms' alone."""
+        start = _cpu()
+        fold = build(host, cost)
+        self._stat_cost += _cpu() - start
+        return fold
 
     def _finish_lagged(self) -> None:
         lagged, self._lagged = self._lagged, None
@@ -686,13 +707,43 @@ class AdaptiveSteps:
         """The part of ``grad`` this replica holds (all of it for a replicated model)."""
         return grad
 
-    def _total_norms(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Per group, norms (scalar tensors) whose squares add up to the squared norm of
-        the step's reduced gradient.
+    def _total_squares(self, groups: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], bool]:
+        """Per group, the squared norm (a float64 scalar tensor) of the step's reduced
+        gradient, or of this replica's part of it, and whether it is a part.
 
-        ``groups`` are :meth:`_grad_groups`; a replicated model holds all of it.
+        ``groups`` are :meth:`_grad_groups`; a replicated model holds all of it, the
+        same on every replica, so with several replicas each measures only the tensors
+        `_my_part` gives it and core adds the parts up (`StepMeasurement.total_partial`):
+        each replica pays ``1 / replicas`` of the pass, not all of it.
         """
-        return [_norms(g) for g in self._preconditioned(groups)]
+        replicas = self._job.topology.num_replicas
+        if replicas == 1 or self._preconditions():
+            return [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)], False
+        mine = self._my_part(groups, replicas)
+        return [_sum_sqr_norms(_norms(g)) for g in mine], True
+
+    def _my_part(
+        self, groups: list[list[torch.Tensor]], replicas: int
+    ) -> list[list[torch.Tensor]]:
+        """This replica's tensors of ``groups``: the largest first, each to the replica
+        with the fewest elements so far (every replica computes the same split)."""
+        sizes = tuple(tuple(t.numel() for t in g) for g in groups)
+        key = (replicas, sizes)
+        if self._part_key != key:
+            loads = [0] * replicas
+            owner: list[list[int]] = [[0] * len(g) for g in sizes]
+            order = sorted(
+                ((n, i, j) for i, g in enumerate(sizes) for j, n in enumerate(g)),
+                key=lambda item: (-item[0], item[1], item[2]),
+            )
+            for n, i, j in order:
+                least = min(range(replicas), key=lambda r: (loads[r], r))
+                owner[i][j] = least
+                loads[least] += n
+            rank = self._job.topology.rank
+            self._part = [[j for j, o in enumerate(row) if o == rank] for row in owner]
+            self._part_key = key
+        return [[g[j] for j in picks] for g, picks in zip(groups, self._part, strict=True)]
 
     def _mp_scale(self) -> float:
         scaler = self.adaptdl_mp_scaler

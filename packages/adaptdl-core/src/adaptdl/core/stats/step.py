@@ -111,7 +111,10 @@ class StepMeasurement:
     * ``local_sqr``: the sum, over this replica's micro-batches of the step, of the
       squared norm of each micro-batch's (mean) gradient;
     * ``total_sqr``: the squared norm of the step's averaged gradient (after the
-      all-reduce and accumulation), the same on every replica.
+      all-reduce and accumulation), the same on every replica; with
+      ``total_partial``, this replica's part of it (the squares of the share of the
+      averaged gradient it holds or was given to measure), the replicas' parts
+      adding up to it.
 
     ``micro_batches``: micro-batches this replica averaged (accumulation steps + 1);
     ``num_replicas``: replicas in the step; ``batch_size``: samples per micro-batch
@@ -120,7 +123,10 @@ class StepMeasurement:
     ``share``: the share of steps measured when this one was chosen
     (`StepStatistics.share`): it stands for ``1 / share`` steps. ``cost``: seconds the
     replica spent on the statistics' work of this step; ``step_time``: seconds per
-    optimiser step lately (0: unknown); both feed the budget.
+    optimiser step lately (0: unknown); both feed the budget. ``total_partial``:
+    ``total_sqr`` is this replica's part (several replicas only): a sharded model's
+    shard, or a replicated model's gradient split between the replicas so that each
+    pays a part of the pass over it; core sums the parts with the local norms.
     """
 
     local_sqr: tuple[float, ...]
@@ -132,6 +138,7 @@ class StepMeasurement:
     share: float = 1.0
     cost: float = 0.0
     step_time: float = 0.0
+    total_partial: bool = False
 
     def __attrs_post_init__(self) -> None:
         _set_norms(self, "local_sqr", "total_sqr")
@@ -143,6 +150,13 @@ class StepMeasurement:
         check_int("micro_batches", self.micro_batches, min=1)
         check_int("num_replicas", self.num_replicas, min=1)
         check_int("batch_size", self.batch_size, min=1)
+        if not isinstance(self.total_partial, bool):
+            raise ArgumentTypeError(f"total_partial must be a bool, got {self.total_partial!r}")
+        if self.total_partial and self.num_replicas == 1:
+            raise ValueError(
+                "total_partial is for several replicas (one replica's total is whole), got "
+                "num_replicas=1"
+            )
         groups = len(self.total_sqr)
         if len(self.local_sqr) != groups:
             raise ValueError(
@@ -239,7 +253,9 @@ class StepDecision:
     progress: float
 
 
-_Pending = tuple[Future[Any], tuple[float, ...], int, int, float, int]
+#: The replicas' sum in flight, this replica's totals (None: in the sum), the step's
+#: micro-batches, batch size, share and replicas.
+_Pending = tuple[Future[Any], tuple[float, ...] | None, int, int, float, int]
 
 
 class StepStatistics:
@@ -292,9 +308,12 @@ class StepStatistics:
         if m.num_replicas > 1:
             # The budget's inputs ride with the local norms (several replicas: always two
             # micro-batches or more): every replica moves the share alike, at the fold.
-            summed = [*m.local_sqr, m.cost, m.step_time]
+            # Partial totals ride along too, summed into the whole.
+            parts = m.total_sqr if m.total_partial else ()
+            summed = [*m.local_sqr, *parts, m.cost, m.step_time]
             local = self.collective.allreduce_async(summed)
-            self._pending = (local, m.total_sqr, m.count, m.batch_size, m.share, m.num_replicas)
+            total = None if m.total_partial else m.total_sqr
+            self._pending = (local, total, m.count, m.batch_size, m.share, m.num_replicas)
             return Fold.PENDING
         self.budget.record(m.cost, m.step_time)
         if m.count >= 2:
@@ -384,7 +403,10 @@ class StepStatistics:
         future, total, count, bsz, share, replicas = pending
         values = list(future.result())
         self._record(values, replicas)
-        self._fold(gns, tuple(values[:-2]), total, count, bsz, share)
+        groups = gns.num_groups
+        if total is None:
+            total = tuple(values[groups : 2 * groups])
+        self._fold(gns, tuple(values[:groups]), total, count, bsz, share)
 
     def _record(self, summed: Sequence[float], num_replicas: int) -> None:
         """Feed the budget the replicas' mean cost and step time (``summed`` over them)."""
