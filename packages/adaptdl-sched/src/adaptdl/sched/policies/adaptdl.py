@@ -33,11 +33,13 @@ fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
   its restarts over the short time it actually keeps a configuration;
 * **objective**: ``v_j(k) = -n_j ** (-weight) * s_j(k) ** fairness``, a p-mean
   (``fairness`` p < 0 protects the slowest jobs) weighted towards the jobs nearer
-  their end: ``n_j`` is the count of admitted jobs whose predicted remaining time
-  on one GPU ``T1_j`` is at least the job's (itself included), the number of jobs
-  whose completion waits on this one's in shortest-remaining-first order. As in
-  heSRPT (Berg et al., SIGMETRICS 2020, the optimal split of a parallelisable
-  resource for mean flow time), the weight is the job's rank, not its size, so a
+  their end: ``n_j`` is the count of active jobs (waiting ones included) whose
+  predicted remaining time on one GPU ``T1_j`` is at least the job's (itself
+  included), the number of jobs whose completion waits on this one's in
+  shortest-remaining-first order. After heSRPT (Berg, Vesilo and Harchol-Balter,
+  2020: the split of a parallelisable resource among jobs of known sizes that
+  minimises mean flow time depends on each job's rank by size, not on the sizes),
+  the weight is the job's rank, not its size, so a
   long job's share does not shrink with how long it is (the tail stays close to
   pollux's) and the lean to short jobs is the same at every load. With
   ``rank=False`` the weight is ``(T1_j / 1 h) ** weight`` (the size itself);
