@@ -107,6 +107,66 @@ def test_restart_cost_is_amortised_over_the_remaining_time() -> None:
     assert off.values(ending, state)[2] == pytest.approx(off.values(fresh, state)[2])
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    done=st.lists(
+        st.sampled_from([0.0, 0.2, 0.5, 0.8, 0.95]), min_size=1, max_size=5, unique=True
+    ),
+    weight=st.sampled_from([-1.0, -0.5]),
+)
+def test_the_weight_is_the_jobs_rank_by_remaining_time_not_its_size(
+    done: list[float], weight: float
+) -> None:
+    # heSRPT's weight: the count of jobs predicted to need at least as long (itself
+    # included), so the shortest of n jobs weighs n ** -weight and the longest 1,
+    # however long they are.
+    jobs = []
+    for i, fraction in enumerate(done):
+        job = _profiled(f"j{i}", 0.0, 1, [i % 2])
+        job.progress = APP.target_progress * fraction
+        jobs.append(job)
+    state = _state(jobs)
+    policy = AdaptDLPolicy(weight=weight)
+    weights = policy.job_weights(state)
+    alone = {job.name: policy.remaining_alone(job, state) for job in jobs}
+    for job in jobs:
+        n = sum(t >= alone[job.name] for t in alone.values())
+        assert weights[job.name] == pytest.approx(n**-weight)
+    # Making the longest job longer changes no weight; by size (rank off) it does.
+    by_size = AdaptDLPolicy(weight=weight, rank=False).job_weights(state)
+    longest = max(jobs, key=lambda j: alone[j.name])
+    longer = longest.progress > 0
+    longest.progress = 0.0
+    relonger = _state(jobs)
+    assert AdaptDLPolicy(weight=weight).job_weights(relonger) == pytest.approx(weights)
+    resized = AdaptDLPolicy(weight=weight, rank=False).job_weights(relonger)
+    if longer:
+        assert resized[longest.name] < by_size[longest.name]
+
+
+def test_a_job_resized_every_round_is_charged_its_restarts_over_that_time() -> None:
+    # A lone job on an empty cluster grows every round (4 x its profiled GPUs): its
+    # measured time per configuration falls from the horizon, and a change costs it
+    # more than it would over its remaining time alone.
+    policy = AdaptDLPolicy(weight=0.0)
+    job = _profiled("grows", 0.0, 1, [0])
+    assert policy.hold_time("grows") == policy.horizon
+    for rounds in range(1, 16):
+        state = _state([job], nodes=4)
+        alloc = policy.allocate(state)
+        assert sorted(alloc["grows"]) != sorted(job.nodes)
+        assert policy.hold_time("grows") == pytest.approx(
+            (rounds * state.interval + 3600.0) / (rounds + 1)
+        )
+    state = _state([job], nodes=4)
+    v = policy.values(job, state)
+    unmeasured = AdaptDLPolicy(weight=0.0, measured_hold=False).values(job, state)
+    assert v[2] / v[1] > unmeasured[2] / unmeasured[1]  # values < 0: a larger loss
+    assert policy.hold_time("gone") == policy.horizon
+    policy.allocate(_state([_profiled("other", 0.0, 1, [0])], nodes=4))
+    assert policy.hold_time("grows") == policy.horizon  # a job that left is forgotten
+
+
 def test_a_short_job_has_the_higher_response_ratio_and_waiting_raises_it() -> None:
     policy = AdaptDLPolicy()
     short = _profiled("short", 0.0, 1)

@@ -21,14 +21,28 @@ fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
   each at the batch size the job's own goodput engine would pick there (core's model,
   rebuilt from the job's hints by ``goodput_fn_from_hints``, as pollux does);
 * **restart cost, amortised**: a configuration other than the job's current one costs
-  it its restart cost ``R_j`` once. Over the job's predicted remaining time at ``k``,
-  ``T_j(k)`` (its remaining progress over its rate there, capped at ``horizon``: the
-  allocation will not be held longer than that anyway), the effective speedup is
-  ``s_j(k) * T_j(k) / (T_j(k) + R_j)``: a change pays off only if it buys back its
-  restart before the job ends;
-* **objective**: ``v_j(k) = -(T1_j / 1 h) ** weight * s_j(k) ** fairness``, a p-mean
+  it its restart cost ``R_j`` once. Over the time ``H_j(k)`` the new configuration
+  will be held, the effective speedup is ``s_j(k) * H_j(k) / (H_j(k) + R_j)``: a
+  change pays off only if it buys back its restart before the job ends or changes
+  again. ``H_j(k)`` is the least of the job's predicted remaining time at ``k`` (its
+  remaining progress over its rate there), ``horizon``, and, with
+  ``measured_hold``, the job's own measured time between its allocation changes,
+  ``(seconds it held GPUs + horizon) / (its changes + 1)`` (``horizon`` counts as one
+  prior observation, so a new job starts at ``horizon``): a job that is resized
+  often (a long job filling the GPUs that short jobs come and go from) is charged
+  its restarts over the short time it actually keeps a configuration;
+* **objective**: ``v_j(k) = -n_j ** (-weight) * s_j(k) ** fairness``, a p-mean
   (``fairness`` p < 0 protects the slowest jobs) weighted towards the jobs nearer
-  their end (``weight`` < 0), which lowers the average JCT;
+  their end: ``n_j`` is the count of active jobs (waiting ones included) whose
+  predicted remaining time on one GPU ``T1_j`` is at least the job's (itself
+  included), the number of jobs whose completion waits on this one's in
+  shortest-remaining-first order. After heSRPT (Berg, Vesilo and Harchol-Balter,
+  2020: the split of a parallelisable resource among jobs of known sizes that
+  minimises mean flow time depends on each job's rank by size, not on the sizes),
+  the weight is the job's rank, not its size, so a
+  long job's share does not shrink with how long it is (the tail stays close to
+  pollux's) and the lean to short jobs is the same at every load. With
+  ``rank=False`` the weight is ``(T1_j / 1 h) ** weight`` (the size itself);
 * **exact where cheap**: the multiple-choice knapsack is solved as an integer program
   by ``scipy.optimize.milp`` (HiGHS) within ``time_budget`` seconds; the greedy
   best-gain-per-GPU allocation is always computed too and the better of the two kept,
@@ -36,9 +50,9 @@ fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
 * **hysteresis**: a new allocation must beat keeping the current one (topped up with
   the free GPUs) by ``min_gain`` of the objective, as in pollux.
 
-Every ingredient can be switched off (``amortise=False``, ``priority=False``,
-``exact=False``, ``weight=0``, ``min_gain=0``): :data:`ABLATIONS`, run by
-``adaptdl-sim ablation``.
+Every ingredient can be switched off (``amortise=False``,
+``measured_hold=False``, ``priority=False``, ``exact=False``, ``weight=0``,
+``rank=False``, ``min_gain=0``): :data:`ABLATIONS`, run by ``adaptdl-sim ablation``.
 
 What the policy reads of each job (the job view the live scheduler will carry):
 
@@ -155,9 +169,11 @@ def solve_milp(
 ABLATIONS: dict[str, dict[str, Any]] = {
     "adaptdl": {},
     "no amortised restarts": {"amortise": False},
+    "amortised over remaining time only": {"measured_hold": False},
     "greedy, no MILP": {"exact": False},
     "FIFO admission": {"priority": False},
     "unweighted p-mean": {"weight": 0.0},
+    "weight by size, not rank": {"rank": False},
     "no hysteresis": {"min_gain": 0.0},
 }
 
@@ -173,7 +189,7 @@ class AdaptDLPolicy:
         *,
         fairness: float = -0.5,
         priority: bool = True,
-        weight: float = -0.5,
+        weight: float = -1.0,
         amortise: bool = True,
         horizon: float | None = 3600.0,
         exact: bool = True,
@@ -181,6 +197,8 @@ class AdaptDLPolicy:
         min_gain: float = 0.01,
         explore_factor: int = 4,
         unknown_remaining: float = 3600.0,
+        rank: bool = True,
+        measured_hold: bool = True,
     ) -> None:
         check_float("fairness", fairness, min=-10.0, max=-1e-3)
         check_float("weight", weight, min=-2.0, max=2.0)
@@ -200,6 +218,11 @@ class AdaptDLPolicy:
         self.min_gain = min_gain
         self.explore_factor = explore_factor
         self.unknown_remaining = unknown_remaining
+        self.rank = rank
+        self.measured_hold = measured_hold
+        #: Per job: [seconds it held GPUs, allocation changes], over the rounds seen.
+        self._history: dict[str, list[float]] = {}
+        self._weights: tuple[ClusterState | None, dict[str, float]] = (None, {})
         #: Per round: (CPU seconds of allocate, jobs, whether the MILP proved its optimum).
         self.rounds: list[tuple[float, int, bool]] = []
         self._speedups = SpeedupCache()
@@ -260,6 +283,8 @@ class AdaptDLPolicy:
             with np.errstate(divide="ignore"):
                 left = np.where(rate > 0, remaining / np.maximum(rate, 1e-300), np.inf)
             held = left if self.horizon is None else np.minimum(left, self.horizon)
+            if self.measured_hold and self.horizon is not None:
+                held = np.minimum(held, self.hold_time(job.name))
             changed = k != cur
             with np.errstate(invalid="ignore"):
                 kept = np.where(np.isfinite(held), held / (held + restart), 1.0)
@@ -267,12 +292,39 @@ class AdaptDLPolicy:
         s = np.maximum(s, _NO_GPU_SPEEDUP)
         out: FloatArray = -np.power(s, self.fairness)
         if self.weight != 0:
-            # Weighted by the time the job still needs: with fairness -1 and weight 1
-            # the sum is the jobs' total predicted remaining time, which the sum of
-            # completion times (the average JCT) is made of.
-            out = out * (self.remaining_alone(job, state) / 3600.0) ** self.weight
+            out = out * self.job_weights(state)[job.name]
         out[k < lo] = -np.inf
         return out
+
+    def job_weights(self, state: ClusterState) -> dict[str, float]:
+        """Each active job's weight in the objective: ``n_j ** -weight``, ``n_j`` the
+        count of jobs predicted to need at least as long on one GPU (itself included);
+        ``(T1_j / 1 h) ** weight`` with ``rank`` off. Computed once per round."""
+        if self._weights[0] is state:
+            return self._weights[1]
+        alone = {job.name: self.remaining_alone(job, state) for job in state.jobs}
+        if self.rank:
+            # Finishing a job sooner shortens the wait of every job still behind it in
+            # shortest-remaining-first order: the count of those is its weight.
+            times = np.sort(np.fromiter(alone.values(), dtype=np.float64, count=len(alone)))
+            at_least = {
+                name: len(times) - int(np.searchsorted(times, t, side="left"))
+                for name, t in alone.items()
+            }
+            weights = {name: float(n) ** -self.weight for name, n in at_least.items()}
+        else:
+            weights = {name: (t / 3600.0) ** self.weight for name, t in alone.items()}
+        self._weights = (state, weights)
+        return weights
+
+    def hold_time(self, name: str) -> float:
+        """Seconds the job is expected to keep a new configuration: its measured seconds
+        per allocation change, with ``horizon`` as one prior observation (``horizon``
+        for a job not seen yet; infinite without a horizon)."""
+        if self.horizon is None:
+            return math.inf
+        held, changes = self._history.get(name, (0.0, 0.0))
+        return (held + self.horizon) / (changes + 1.0)
 
     # -- the round -------------------------------------------------------------------
 
@@ -326,8 +378,23 @@ class AdaptDLPolicy:
                     alloc = kept
         chosen = {j.name: a for j, a in zip(jobs, alloc, strict=True) if a > 0}
         out = pack(state, chosen)
+        self._record(state, out)
         self.rounds.append((time.process_time() - start, len(state.jobs), optimal))
         return out
+
+    def _record(self, state: ClusterState, out: Allocation) -> None:
+        """Count each running job's seconds on GPUs and its allocation changes (a count
+        or a placement other than the one it holds), for :meth:`hold_time`; forget
+        the jobs that left."""
+        history = {}
+        for job in state.jobs:
+            held, changes = self._history.get(job.name, (0.0, 0.0))
+            if job.nodes:
+                held += state.interval
+                if sorted(out.get(job.name, ())) != sorted(job.nodes):
+                    changes += 1.0
+            history[job.name] = [held, changes]
+        self._history = history
 
     @staticmethod
     def _greedy(
