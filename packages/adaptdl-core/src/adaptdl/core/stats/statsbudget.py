@@ -7,10 +7,17 @@ adapter counts it in the next measured step's cost, 0.5 ms of a 5 ms measured st
 on a 10M-parameter MLP). On a large model whose step is short that is several
 percent of the step. The budget
 keeps it, on average over the steps, at most ``max(budget * step, floor)``
-(default: 2% of the step time, or 0.5 ms): while the measured cost of a measured
+(default: 1.5% of the step time, or 0.5 ms): while the measured cost of a measured
 step exceeds that, only a share ``max(budget * step, floor) / cost`` of the steps
 is measured, evenly spaced (never fewer than ``min_share``). The first ``warmup``
 measured steps learn the cost and measure every step.
+
+Why 1.5%: issue 34 asks the whole adaptive step for at most 3% over plain DDP, and
+the rest of it (the wrapper's bookkeeping, the boundary's agreement) is 0.5-1% of a
+fast CPU step; at 2% the 10M-parameter MLP on 2 replicas measured 1.03-1.06x DDP.
+Splitting the reduced gradient's pass between the replicas made a measured step
+about a fifth cheaper, so 1.5% measures about the share of steps 2% did before
+(0.25-0.3 there): the same estimate, at a quarter less cost.
 
 The floor keeps a small model's statistics whole: their cost there is Python's
 per-operation overhead, a few hundred microseconds, less than the adaptive step's
@@ -80,7 +87,7 @@ class MeasureBudget:
     follow the cost), for experiments that measure what a share does to the estimate.
     """
 
-    budget: float = attrs.field(default=0.02, converter=_budget)
+    budget: float = attrs.field(default=0.015, converter=_budget)
     floor: float = attrs.field(default=5e-4, converter=_floor)
     min_share: float = attrs.field(default=0.05, converter=_min_share)
     warmup: int = attrs.field(default=10, converter=_warmup)
