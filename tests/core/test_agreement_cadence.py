@@ -17,6 +17,21 @@ from adaptdl.core.persist.checkpoint import MemoryCheckpointStore
 from adaptdl.core.topology import Topology
 
 
+class Counting(LocalCollective):
+    """A one-replica collective that a job treats as several (no in-process shortcut),
+    counting the reductions started."""
+
+    in_process = False
+
+    def __init__(self):
+        super().__init__()
+        self.started = 0
+
+    def allreduce_async(self, value, op=None):
+        self.started += 1
+        return super().allreduce_async(value, op)
+
+
 @given(
     cost=st.floats(0.0, 0.1),
     share=st.floats(1e-4, 1.0),
@@ -101,17 +116,6 @@ def test_every_replica_stops_at_the_same_boundary_within_two_agreements(
 def test_fast_steps_reduce_once_per_agreed_k_boundaries():
     """Two replicas of 5 ms steps: agreements every 16th boundary after the first three."""
 
-    class Counting(LocalCollective):
-        in_process = False
-
-        def __init__(self):
-            super().__init__()
-            self.started = 0
-
-        def allreduce_async(self, value, op=None):
-            self.started += 1
-            return super().allreduce_async(value, op)
-
     collective = Counting()
     job = Job(collective=collective, clock=ManualClock(0.005))
     assert job.agreement_cadence.every(0.005) == 16
@@ -122,17 +126,6 @@ def test_fast_steps_reduce_once_per_agreed_k_boundaries():
 
 def test_checkpoints_counted_in_steps_agree_at_every_boundary():
     """``every_steps`` checkpoints land on their step whatever the step time."""
-
-    class Counting(LocalCollective):
-        in_process = False
-
-        def __init__(self):
-            super().__init__()
-            self.started = 0
-
-        def allreduce_async(self, value, op=None):
-            self.started += 1
-            return super().allreduce_async(value, op)
 
     collective = Counting()
     job = Job(
