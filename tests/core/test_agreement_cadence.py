@@ -26,9 +26,11 @@ class Counting(LocalCollective):
     def __init__(self):
         super().__init__()
         self.started = 0
+        self.values = []
 
     def allreduce_async(self, value, op=None):
         self.started += 1
+        self.values.append(value)
         return super().allreduce_async(value, op)
 
 
@@ -138,3 +140,37 @@ def test_checkpoints_counted_in_steps_agree_at_every_boundary():
         job.step_boundary()
     assert collective.started == 20
     assert job.checkpoints_written == 4
+
+
+def test_steps_that_turn_slow_are_agreed_on_at_every_boundary_again_soon():
+    """After fast steps, the first slow step makes rank 0 propose the slow step's spacing
+    (not the fast mean's), so at most two spaced-out waits of the fast spacing pass (the
+    one agreed already, and the one in flight) before every boundary agrees again."""
+    collective = Counting()
+    clock = ManualClock(0.002)
+    job = Job(collective=collective, clock=clock)
+    for _ in range(40):
+        job.step_boundary()
+    clock.tick = 1.0  # a step of a second: agreeing costs 0.1% of it
+    every = job.agreement_cadence.max_every
+    for _ in range(2 * every + 1):
+        job.step_boundary()
+    started = collective.started
+    for _ in range(5):
+        job.step_boundary()
+    assert collective.started - started == 5
+
+
+def test_the_first_slow_step_proposes_its_own_spacing():
+    """Rank 0 proposes from the slower of its mean step and its latest one: the mean of
+    fast steps and one slow step would still space agreements 4 apart."""
+    collective = Counting()
+    clock = ManualClock(0.002)
+    job = Job(collective=collective, clock=clock)
+    for _ in range(40):
+        job.step_boundary()
+    while job._until_agreement > 0:  # up to the boundary before the next agreement
+        job.step_boundary()
+    clock.tick = 1.0
+    job.step_boundary()
+    assert collective.values[-1][3] == 1

@@ -153,6 +153,7 @@ class Job:
         self._until_agreement = 0
         self._last_boundary_time: float | None = None
         self._step_time = 0.0  # rank 0's mean seconds per training step (0: unknown)
+        self._last_step = 0.0  # and its latest
         self._rank0 = self.topology.rank == 0
         self._drains: list[Callable[[], None]] = []
         self.redecide_schedule = RedecideSchedule()
@@ -719,7 +720,9 @@ class Job:
                 self._redecide_interval = interval
                 self._next_redecide = now + interval
             if self.checkpoint_policy.every_steps is None:
-                proposed = self.agreement_cadence.every(self._step_time)
+                # The latest step counts whole when it is slower than the mean: steps that
+                # just became slower (a larger batch) must not keep a fast step's spacing.
+                proposed = self.agreement_cadence.every(max(self._step_time, self._last_step))
         stop = self.stop_requested
         if self._one_replica:
             # One replica's reduction is its own flags, kept as their Boundary: no future
@@ -761,6 +764,7 @@ class Job:
         if last is None or not training:
             return
         interval = now - last
+        self._last_step = interval
         if self._step_time <= 0.0:
             self._step_time = interval
         else:

@@ -128,7 +128,9 @@ class AgreementCadence:
     ``max_every`` boundaries apart and never more than ``max_latency`` seconds of
     steps apart: a stop then waits for at most two agreements (the reduction started
     at one is read at the next). Rank 0 proposes ``k`` from its own step times and
-    the replicas adopt the agreed one, so every replica agrees at the same boundaries.
+    the replicas adopt the agreed one, so every replica agrees at the same boundaries
+    (a proposal is adopted one agreement later: steps that turn slow wait at most two
+    spaced-out intervals before every boundary agrees again).
     ``max_every=1`` agrees at every boundary.
     """
 
