@@ -486,9 +486,6 @@ class AdaptiveSteps:
             measuring = False
         cost, self._stat_cost = self._stat_cost, 0.0
         if not measuring:
-            # What was spent for the statistics but not yet counted (the last measured
-            # step's bookkeeping) waits for the next measured step.
-            self._stat_cost = cost
             if single and self._steps.measures(ahead=1):
                 self._keep(self._grad_groups(), replicas * micro, loader)
             else:
@@ -553,30 +550,22 @@ class AdaptiveSteps:
 
         if values.device.type == "cuda":
             # Read a step later, when the copy is long done: no wait for the device now.
-            lagged = _Lagged(values, lambda host: self._counted(build, host, cost))
+            lagged = _Lagged(values, lambda host: build(host, cost))
             cost += _cpu() - start
             self._lagged = lagged
             pairable = True
         else:
             host = values.tolist()
+            # The tensor work only: core's bookkeeping of the measurement (0.2-0.5 ms of
+            # Python) is not counted, since on a small model it alone would pass the
+            # budget's floor and sample the statistics at a share set by timing noise.
             cost += _cpu() - start
-            pairable = self._counted(build, host, cost).pairable
+            pairable = build(host, cost).pairable
         if single and pairable and self._steps.measures(ahead=1):
             self._keep(groups, 1, loader, [t / mp2 for t in total])
         else:
             self._prev_buf_valid = False
             self._prev_grads = None
-
-    def _counted(
-        self, build: Callable[[list[float], float], Fold], host: list[float], cost: float
-    ) -> Fold:
-        """``build(host, cost)``, core's bookkeeping of a measured step (its estimator
-        update and the replicas' sum), counted in the next measured step's cost: the
-        budget then holds the whole price of measuring, not the norms' alone."""
-        start = _cpu()
-        fold = build(host, cost)
-        self._stat_cost += _cpu() - start
-        return fold
 
     def _finish_lagged(self) -> None:
         lagged, self._lagged = self._lagged, None

@@ -1,11 +1,11 @@
 """Which optimiser steps measure the gradient statistics: a share of steps under a time budget.
 
 Measuring the gradient-noise statistics costs passes over the gradients (their
-norms; on one replica a copy of the gradient to pair with the next step's) and
-the measurement's bookkeeping (the estimator's update, the replicas' sum: the torch
-adapter counts it in the next measured step's cost, 0.5 ms of a 5 ms measured step
-on a 10M-parameter MLP). On a large model whose step is short that is several
-percent of the step. The budget
+norms; on one replica a copy of the gradient to pair with the next step's). On a
+large model whose step is short that is several percent of the step. The
+measurement's bookkeeping in core (the estimator's update, the replicas' sum: 0.2-0.5
+ms of Python) is not counted: on a small model it alone would pass the floor below
+and leave the share to timing noise. The budget
 keeps it, on average over the steps, at most ``max(budget * step, floor)``
 (default: 1.5% of the step time, or 0.5 ms): while the measured cost of a measured
 step exceeds that, only a share ``max(budget * step, floor) / cost`` of the steps
