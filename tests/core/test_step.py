@@ -25,6 +25,7 @@ from adaptdl.core.stats.step import (
     StepMeasurement,
     StepStatistics,
     decide,
+    split_by_size,
 )
 
 NAN = float("nan")
@@ -425,3 +426,27 @@ def test_metrics_goodput_accessors_read_the_estimator_and_profiler() -> None:
         bound.grad_params.var / bound.grad_params.sqr
         < point.grad_params.var / point.grad_params.sqr
     )
+
+
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 10_000), max_size=8), min_size=1, max_size=4),
+    replicas=st.integers(1, 6),
+)
+def test_split_by_size_gives_every_tensor_one_replica_and_balances_the_elements(
+    sizes: list[list[int]], replicas: int
+) -> None:
+    owner = split_by_size(sizes, replicas)
+    assert [len(row) for row in owner] == [len(g) for g in sizes]
+    assert all(0 <= o < replicas for row in owner for o in row)
+    loads = [0] * replicas
+    for group, row in zip(sizes, owner, strict=True):
+        for n, o in zip(group, row, strict=True):
+            loads[o] += n
+    largest = max((n for g in sizes for n in g), default=0)
+    assert max(loads) - min(loads) <= largest
+    assert split_by_size(sizes, replicas) == owner  # the same on every replica
+
+
+def test_split_by_size_refuses_no_replicas() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        split_by_size([[1]], 0)

@@ -46,7 +46,14 @@ import torch
 from adaptdl.core.job import Job
 from adaptdl.core.loop.loader import LoaderHelper
 from adaptdl.core.stats.gns import GradientNoiseScale
-from adaptdl.core.stats.step import Fold, PairedNorms, StepLoss, StepMeasurement, StepStatistics
+from adaptdl.core.stats.step import (
+    Fold,
+    PairedNorms,
+    StepLoss,
+    StepMeasurement,
+    StepStatistics,
+    split_by_size,
+)
 from adaptdl.core.validate import check_float
 from adaptdl.torch._loss import check_floor_optimizer, check_loss, floor_rates, mean_loss
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
@@ -714,21 +721,12 @@ class AdaptiveSteps:
     def _my_part(
         self, groups: list[list[torch.Tensor]], replicas: int
     ) -> list[list[torch.Tensor]]:
-        """This replica's tensors of ``groups``: the largest first, each to the replica
-        with the fewest elements so far (every replica computes the same split)."""
+        """This replica's tensors of ``groups``, by core's `split_by_size` (cached for
+        the sizes and replicas it was computed for)."""
         sizes = tuple(tuple(t.numel() for t in g) for g in groups)
         key = (replicas, sizes)
         if self._part_key != key:
-            loads = [0] * replicas
-            owner: list[list[int]] = [[0] * len(g) for g in sizes]
-            order = sorted(
-                ((n, i, j) for i, g in enumerate(sizes) for j, n in enumerate(g)),
-                key=lambda item: (-item[0], item[1], item[2]),
-            )
-            for n, i, j in order:
-                least = min(range(replicas), key=lambda r: (loads[r], r))
-                owner[i][j] = least
-                loads[least] += n
+            owner = split_by_size(sizes, replicas)
             rank = self._job.topology.rank
             self._part = [[j for j, o in enumerate(row) if o == rank] for row in owner]
             self._part_key = key

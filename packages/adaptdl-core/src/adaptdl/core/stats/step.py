@@ -455,5 +455,27 @@ def decide(
     )
 
 
+def split_by_size(sizes: Sequence[Sequence[int]], replicas: int) -> list[list[int]]:
+    """Which replica measures each tensor of a replicated gradient (`StepMeasurement.
+    total_partial`): per group, per tensor of ``sizes`` (element counts), its replica.
+
+    The largest first, each to the replica with the fewest elements so far (ties: the
+    lower group, index and rank), so every replica computes the same split and the
+    most loaded holds at most the least loaded's elements plus one tensor's.
+    """
+    replicas = check_int("replicas", replicas, min=1)
+    loads = [0] * replicas
+    owner = [[0] * len(group) for group in sizes]
+    order = sorted(
+        ((n, i, j) for i, group in enumerate(sizes) for j, n in enumerate(group)),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )
+    for n, i, j in order:
+        least = min(range(replicas), key=lambda r: (loads[r], r))
+        owner[i][j] = least
+        loads[least] += n
+    return owner
+
+
 def _warn_skip() -> None:
     LOG.warning("non-finite gradient: gradient-noise statistics skip this step")
