@@ -373,3 +373,31 @@ def test_two_replicas_measure_local_gradients_and_call_no_collective_beyond_the_
             # may own none of a small group's).
             assert sum(a["handed"][1]) > 0 and sum(b["handed"][1]) > 0
             assert sum(a["handed"][1]) < sum(a["total"]) * (1 - 1e-6)
+
+
+def test_a_step_sets_the_wrappers_own_state_without_nn_modules_setattr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # nn.Module.__setattr__ checks each value for a parameter, module or buffer (a few
+    # microseconds a set); the wrapper's per-step state, some thirty sets a step, is
+    # none of those.
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 0.5)
+    through_module: set[str] = set()
+    module_setattr = torch.nn.Module.__setattr__
+
+    def counting(self: torch.nn.Module, name: str, value: Any) -> None:
+        if self is adp:
+            through_module.add(name)
+        module_setattr(self, name, value)
+
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", counting)
+    steps = train(adp, optimizer, loader, [])
+    assert steps > 2
+    hot = {"_measuring", "_micro", "_stat_cost", "_in_backward", "_last_sync", "last_gain"}
+    assert hot <= adp._step_attrs
+    assert not through_module & adp._step_attrs, through_module
+    # DDP's own flags still go through it; the state is still the instance's own.
+    assert "require_backward_grad_sync" in through_module
+    assert adp._measuring is None and "_measuring" in vars(adp)

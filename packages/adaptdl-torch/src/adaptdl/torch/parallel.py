@@ -25,7 +25,12 @@ import torch
 from adaptdl.torch._context import current_job
 from adaptdl.torch.scaling_rules import ScalingRuleBase
 from adaptdl.torch.state import StateDictState
-from adaptdl.torch.stepping import AdaptiveSteps, check_arguments, register_grad_hooks
+from adaptdl.torch.stepping import (
+    AdaptiveSteps,
+    check_arguments,
+    register_grad_hooks,
+    set_step_attr,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
@@ -82,6 +87,8 @@ class AdaptiveDataParallel(DistributedDataParallel, AdaptiveSteps):
         self._patch_optimizer(optimizer)
         if mp_scaler is not None:
             self._patch_scaler(mp_scaler)
+
+    __setattr__ = set_step_attr
 
     # -- forward: skip gradient synchronisation on accumulation steps ------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

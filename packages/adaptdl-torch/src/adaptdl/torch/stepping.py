@@ -58,7 +58,7 @@ from adaptdl.core.validate import check_float
 from adaptdl.torch._loss import check_floor_optimizer, check_loss, floor_rates, mean_loss
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase
 
-__all__ = ["AdaptiveSteps", "check_arguments", "register_grad_hooks"]
+__all__ = ["AdaptiveSteps", "check_arguments", "register_grad_hooks", "set_step_attr"]
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
@@ -165,6 +165,20 @@ def register_grad_hooks(
     ]
 
 
+def set_step_attr(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Set attribute ``name`` of ``module``, an `AdaptiveSteps` wrapper that is an
+    nn.Module: its step state (``_step_attrs``) directly, anything else as
+    nn.Module does.
+
+    Module.__setattr__ checks every value for a parameter, module or buffer, a few
+    microseconds a set; the step state, some thirty sets a step, is none of those.
+    """
+    if name in module.__dict__.get("_step_attrs", ()):
+        object.__setattr__(module, name, value)
+    else:
+        torch.nn.Module.__setattr__(module, name, value)
+
+
 def _cpu() -> float:
     """This thread's CPU seconds: what the statistics' budget is measured in.
 
@@ -215,7 +229,7 @@ class AdaptiveSteps:
     A wrapper calls :meth:`_init_steps`, registers its gradient hooks
     (:func:`register_grad_hooks`), says where a measured step's local norms may come
     from (``_local_in_grads``: ``.grad`` at the end of the backward pass;
-    ``_fused_norms``: its reduction fills ``_bucket_local`` and ``_bucket_total``)
+    ``_fused_norms``: its reduction fills ``_bucket_local``)
     and provides :meth:`_will_sync` (and, for a sharded model, :meth:`_local_grad`
     and :meth:`_total_squares`).
     """
@@ -236,6 +250,7 @@ class AdaptiveSteps:
     ) -> None:
         """Set up the step statistics (after the wrapper's own ``__init__``); ``name``
         is the wrapper's, under which it is checkpointed."""
+        before = set(vars(self))
         self._job = job
         self._adaptdl_name = name
         self.adaptdl_optimizer = optimizer
@@ -246,10 +261,9 @@ class AdaptiveSteps:
         # Per group, squared norms of the local micro-batch gradients since the last step
         # (from the gradient hooks).
         self._local_parts: list[list[torch.Tensor]] = [[] for _ in range(self._num_groups)]
-        # (group, squared norm) of each flat gradient before and after its reduction,
-        # this backward pass (the reduction of a wrapper with `_fused_norms`).
+        # (group, squared norm) of each flat gradient before its reduction, this
+        # backward pass (the reduction of a wrapper with `_fused_norms`).
         self._bucket_local: list[tuple[int, torch.Tensor]] = []
-        self._bucket_total: list[tuple[int, torch.Tensor]] = []
         self._fused_norms = False  # whether the wrapper measures flat gradients
         # Whether the replica's own gradients stay in ``.grad`` until after the last
         # backward pass's bookkeeping (`_after_backward`), while their reduction runs
@@ -310,6 +324,11 @@ class AdaptiveSteps:
         self._losses: list[torch.Tensor | float] = []
         self._target_loss: float | None = None
         self._floor_checked = False
+        # Every attribute set above: the statistics' own state, set dozens of times a
+        # step and never a parameter, module or buffer. A wrapper that is an
+        # nn.Module sets them past Module.__setattr__'s registration checks
+        # (`set_step_attr`).
+        object.__setattr__(self, "_step_attrs", frozenset(vars(self)) - before)
 
     # -- the step's plan -----------------------------------------------------------------
     def _plan_step(self, armable: bool) -> None:
@@ -418,7 +437,6 @@ class AdaptiveSteps:
         # Each backward pass's buckets hold the gradients accumulated so far: the last
         # pass's are the step's.
         self._bucket_local = []
-        self._bucket_total = []
         self._grad_local = None
         # Runs after the backward computation; it queues the step after the wrapper's
         # own callback (DDP's, queued later; FSDP2's, queued earlier), which waits for
@@ -459,7 +477,6 @@ class AdaptiveSteps:
         micro, self._micro = max(len(self._micro), 1), set()
         parts, self._local_parts = self._local_parts, [[] for _ in range(self._num_groups)]
         bucket_local, self._bucket_local = self._bucket_local, []
-        bucket_total, self._bucket_total = self._bucket_total, []
         measuring, self._measuring = bool(self._measuring), None
         buckets_local, self._buckets_local = self._buckets_local, False
         grad_local, self._grad_local = self._grad_local, None
@@ -505,14 +522,9 @@ class AdaptiveSteps:
         mp = self._mp_scale()
         mp2 = mp * mp
         count = self._num_groups
-        fused = self._fused_norms and not self._preconditions()
         device = next((t.device for g in groups for t in g), torch.device("cpu"))
-        partial = False
-        if fused and bucket_total:
-            total = [t / (micro * micro) for t in _group_sums(bucket_total, count, device)]
-        else:  # no bucket measured (no reduction ran through the hook): the gradients'
-            squares, partial = self._total_squares(groups)
-            total = [t.to(device) for t in squares]
+        squares, partial = self._total_squares(groups)
+        total = [t.to(device) for t in squares]
         if single:
             local: list[torch.Tensor] = []
         elif buckets_local:
@@ -750,7 +762,7 @@ class AdaptiveSteps:
             self._losses = []  # reported for the dropped micro-batches
             self._micro = set()
             self._local_parts = [[] for _ in range(self._num_groups)]
-            self._bucket_local, self._bucket_total = [], []
+            self._bucket_local = []
             self._measuring, self._hook_local, self._buckets_local = None, False, False
             self._grads_local, self._grad_local = False, None
             self._stat_cost = 0.0
