@@ -27,6 +27,30 @@ def test_measured_steps_are_the_share_evenly_spaced(share: float, start: int, n:
     assert all(math.floor(1 / share) <= g <= math.ceil(1 / share) for g in gaps)
 
 
+@given(
+    costs=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=40),
+    steps=st.integers(200, 3000),
+    start=st.integers(0, 5000),
+)
+def test_a_moving_share_measures_that_share_of_the_steps(
+    costs: list[float], steps: int, start: int
+) -> None:
+    # Each measured step's cost moves the share a little (its moving average). The
+    # measured steps must stay that share of the steps, as `StepStatistics` drives the
+    # budget (the share applies from the step after the one measured): a share that
+    # applied from step 0 put the next measured step at a random point of the spacing
+    # after every change, which measured about twice the share.
+    b = MeasureBudget(budget=0.01, warmup=0, floor=0.0, min_share=0.01)
+    measured, expected = 0, 0.0
+    for k in range(start, start + steps):
+        expected += b.share
+        if b.measures(k):
+            measured += 1
+            b.record(costs[measured % len(costs)] * 0.1, 1.0, next_step=k + 1)
+    # The credit carried over every change: off by at most the one step in progress.
+    assert abs(measured - expected) <= 1.0 + 1e-9
+
+
 def test_a_cheap_statistic_is_measured_every_step() -> None:
     budget = MeasureBudget(budget=0.02, warmup=2)
     for _ in range(50):
@@ -72,6 +96,8 @@ def test_bad_settings_are_refused_by_name() -> None:
         MeasureBudget(fixed=0.0)
     with pytest.raises(ValueError, match="cost"):
         MeasureBudget().record(-1.0, 1.0)
+    with pytest.raises(ValueError, match="next_step"):
+        MeasureBudget().record(1.0, 1.0, next_step=-1)
     with pytest.raises(ValueError, match="share"):
         StepMeasurement((1.0,), (1.0,), 2, 1, 4, share=0.0)
     with pytest.raises((ValueError, ArgumentTypeError), match="share"):

@@ -97,6 +97,10 @@ class MeasureBudget:
     recorded: int = attrs.field(default=0, init=False)
     _cost: float = attrs.field(default=0.0, init=False)
     _step: float = attrs.field(default=0.0, init=False)
+    # The step from which the current share applies, and the credit carried into it
+    # (see `measures`).
+    _anchor: int = attrs.field(default=0, init=False)
+    _phase: float = attrs.field(default=0.0, init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.fixed is not None:
@@ -105,20 +109,47 @@ class MeasureBudget:
     def measures(self, step: int) -> bool:
         """Whether optimiser step ``step`` (counted from 0) is measured at the current share.
 
-        Evenly spaced: step ``k`` is measured when ``floor((k + 1) s) > floor(k s)``.
+        Evenly spaced: each step adds the share to a credit, and a step is measured when
+        the credit passes a whole number: with ``a`` the step from which the share
+        ``s`` applies and ``p`` the credit carried into it, step ``k >= a`` is measured
+        when ``floor(c + s) > floor(c)``, ``c = (k - a) s + p``. A share that never
+        changes measures ``floor((k + 1) s) > floor(k s)``.
         """
         share = self.share
         if share >= 1.0:
             return True
-        return math.floor((step + 1) * share) > math.floor(step * share)
+        k = step - self._anchor
+        return math.floor((k + 1) * share + self._phase) > math.floor(k * share + self._phase)
 
-    def record(self, cost: float, step_time: float) -> None:
+    def record(self, cost: float, step_time: float, *, next_step: int | None = None) -> None:
         """Fold in one measured step: ``cost`` seconds of statistics work, ``step_time``
-        seconds per optimiser step (both >= 0; a step time of 0 is unknown and ignored)."""
+        seconds per optimiser step (both >= 0; a step time of 0 is unknown and ignored).
+
+        ``next_step``: the first step a changed share applies to (the steps before it
+        keep the answers `measures` gave); the credit at that step carries over, so the
+        measured steps stay a share ``s`` of the steps while ``s`` moves. Without it
+        the new share applies from step 0, as if it had always held: a share that
+        moves a little at step ``k`` shifts the credit there by ``k`` times as much,
+        and after each measured step the next one comes at a random point of the
+        spacing, which measures about twice the share.
+        """
         cost = check_float("cost", cost, min=0.0)
         step_time = check_float("step_time", step_time, min=0.0)
+        if next_step is not None:
+            next_step = check_int("next_step", next_step, min=0)
         if step_time == 0.0:
             return
+        before = self.share
+        self._update(cost, step_time)
+        if next_step is not None and self.share != before and before < 1.0:
+            credit = (next_step - self._anchor) * before + self._phase
+            self._phase = credit - math.floor(credit)
+            self._anchor = next_step
+        elif next_step is not None and self.share != before:
+            # From every step measured: the new spacing starts afresh.
+            self._anchor, self._phase = next_step, 0.0
+
+    def _update(self, cost: float, step_time: float) -> None:
         s = self.smoothing
         self.recorded += 1
         # Bias-corrected moving averages: the first values count whole.

@@ -315,7 +315,7 @@ class StepStatistics:
             total = None if m.total_partial else m.total_sqr
             self._pending = (local, total, m.count, m.batch_size, m.share, m.num_replicas)
             return Fold.PENDING
-        self.budget.record(m.cost, m.step_time)
+        self.budget.record(m.cost, m.step_time, next_step=self.taken + 1)
         if m.count >= 2:
             return self._fold(gns, m.local_sqr, m.total_sqr, m.count, m.batch_size, m.share)
         if not _finite(m.total_sqr):
@@ -411,7 +411,13 @@ class StepStatistics:
     def _record(self, summed: Sequence[float], num_replicas: int) -> None:
         """Feed the budget the replicas' mean cost and step time (``summed`` over them)."""
         cost, step_time = summed[-2:]
-        self.budget.record(max(cost, 0.0) / num_replicas, max(step_time, 0.0) / num_replicas)
+        # Folded while step `taken` is under way (or between steps, at a drain): the
+        # share it moves applies from the step after, which no replica has planned.
+        self.budget.record(
+            max(cost, 0.0) / num_replicas,
+            max(step_time, 0.0) / num_replicas,
+            next_step=self.taken + 1,
+        )
 
     @staticmethod
     def _fold(
