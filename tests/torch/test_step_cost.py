@@ -127,6 +127,40 @@ def test_the_kept_gradient_is_one_buffer_reused_step_after_step() -> None:
     assert len(buffers) == 1
 
 
+def test_pairing_reads_the_kept_gradient_and_writes_nothing() -> None:
+    # |prev + current|^2 comes from the squared norms at hand and one inner product: no
+    # pass over the gradients writes their sum into the kept buffer (the values are
+    # pinned by test_one_replicas_measured_statistics_are_the_gradients_own_norms).
+    loader = adl.AdaptiveDataLoader(data(), batch_size=4)
+    loader.train()
+    torch.manual_seed(0)
+    adp, optimizer = wrap(torch.nn.Linear(3, 1), 1.0)
+    added = []
+    foreach_add = torch._foreach_add_
+
+    def spy_add(*args: Any, **kwargs: Any) -> Any:
+        added.append(args)
+        return foreach_add(*args, **kwargs)
+
+    paired = 0
+    for _ in adl.remaining_epochs_until(1):
+        for x, y in loader:
+            optimizer.zero_grad()
+            pairs = adp._prev_buf is not None and adp._prev_buf_valid
+            torch._foreach_add_ = spy_add
+            try:
+                torch.nn.functional.mse_loss(adp(x), y).backward()  # measured and paired
+            finally:
+                torch._foreach_add_ = foreach_add
+            # Kept again for the next step (every step measures): the current gradient.
+            buf = [t for g in adp._prev_buf or [] for t in g]
+            grads = [p.grad for p in adp.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(buf, grads, strict=True))
+            paired += pairs
+            optimizer.step()
+    assert paired > 2 and not added
+
+
 @pytest.mark.parametrize("share", [1.0, 0.5])
 def test_accumulation_measures_each_micro_batch_on_measured_steps_only(share: float) -> None:
     loader = adl.AdaptiveDataLoader(data(), batch_size=8)

@@ -78,6 +78,20 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_norm(g) for g in grads]
 
 
+def _inner(a: list[torch.Tensor], b: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``sum_i a[i] . b[i]`` as a float64 scalar tensor on ``device`` (dense tensors of
+    equal shapes; no device sync)."""
+    if not a:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    dots = []
+    for x, y in zip(a, b, strict=True):
+        x, y = x.detach().reshape(-1), y.detach().reshape(-1)
+        if x.dtype in (torch.float16, torch.bfloat16) or y.dtype != x.dtype:
+            x, y = x.float(), y.float()
+        dots.append(torch.dot(x, y))
+    return torch.stack(dots).double().sum()
+
+
 def _sums(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
     """``a[i] + b[i]`` for each i (one fused call for dense tensors)."""
     if a and not any(t.is_sparse for t in (*a, *b)):
@@ -650,7 +664,8 @@ class AdaptiveSteps:
     ) -> list[torch.Tensor] | None:
         """Per group the squared norms (on the device, times the loss scale squared)
         that pair this single-micro-batch step with the previous one, if any: of
-        prev + current, then of prev."""
+        prev + current, then of prev. ``total``: the current gradients' squared norms
+        per group (times the loss scale squared, as ``current`` is)."""
         mp2 = mp * mp
         if self._prev_grads is not None:
             prev = self._prev_grads
@@ -669,12 +684,15 @@ class AdaptiveSteps:
             return None
         if not _same_shapes(buf, current) or len(self._prev_total) != len(current):
             return None
-        self._prev_buf_valid = False  # the buffer becomes prev + current here
+        self._prev_buf_valid = False  # paired once; the next step pairs with this one
+        # |prev + current / mp|^2 from the two squared norms at hand and one inner
+        # product, a pass that reads both gradients: adding the current gradient into
+        # the buffer and measuring the sum read three and wrote one.
         summed = []
-        for dst, src in zip(buf, current, strict=True):
-            if dst:
-                torch._foreach_add_(dst, src, alpha=1.0 / mp)
-            summed.append(_sum_sqr_norms(_norms(dst)) * mp2)
+        rows = zip(buf, current, self._prev_total, total, strict=True)
+        for prev, cur, prev_sqr, cur_sqr in rows:
+            dot = _inner(prev, cur, prev_sqr.device)
+            summed.append(prev_sqr * mp2 + cur_sqr + 2.0 * mp * dot)
         return summed + [t * mp2 for t in self._prev_total]
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
