@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adl
@@ -24,6 +26,7 @@ from adaptdl.torch import _context
 from adaptdl.torch.launch import torchrun_command
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import LinearScale
+from adaptdl.torch.stepping import _inner
 
 N = 32
 
@@ -125,6 +128,36 @@ def test_the_kept_gradient_is_one_buffer_reused_step_after_step() -> None:
             assert adp._prev_grads is None and adp._prev_buf is not None
             buffers.add(tuple(t.data_ptr() for g in adp._prev_buf for t in g))
     assert len(buffers) == 1
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.complex64]),
+)
+def test_the_pairs_inner_product_is_half_what_the_sum_adds_to_the_squares(
+    seed: int, dtype: torch.dtype
+) -> None:
+    # |x + y|^2 = |x|^2 + |y|^2 + 2 Re <x, y>, per tensor list, for every dtype a
+    # gradient may have (half precision summed in float32, complex conjugated).
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(3, 4), (5,), (2, 1, 3)]
+    a = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    b = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+    def wide(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.complex128) if t.is_complex() else t.double()
+
+    def sqr(t: torch.Tensor) -> float:
+        return float(t.abs().square().sum())
+
+    want = sum(
+        (sqr(wide(x) + wide(y)) - sqr(wide(x)) - sqr(wide(y))) / 2
+        for x, y in zip(a, b, strict=True)
+    )
+    got = _inner(a, b, torch.device("cpu"))
+    assert got.dtype == torch.float64 and got.shape == ()
+    assert float(got) == pytest.approx(want, rel=1e-2, abs=1e-2)
+    assert float(_inner([], [], torch.device("cpu"))) == 0.0
 
 
 def test_pairing_reads_the_kept_gradient_and_writes_nothing() -> None:

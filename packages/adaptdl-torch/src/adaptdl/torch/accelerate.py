@@ -240,7 +240,7 @@ def _prepare_model(
     for i, listed in enumerate(models):
         if listed is placed:
             models[i] = wrapped
-    wrapped._is_accelerate_prepared = True  # type: ignore[assignment]
+    wrapped._is_accelerate_prepared = True  # type: ignore[attr-defined]
     return wrapped
 
 

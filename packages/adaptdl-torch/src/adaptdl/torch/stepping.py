@@ -86,6 +86,10 @@ def _inner(a: list[torch.Tensor], b: list[torch.Tensor], device: torch.device) -
     dots = []
     for x, y in zip(a, b, strict=True):
         x, y = x.detach().reshape(-1), y.detach().reshape(-1)
+        if x.is_complex() or y.is_complex():
+            # Re <x, y>: what |x + y|^2 = |x|^2 + |y|^2 + 2 Re <x, y> needs.
+            dots.append(torch.vdot(x.to(torch.complex64), y.to(torch.complex64)).real)
+            continue
         if x.dtype in (torch.float16, torch.bfloat16) or y.dtype != x.dtype:
             x, y = x.float(), y.float()
         dots.append(torch.dot(x, y))
@@ -690,9 +694,9 @@ class AdaptiveSteps:
         # the buffer and measuring the sum read three and wrote one.
         summed = []
         rows = zip(buf, current, self._prev_total, total, strict=True)
-        for prev, cur, prev_sqr, cur_sqr in rows:
-            dot = _inner(prev, cur, prev_sqr.device)
-            summed.append(prev_sqr * mp2 + cur_sqr + 2.0 * mp * dot)
+        for kept, now, kept_sqr, now_sqr in rows:
+            dot = _inner(kept, now, kept_sqr.device)
+            summed.append(kept_sqr * mp2 + now_sqr + 2.0 * mp * dot)
         return summed + [t * mp2 for t in self._prev_total]
 
     def _preconditioned(self, groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
