@@ -53,8 +53,8 @@ def test_a_moving_share_measures_that_share_of_the_steps(
 
 def test_a_cheap_statistic_is_measured_every_step() -> None:
     budget = MeasureBudget(budget=0.02, warmup=2)
-    for _ in range(50):
-        budget.record(0.001, 0.1)  # 1% of the step
+    for k in range(50):
+        budget.record(0.001, 0.1, next_step=k + 1)  # 1% of the step
     assert budget.share == 1.0 and budget.measures(7)
 
 
@@ -63,10 +63,10 @@ def test_a_costly_statistic_is_measured_on_the_share_its_budget_allows(
     cost: float, step: float, budget: float
 ) -> None:
     b = MeasureBudget(budget=budget, warmup=3, min_share=0.01, floor=0.0)
-    for _ in range(3):
-        b.record(cost, step)
+    for k in range(3):
+        b.record(cost, step, next_step=k + 1)
     assert b.share == 1.0  # still learning the cost
-    b.record(cost, step)
+    b.record(cost, step, next_step=4)
     expected = min(max(budget * step / cost, 0.01), 1.0)
     assert b.share == pytest.approx(expected, rel=1e-9)
     # The statistics' expected cost per step is then within the budget (or the floor).
@@ -78,7 +78,7 @@ def test_the_floor_keeps_a_cheap_statistic_whole_and_the_share_continuous(
     cost: float, step: float
 ) -> None:
     b = MeasureBudget(budget=0.02, warmup=0, floor=5e-4, min_share=0.01)
-    b.record(cost, step)
+    b.record(cost, step, next_step=1)
     allowed = max(0.02 * step, 5e-4)
     assert b.share == pytest.approx(min(max(allowed / cost, 0.01), 1.0), rel=1e-9)
     if cost <= 5e-4:
@@ -95,7 +95,7 @@ def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="fixed"):
         MeasureBudget(fixed=0.0)
     with pytest.raises(ValueError, match="cost"):
-        MeasureBudget().record(-1.0, 1.0)
+        MeasureBudget().record(-1.0, 1.0, next_step=1)
     with pytest.raises(ValueError, match="next_step"):
         MeasureBudget().record(1.0, 1.0, next_step=-1)
     with pytest.raises(ValueError, match="share"):

@@ -124,33 +124,29 @@ class MeasureBudget:
         k = step - self._anchor
         return math.floor((k + 1) * share + self._phase) > math.floor(k * share + self._phase)
 
-    def record(self, cost: float, step_time: float, *, next_step: int | None = None) -> None:
+    def record(self, cost: float, step_time: float, *, next_step: int) -> None:
         """Fold in one measured step: ``cost`` seconds of statistics work, ``step_time``
         seconds per optimiser step (both >= 0; a step time of 0 is unknown and ignored).
 
         ``next_step``: the first step a changed share applies to (the steps before it
-        keep the answers `measures` gave); the credit at that step carries over, so the
-        measured steps stay a share ``s`` of the steps while ``s`` moves. Without it
-        the new share applies from step 0, as if it had always held: a share that
-        moves a little at step ``k`` shifts the credit there by ``k`` times as much,
-        and after each measured step the next one comes at a random point of the
-        spacing, which measures about twice the share.
+        keep the answers `measures` gave). The credit at that step carries over, so the
+        measured steps stay a share ``s`` of the steps while ``s`` moves: re-spaced
+        from step 0 instead, a share that moves a little at step ``k`` shifts the
+        credit there by ``k`` times as much, the next measured step comes at a random
+        point of the spacing, and about twice the share is measured.
         """
         cost = check_float("cost", cost, min=0.0)
         step_time = check_float("step_time", step_time, min=0.0)
-        if next_step is not None:
-            next_step = check_int("next_step", next_step, min=0)
+        next_step = check_int("next_step", next_step, min=0)
         if step_time == 0.0:
             return
         before = self.share
         self._update(cost, step_time)
-        if next_step is not None and self.share != before and before < 1.0:
-            credit = (next_step - self._anchor) * before + self._phase
+        if self.share != before:
+            # At a share of 1 every step is measured whatever the credit.
+            credit = (next_step - self._anchor) * min(before, 1.0) + self._phase
             self._phase = credit - math.floor(credit)
             self._anchor = next_step
-        elif next_step is not None and self.share != before:
-            # From every step measured: the new spacing starts afresh.
-            self._anchor, self._phase = next_step, 0.0
 
     def _update(self, cost: float, step_time: float) -> None:
         s = self.smoothing
