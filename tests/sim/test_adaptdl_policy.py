@@ -148,23 +148,28 @@ def test_a_job_resized_every_round_is_charged_its_restarts_over_that_time() -> N
     # A lone job on an empty cluster grows every round (4 x its profiled GPUs): its
     # measured time per configuration falls from the horizon, and a change costs it
     # more than it would over its remaining time alone.
+    # Its rounds come at uneven times (a live scheduler also runs one when a job
+    # arrives or ends): what counts is the time it held GPUs, not rounds x interval.
     policy = AdaptDLPolicy(weight=0.0)
     job = _profiled("grows", 0.0, 1, [0])
-    assert policy.hold_time("grows") == policy.horizon
+    assert policy.hold_time(job) == policy.horizon
+    now = 0.0
     for rounds in range(1, 16):
-        state = _state([job], nodes=4)
+        now += 7.0 * rounds
+        job.advance(now)
+        job.progress = 0.0  # its remaining time stays longer than the hold
+        state = _state([job], nodes=4, time=now)
         alloc = policy.allocate(state)
         assert sorted(alloc["grows"]) != sorted(job.nodes)
-        assert policy.hold_time("grows") == pytest.approx(
-            (rounds * state.interval + 3600.0) / (rounds + 1)
-        )
-    state = _state([job], nodes=4)
+        assert job.run_time == pytest.approx(now)
+        assert policy.hold_time(job) == pytest.approx((now + 3600.0) / (rounds + 1))
+    state = _state([job], nodes=4, time=now)
     v = policy.values(job, state)
     unmeasured = AdaptDLPolicy(weight=0.0, measured_hold=False).values(job, state)
     assert v[2] / v[1] > unmeasured[2] / unmeasured[1]  # values < 0: a larger loss
-    assert policy.hold_time("gone") == policy.horizon
     policy.allocate(_state([_profiled("other", 0.0, 1, [0])], nodes=4))
-    assert policy.hold_time("grows") == policy.horizon  # a job that left is forgotten
+    # A job that left is forgotten: back with no changes counted.
+    assert policy.hold_time(job) == pytest.approx(now + 3600.0)
 
 
 def test_a_short_job_has_the_higher_response_ratio_and_waiting_raises_it() -> None:

@@ -27,7 +27,7 @@ fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
   again. ``H_j(k)`` is the least of the job's predicted remaining time at ``k`` (its
   remaining progress over its rate there), ``horizon``, and, with
   ``measured_hold``, the job's own measured time between its allocation changes,
-  ``(seconds it held GPUs + horizon) / (its changes + 1)`` (``horizon`` counts as one
+  ``(its run time on GPUs + horizon) / (its changes + 1)`` (``horizon`` counts as one
   prior observation, so a new job starts at ``horizon``): a job that is resized
   often (a long job filling the GPUs that short jobs come and go from) is charged
   its restarts over the short time it actually keeps a configuration;
@@ -70,7 +70,8 @@ What the policy reads of each job (the job view the live scheduler will carry):
 * ``job.min_replicas``, ``job.max_replicas``: its bounds;
 * ``job.restart_cost``: its seconds per restart (measured by the live scheduler where
   it could, else the cluster's default; the simulator's jobs carry the cluster's
-  ``restart_penalty``, the cost it charges every policy's restarts alike).
+  ``restart_penalty``, the cost it charges every policy's restarts alike);
+* ``job.run_time``: the seconds it has held GPUs (for its measured hold time).
 
 All of these are members of ``adaptdl.sched.view.JobView``: the simulator and the
 live scheduler (``adaptdl.sched.scheduler``) run this policy alike.
@@ -220,8 +221,9 @@ class AdaptDLPolicy:
         self.unknown_remaining = unknown_remaining
         self.rank = rank
         self.measured_hold = measured_hold
-        #: Per job: [seconds it held GPUs, allocation changes], over the rounds seen.
-        self._history: dict[str, list[float]] = {}
+        #: Per job: its allocation changes over the rounds seen (its seconds on GPUs are
+        #: its own `run_time`).
+        self._changes: dict[str, int] = {}
         self._weights: tuple[ClusterState | None, dict[str, float]] = (None, {})
         #: Per round: (CPU seconds of allocate, jobs, whether the MILP proved its optimum).
         self.rounds: list[tuple[float, int, bool]] = []
@@ -284,7 +286,7 @@ class AdaptDLPolicy:
                 left = np.where(rate > 0, remaining / np.maximum(rate, 1e-300), np.inf)
             held = left if self.horizon is None else np.minimum(left, self.horizon)
             if self.measured_hold and self.horizon is not None:
-                held = np.minimum(held, self.hold_time(job.name))
+                held = np.minimum(held, self.hold_time(job))
             changed = k != cur
             with np.errstate(invalid="ignore"):
                 kept = np.where(np.isfinite(held), held / (held + restart), 1.0)
@@ -317,14 +319,17 @@ class AdaptDLPolicy:
         self._weights = (state, weights)
         return weights
 
-    def hold_time(self, name: str) -> float:
-        """Seconds the job is expected to keep a new configuration: its measured seconds
-        per allocation change, with ``horizon`` as one prior observation (``horizon``
-        for a job not seen yet; infinite without a horizon)."""
+    def hold_time(self, job: JobView) -> float:
+        """Seconds the job is expected to keep a new configuration: the seconds it has
+        held GPUs (``job.run_time``) per allocation change, with ``horizon`` as one
+        prior observation (``horizon`` for a job not seen yet; infinite without a
+        horizon). Its run time, not rounds times the interval: a live scheduler also
+        runs a round when a job arrives or ends, and a job's GPUs count from when it
+        got them."""
         if self.horizon is None:
             return math.inf
-        held, changes = self._history.get(name, (0.0, 0.0))
-        return (held + self.horizon) / (changes + 1.0)
+        changes = self._changes.get(job.name, 0)
+        return (float(job.run_time) + self.horizon) / (changes + 1.0)
 
     # -- the round -------------------------------------------------------------------
 
@@ -383,18 +388,15 @@ class AdaptDLPolicy:
         return out
 
     def _record(self, state: ClusterState, out: Allocation) -> None:
-        """Count each running job's seconds on GPUs and its allocation changes (a count
-        or a placement other than the one it holds), for :meth:`hold_time`; forget
-        the jobs that left."""
-        history = {}
+        """Count each running job's allocation changes (a count or a placement other
+        than the one it holds), for :meth:`hold_time`; forget the jobs that left."""
+        changes = {}
         for job in state.jobs:
-            held, changes = self._history.get(job.name, (0.0, 0.0))
-            if job.nodes:
-                held += state.interval
-                if sorted(out.get(job.name, ())) != sorted(job.nodes):
-                    changes += 1.0
-            history[job.name] = [held, changes]
-        self._history = history
+            count = self._changes.get(job.name, 0)
+            if job.nodes and sorted(out.get(job.name, ())) != sorted(job.nodes):
+                count += 1
+            changes[job.name] = count
+        self._changes = changes
 
     @staticmethod
     def _greedy(
