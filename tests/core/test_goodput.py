@@ -662,39 +662,6 @@ def test_fit_priors_for_unobserved_dimensions() -> None:
     assert alone.alpha_r == pytest.approx(PARAM_FLOOR)
 
 
-def _observed(true: PerfParams, nodes: list[int], replicas: list[int]) -> tuple[Any, ...]:
-    """Noise-free observations of ``true`` at batch 64 (accumulation and optimiser)."""
-    f = GoodputFunction(true, GRAD, 1)
-    n, r = np.array(nodes), np.array(replicas)
-    bsz = np.full(len(nodes), 64)
-    accum = true.alpha_c + true.beta_c * bsz
-    return n, r, bsz, accum, r * bsz / f.throughput(n, r, bsz, 0)
-
-
-def test_fit_extrapolates_no_network_slope_from_a_narrow_range_of_counts() -> None:
-    # The trap of yolov3 in the Pollux traces: cross-node steps seen only at 3 and 4
-    # replicas, whose sync times rise steeply between them. Fitted there, the slope
-    # made 16 replicas slower than 4, so no scheduler tried them and the fit was
-    # never corrected; a flat cross-node cost is kept instead.
-    steep = PerfParams(0.05, 0.002, 1e-6, 0.5, 0.05, 0.01, 1.0)
-    narrow = _observed(steep, [1, 1, 1, 3, 2], [1, 2, 4, 3, 4])
-    fitted = fit_perf_params(*narrow)
-    assert fitted.beta_n == pytest.approx(PARAM_FLOOR)
-    f = GoodputFunction(fitted, GRAD, 1)
-    assert f.throughput(4, 16, 64, 0) > f.throughput(2, 4, 64, 0)
-    # Its cross-node cost lies between the two it saw.
-    cross = [float(t) for t in narrow[4][3:]]
-    predicted = 64 * np.array([3, 4]) / f.throughput(np.array([3, 2]), np.array([3, 4]), 64, 0)
-    assert min(cross) * 0.99 <= predicted.min() and predicted.max() <= max(cross) * 1.01
-    # Counts that span a doubling identify the slope: it is fitted, and it is right.
-    wide = _observed(steep, [1, 1, 1, 3, 2, 4], [1, 2, 4, 3, 4, 8])
-    refit = fit_perf_params(*wide)
-    assert refit.beta_n == pytest.approx(steep.beta_n, rel=0.05)
-    # The same holds within a node: 2 and 3 replicas leave beta_r at the floor.
-    within = fit_perf_params(*_observed(steep, [1, 1, 1], [1, 2, 3]))
-    assert within.beta_r == pytest.approx(PARAM_FLOOR)
-
-
 @pytest.mark.parametrize(
     ("change", "match"),
     [

@@ -207,10 +207,8 @@ def fit_perf_params(
 
     * one atomic batch size: ``alpha_c`` is fixed to half the compute time;
     * no multi-replica step within a node (across nodes): ``alpha_r`` (``alpha_n``)
-      stays at the floor; likewise the per-replica slope ``beta_r`` (``beta_n``)
-      unless the replica counts seen there span at least a doubling (the largest at
-      least twice the smallest): the network time is then flat in the count, an
-      optimistic model, so the scheduler tries the configuration;
+      stays at the floor; likewise ``beta_r`` (``beta_n``) without more than two
+      replicas there (an optimistic model, so the scheduler tries the configuration);
     * no multi-node step: afterwards ``alpha_n, beta_n >= 1.1 * (alpha_r, beta_r)``;
     * no multi-replica step at all: ``gamma = 1``;
     * no measured accumulation time: ``alpha_o = 0`` (the optimiser step cannot be
@@ -281,20 +279,13 @@ def _descend(
         # Half the compute time (with alpha_o: as measured, an estimate holds alpha_o).
         known = obs.log_accum[obs.estimated == 0.0] if with_o else obs.log_accum
         pinned[0] = math.log(max(PARAM_FLOOR, float(np.exp(np.mean(known))) / 2))
-    # A per-replica slope is fitted only over counts that span a doubling. From one
-    # count any split of the network time between alpha and beta fits, and from a
-    # narrow range (3 and 4 replicas) the slope is mostly noise and non-linearity, yet
-    # it is extrapolated to every larger count: a steep one makes 16 replicas look
-    # slower than 4, and since no scheduler tries a count its model calls slower, it
-    # is never corrected (yolov3 in the Pollux traces). A flat cost is optimistic:
-    # the job is tried larger and the fit learns from what it sees there.
     if not intra.any():
         pinned[4] = floor
-    if not _spans(replicas[intra]):
+    if not (intra & (replicas > 2)).any():
         pinned[5] = floor
     if not inter.any():
         pinned[2] = floor
-    if not _spans(replicas[inter]):
+    if not (inter & (replicas > 2)).any():
         pinned[3] = floor
     if obs.n_single == obs.n:
         pinned[6] = 1.0
@@ -329,11 +320,6 @@ def _descend(
         values[3] = max(values[3], _INTER_NODE_PRIOR * values[5])
     values.append(float(np.exp(theta[7])) if with_o else 0.0)  # alpha_o
     return PerfParams(*values), theta
-
-
-def _spans(counts: FloatArray) -> bool:
-    """Whether the replica counts span at least a doubling (none: no)."""
-    return bool(counts.shape[0]) and float(counts.max()) >= 2.0 * float(counts.min())
 
 
 def _check_less_sync(value: npt.ArrayLike | None, n: int) -> FloatArray:
