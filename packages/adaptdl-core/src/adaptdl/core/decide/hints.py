@@ -123,17 +123,23 @@ def validate_hints(data: Any) -> dict[str, Any]:
     }
 
 
-def goodput_fn_from_hints(data: Mapping[str, Any]) -> GoodputFunction | None:
+def goodput_fn_from_hints(
+    data: Mapping[str, Any], *, optimistic: bool = False
+) -> GoodputFunction | None:
     """The goodput model a hints document describes; None while it has no ``perf_params``.
 
-    Null ``grad_params`` mean no noise, as in :meth:`Profiler.goodput_fn`.
+    Null ``grad_params`` mean no noise, as in :meth:`Profiler.goodput_fn`. With
+    ``optimistic``, its synchronisation time stops growing past the most replicas
+    the job was profiled on (`GoodputFunction.network_flat_beyond`).
     """
     checked = validate_hints(data)
     if checked["perf_params"] is None:
         return None
     grad = checked["grad_params"]
+    flat = max(checked["max_profiled_replicas"], 1) if optimistic else None
     return GoodputFunction(
         PerfParams.from_dict(checked["perf_params"]),
         GradParams.from_dict(grad) if grad is not None else GradParams(0.0, 0.0),
         checked["init_batch_size"],
+        network_flat_beyond=flat,
     )

@@ -34,6 +34,11 @@ from adaptdl.core.validate import ArgumentTypeError, check_int, check_reals
 Values = npt.ArrayLike
 
 
+def _check_flat_beyond(value: Any) -> int | None:
+    """``network_flat_beyond``: None, or a count of replicas >= 1."""
+    return None if value is None else check_int("network_flat_beyond", value, min=1)
+
+
 @attrs.frozen
 class GoodputFunction:
     """Goodput of one job: throughput (samples/s) times statistical efficiency.
@@ -41,11 +46,22 @@ class GoodputFunction:
     ``perf_params`` and ``grad_params`` also accept sequences in field order or
     mappings as produced by ``to_dict``. Every method broadcasts numpy arrays of
     configurations and returns Python scalars for scalar arguments.
+
+    ``network_flat_beyond`` (None: off) is the most replicas the throughput model
+    was fitted on: past it, the synchronisation time is held at its value there
+    instead of extrapolating the per-replica slopes ``beta_r``, ``beta_n``. A slope
+    fitted over a few small counts can make every larger count look slower, and a
+    scheduler never tries a count its model calls slower, so the slope is never
+    corrected; held flat, the model is optimistic past what was measured, the job is
+    tried larger, and the fit learns from what it sees there.
     """
 
     perf_params: PerfParams = attrs.field(converter=to_perf_params)
     grad_params: GradParams = attrs.field(converter=to_grad_params)
     init_batch_size: int = attrs.field(converter=check_init_batch_size)
+    network_flat_beyond: int | None = attrs.field(
+        default=None, kw_only=True, converter=_check_flat_beyond
+    )
 
     def evaluate(
         self, num_nodes: Values, num_replicas: Values, atomic_bsz: Values, accum_steps: Values
@@ -110,7 +126,15 @@ class GoodputFunction:
             shape = np.broadcast_shapes(np.shape(nodes), np.shape(replicas))
             nodes = np.broadcast_to(nodes, shape).ravel()
             replicas = np.broadcast_to(replicas, shape).ravel()
-        prob = make_problem(self.perf_params, self.grad_params, m0, nodes, replicas)
+        prob = make_problem(
+            self.perf_params,
+            self.grad_params,
+            m0,
+            nodes,
+            replicas,
+            None,
+            self.network_flat_beyond,
+        )
         goodput, bsz, accum = best_config(prob, m_max, bmin, bmax, bool(accumulation))
         if one:
             return float(goodput), int(bsz), int(accum)
@@ -126,7 +150,13 @@ class GoodputFunction:
         nodes, replicas, bsz, micro = check_config(*config)
         m = backend(nodes, replicas, bsz, micro)
         prob = make_problem(
-            self.perf_params, self.grad_params, self.init_batch_size, nodes, replicas, m
+            self.perf_params,
+            self.grad_params,
+            self.init_batch_size,
+            nodes,
+            replicas,
+            m,
+            self.network_flat_beyond,
         )
         with m.quiet():
             return _output(m, quantity(prob, bsz, micro))

@@ -5,7 +5,9 @@ Throughput, all times in seconds:
 * one accumulation (compute) micro-batch: ``T_c = alpha_c + beta_c * atomic_bsz``;
 * gradient synchronisation: ``T_n = 0`` for one replica, else
   ``alpha_r + beta_r * max(replicas - 2, 0)`` inside one node and
-  ``alpha_n + beta_n * max(replicas - 2, 0)`` across nodes;
+  ``alpha_n + beta_n * max(replicas - 2, 0)`` across nodes (optionally with the
+  count held at a largest one past which the model has not been measured:
+  `GoodputFunction.network_flat_beyond`);
 * the optimiser micro-batch, whose backward pass overlaps synchronisation, then
   the optimiser step itself: ``T_o = (T_c ** gamma + T_n ** gamma) ** (1 / gamma)
   + alpha_o``, ``gamma`` in [1, 10], at every number of replicas. ``alpha_o`` is
@@ -203,9 +205,14 @@ def log_optim_time(m: Math, log_compute: Any, log_network: Any, gamma: float) ->
     return log_compute + softplus / gamma, z
 
 
-def log_network_time(m: Math, p: PerfParams, nodes: Any, replicas: Any) -> Any:
-    """``log T_n``: ``-inf`` for one replica (nothing to synchronise)."""
+def log_network_time(
+    m: Math, p: PerfParams, nodes: Any, replicas: Any, flat_beyond: int | None = None
+) -> Any:
+    """``log T_n``: ``-inf`` for one replica (nothing to synchronise). With
+    ``flat_beyond``, the per-replica terms stop growing past that many replicas."""
     extra = m.maximum(replicas - 2.0, 0.0)
+    if flat_beyond is not None:
+        extra = m.minimum(extra, max(flat_beyond - 2.0, 0.0))
     net = m.where(nodes > 1, p.alpha_n + p.beta_n * extra, p.alpha_r + p.beta_r * extra)
     return m.log(m.where(replicas > 1, net, 0.0))
 
@@ -315,10 +322,17 @@ class Problem:
 
 
 def make_problem(
-    p: PerfParams, grad: GradParams, m0: int, nodes: Any, replicas: Any, m: Math | None = None
+    p: PerfParams,
+    grad: GradParams,
+    m0: int,
+    nodes: Any,
+    replicas: Any,
+    m: Math | None = None,
+    flat_beyond: int | None = None,
 ) -> Problem:
     """The :class:`Problem` of a job at (nodes, replicas), floats or arrays; ``m`` is
-    the backend of the values it will meet (default: that of nodes and replicas)."""
+    the backend of the values it will meet (default: that of nodes and replicas);
+    ``flat_beyond`` as in :func:`log_network_time`."""
     if m is None:
         m = backend(nodes, replicas)
     sqr, var = effective_grad(grad)
@@ -329,7 +343,7 @@ def make_problem(
     else:
         log_ratio = math.log(sqr) - math.log(m0 * var)
     with m.quiet():
-        log_network = log_network_time(m, p, nodes, replicas)
+        log_network = log_network_time(m, p, nodes, replicas, flat_beyond)
     return Problem(
         m=m,
         p=p,

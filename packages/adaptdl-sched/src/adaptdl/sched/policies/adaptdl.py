@@ -20,6 +20,14 @@ fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
 * **speedup** ``s_j(k)``: the job's goodput with ``k`` GPUs over its goodput with one,
   each at the batch size the job's own goodput engine would pick there (core's model,
   rebuilt from the job's hints by ``goodput_fn_from_hints``, as pollux does);
+* **optimism past what was profiled**: the speedups come from the job's model with
+  its synchronisation time held flat past the most replicas it has run on
+  (``optimistic``; core's ``GoodputFunction.network_flat_beyond``). A per-replica
+  network slope fitted on a few small counts can make every larger count look
+  slower than the job's current one, and a count never tried never corrects it
+  (yolov3 in the Pollux traces sat on 4 GPUs for hours while dozens were idle);
+  held flat, the job is tried larger (within ``explore_factor`` times its largest
+  count) and the fit learns from what it measures there;
 * **restart cost, amortised**: a configuration other than the job's current one costs
   it its restart cost ``R_j`` once. Over the time ``H_j(k)`` the new configuration
   will be held, the effective speedup is ``s_j(k) * H_j(k) / (H_j(k) + R_j)``: a
@@ -52,7 +60,8 @@ fewest nodes, ``ceil(k / gpus_per_node)``), and the allocation maximises
 
 Every ingredient can be switched off (``amortise=False``,
 ``measured_hold=False``, ``priority=False``, ``exact=False``, ``weight=0``,
-``rank=False``, ``min_gain=0``): :data:`ABLATIONS`, run by ``adaptdl-sim ablation``.
+``rank=False``, ``min_gain=0``, ``optimistic=False``): :data:`ABLATIONS`, run by
+``adaptdl-sim ablation``.
 
 What the policy reads of each job (the job view the live scheduler will carry):
 
@@ -176,6 +185,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "unweighted p-mean": {"weight": 0.0},
     "weight by size, not rank": {"rank": False},
     "no hysteresis": {"min_gain": 0.0},
+    "network extrapolated past what was profiled": {"optimistic": False},
 }
 
 
@@ -200,6 +210,7 @@ class AdaptDLPolicy:
         unknown_remaining: float = 3600.0,
         rank: bool = True,
         measured_hold: bool = True,
+        optimistic: bool = True,
     ) -> None:
         check_float("fairness", fairness, min=-10.0, max=-1e-3)
         check_float("weight", weight, min=-2.0, max=2.0)
@@ -221,13 +232,14 @@ class AdaptDLPolicy:
         self.unknown_remaining = unknown_remaining
         self.rank = rank
         self.measured_hold = measured_hold
+        self.optimistic = optimistic
         #: Per job: its allocation changes over the rounds seen (its seconds on GPUs are
         #: its own `run_time`).
         self._changes: dict[str, int] = {}
         self._weights: tuple[ClusterState | None, dict[str, float]] = (None, {})
         #: Per round: (CPU seconds of allocate, jobs, whether the MILP proved its optimum).
         self.rounds: list[tuple[float, int, bool]] = []
-        self._speedups = SpeedupCache()
+        self._speedups = SpeedupCache(optimistic=optimistic)
 
     # -- per-job view --------------------------------------------------------------
 

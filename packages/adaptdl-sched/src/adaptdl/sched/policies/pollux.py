@@ -45,17 +45,19 @@ FloatArray = npt.NDArray[np.float64]
 
 
 def hints_speedup(
-    hints: Mapping[str, Any], max_gpus: int, gpus_per_node: int
+    hints: Mapping[str, Any], max_gpus: int, gpus_per_node: int, *, optimistic: bool = False
 ) -> tuple[FloatArray, float]:
     """A job's speedup over one GPU for 0..max_gpus GPUs packed onto the fewest nodes,
     and its goodput on one GPU, from its scheduling hints.
 
     Each count of GPUs is valued at the batch size the job would choose there (core's
     optimiser within the hints' bounds). Before the hints carry a model, one GPU is
-    the only speedup known (1) and the goodput is 0.
+    the only speedup known (1) and the goodput is 0. ``optimistic``: the model's
+    synchronisation time is held flat past the counts the job was profiled on
+    (`goodput_fn_from_hints`).
     """
     out = np.zeros(max_gpus + 1)
-    fn = goodput_fn_from_hints(hints)
+    fn = goodput_fn_from_hints(hints, optimistic=optimistic)
     if max_gpus < 1:
         return out, 0.0
     out[1] = 1.0
@@ -89,7 +91,8 @@ class SpeedupCache:
     """:func:`hints_speedup` per job, kept while its hints and the GPU range stay the
     same (a round asks again for every job; most jobs' hints did not change)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, optimistic: bool = False) -> None:
+        self.optimistic = optimistic
         self._cached: dict[
             str, tuple[tuple[int, int], Mapping[str, Any], tuple[FloatArray, float]]
         ] = {}
@@ -102,7 +105,7 @@ class SpeedupCache:
         cached = self._cached.get(job.name)
         if cached is not None and cached[0] == key and cached[1] == hints:
             return cached[2]
-        value = hints_speedup(hints, max_gpus, gpus_per_node)
+        value = hints_speedup(hints, max_gpus, gpus_per_node, optimistic=self.optimistic)
         self._cached[job.name] = (key, hints, value)
         return value
 
