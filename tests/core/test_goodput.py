@@ -341,6 +341,44 @@ def test_compute_and_optimiser_step_times_are_the_model(
     assert many[1] == pytest.approx(compute + p.alpha_o, rel=1e-12)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    p=perf_params,
+    topology=topologies(max_replicas=64),
+    bsz=st.integers(1, 10_000),
+    flat=st.integers(1, 64),
+)
+def test_a_network_held_flat_past_a_count_is_the_model_up_to_it(
+    p: PerfParams, topology: tuple[int, int], bsz: int, flat: int
+) -> None:
+    nodes, replicas = topology
+    plain = GoodputFunction(p, GRAD, 64)
+    held = GoodputFunction(p, GRAD, 64, network_flat_beyond=flat)
+    # The model's times with the per-replica count stopped at `flat`.
+    extra = min(max(replicas - 2, 0), max(flat - 2, 0))
+    network = (p.alpha_n + p.beta_n * extra) if nodes > 1 else (p.alpha_r + p.beta_r * extra)
+    compute = p.alpha_c + p.beta_c * bsz
+    optim = (
+        compute + p.alpha_o
+        if replicas == 1
+        else ((compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma) + p.alpha_o)
+    )
+    assert held.throughput(nodes, replicas, bsz, 0) == pytest.approx(replicas * bsz / optim)
+    if replicas <= flat:
+        assert held.evaluate(nodes, replicas, bsz, 2) == plain.evaluate(nodes, replicas, bsz, 2)
+    # Optimistic: never a lower goodput, at its best batch size too.
+    assert held.evaluate(nodes, replicas, bsz, 0) >= plain.evaluate(nodes, replicas, bsz, 0)
+    best = held.optimize(nodes, replicas, max_batch_size=4096)[0]
+    assert best >= plain.optimize(nodes, replicas, max_batch_size=4096)[0] * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4"])
+def test_network_flat_beyond_must_be_a_count(bad: Any) -> None:
+    with pytest.raises((ValueError, TypeError), match="network_flat_beyond"):
+        GoodputFunction(PerfParams(0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 1.0), GRAD, 64,
+                        network_flat_beyond=bad)  # fmt: skip
+
+
 def test_step_times_reject_bad_configurations() -> None:
     with pytest.raises(ValueError, match="num_nodes must be <= num_replicas"):
         optim_step_time(PERF, 2, 1, 32)

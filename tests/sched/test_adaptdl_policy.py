@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,8 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.sched.views import View, profiled_hints
 
+from adaptdl.core.decide.hints import goodput_fn_from_hints
+from adaptdl.core.goodput import GradParams, PerfParams
 from adaptdl.sched.policies import LIVE_POLICIES, AdaptDLPolicy, make_policy
 from adaptdl.sched.policies.adaptdl import objective, solve_milp
+from adaptdl.sched.policies.pollux import hints_speedup
 from adaptdl.sched.round import allocation_round
 from adaptdl.sched.view import ClusterState, JobView
 
@@ -80,6 +84,35 @@ def _state(*jobs: JobView, nodes: int = 2, time: float = 600.0) -> ClusterState:
 def test_adaptdl_is_a_live_policy() -> None:
     assert "adaptdl" in LIVE_POLICIES
     assert isinstance(make_policy("adaptdl"), AdaptDLPolicy)
+
+
+def _trapped_hints() -> dict[str, Any]:
+    """Hints of a job profiled up to 4 replicas (2 nodes) whose fit found a steep
+    per-replica cross-node slope there: 0.05 + 0.5 s per replica past two."""
+    hints = dict(profiled_hints((1, 2, 4), grad=GradParams(1.0, 100.0)))
+    hints["perf_params"] = PerfParams(0.01, 0.01, 0.05, 0.5, 0.02, 1e-8, 1.0).to_dict()
+    hints["max_profiled_replicas"] = 4
+    hints["max_profiled_nodes"] = 2
+    return hints
+
+
+def test_a_slope_fitted_on_small_counts_does_not_keep_a_job_small() -> None:
+    # yolov3 in the Pollux traces: a slope from its first few cross-node steps made
+    # every count past 4 look slower, so it was never tried (and never corrected) with
+    # most of the cluster idle. Held flat past 4, the job is tried on 16.
+    hints = _trapped_hints()
+    fn = goodput_fn_from_hints(hints, optimistic=True)
+    assert fn is not None and fn.network_flat_beyond == 4
+    assert goodput_fn_from_hints(hints) is not None
+    assert goodput_fn_from_hints(hints).network_flat_beyond is None  # type: ignore[union-attr]
+    plain, _ = hints_speedup(hints, 16, 4)
+    held, _ = hints_speedup(hints, 16, 4, optimistic=True)
+    np.testing.assert_array_equal(held[:5], plain[:5])  # what was profiled is unchanged
+    assert plain[16] < plain[4] < held[16]
+    job = View("trapped", nodes=[0, 0, 0, 0], started=0.0, run_time=600.0, hints=hints)
+    state = _state(job, nodes=4)
+    assert len(AdaptDLPolicy(optimistic=False).allocate(state)["trapped"]) == 4
+    assert len(AdaptDLPolicy().allocate(state)["trapped"]) == 16
 
 
 def test_live_jobs_with_unknown_remaining_progress_are_scheduled() -> None:
