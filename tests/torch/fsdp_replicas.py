@@ -40,6 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
@@ -73,9 +74,14 @@ def shard(net: torch.nn.Module) -> torch.nn.Module:
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float16 if fp16 else None
     )
-    fully_shard(net[0], mp_policy=policy)
-    fully_shard(net[2], mp_policy=policy)
-    fully_shard(net, mp_policy=policy)
+    mesh = None
+    if os.environ.get("FSDP_HSDP") == "1":
+        # HSDP: every replica holds the whole model (shard groups of one), the
+        # gradients all-reduced over the replicate dimension.
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "shard"))
+    fully_shard(net[0], mp_policy=policy, mesh=mesh)
+    fully_shard(net[2], mp_policy=policy, mesh=mesh)
+    fully_shard(net, mp_policy=policy, mesh=mesh)
     return net
 
 

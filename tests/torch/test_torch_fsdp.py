@@ -385,9 +385,19 @@ def results(out: Path, mode: str, rank: int = 0) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("adam", [False, True], ids=["SGD-AdaScale", "Adam-AdamScale"])
-def test_noise_statistics_under_fsdp2_equal_those_under_ddp(tmp_path: Path, adam: bool) -> None:
+@pytest.mark.parametrize(
+    ("adam", "hsdp"),
+    [(False, False), (True, False), (False, True)],
+    ids=["SGD-AdaScale", "Adam-AdamScale", "HSDP"],
+)
+def test_noise_statistics_under_fsdp2_equal_those_under_ddp(
+    tmp_path: Path, adam: bool, hsdp: bool
+) -> None:
+    # HSDP (a replicate dimension): each shard is held by several replicas, and its
+    # square counts once in the reduced gradient's norm.
     env = {"FSDP_ADAM": "1"} if adam else {}
+    if hsdp:
+        env["FSDP_HSDP"] = "1"
     torchrun("ddp", 2, tmp_path, **env)
     torchrun("fsdp", 2, tmp_path, **env)
     ddp, fsdp = results(tmp_path, "ddp"), results(tmp_path, "fsdp")

@@ -29,6 +29,7 @@ the sharded model what `AdaptiveDataParallel` does for a replicated one (it shar
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +86,18 @@ class _MeasuredReduceScatter:
     ) -> Any:
         self.steps._measure_flat(self.group, input_tensor)
         return self.inner(output_tensor, input_tensor, group, op, async_op)
+
+
+def _holders(grad: torch.Tensor | None) -> int:
+    """How many replicas hold the same values as this one's part of ``grad``: the
+    product of the sizes of its mesh's replicated dimensions (HSDP's replicate
+    dimension); 1 for a plain tensor."""
+    if not isinstance(grad, DTensor):
+        return 1
+    mesh = grad.device_mesh
+    return math.prod(
+        mesh.size(i) for i, place in enumerate(grad.placements) if place.is_replicate()
+    )
 
 
 class AdaptiveFSDP(AdaptiveSteps):
@@ -334,6 +347,17 @@ class AdaptiveFSDP(AdaptiveSteps):
     def _total_squares(self, groups: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], bool]:
         """Per group, the squared norm of this replica's shards of the reduced gradient:
         a part, which core sums over the replicas with the local norms (no collective
-        here); on one replica the shards are the whole."""
-        squares = [_sum_sqr_norms(_norms(g)) for g in self._preconditioned(groups)]
+        here); on one replica the shards are the whole.
+
+        Under HSDP each shard is held by every replica of the mesh's replicate
+        dimension, so each replica's part counts its shards' squares over that many:
+        summed over the replicas, every shard counts once.
+        """
+        squares = []
+        for grads, params in zip(self._preconditioned(groups), self._grad_params(), strict=True):
+            norms = _norms(grads)
+            holders = [_holders(p.grad) for p in params]
+            if any(h > 1 for h in holders):
+                norms = [n / h**0.5 for n, h in zip(norms, holders, strict=True)]
+            squares.append(_sum_sqr_norms(norms))
         return squares, self._job.topology.num_replicas > 1
