@@ -6,9 +6,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from adaptdl.sim import cli
 from adaptdl.sim.cli import main
 
 
@@ -52,6 +54,28 @@ def test_cluster_json_top_level(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["policy"] == "fifo" and len(out["jobs"]) == 6
     assert {"avg_jct", "p50_jct", "p99_jct", "makespan"} <= set(out)
+
+
+def test_native_output_while_simulating_keeps_the_json_clean(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # HiGHS (the adaptdl policy's integer program) now and then prints a line of its
+    # own to the process's standard output, past Python: it once landed inside
+    # `cluster --json`'s document (realistic workloads 3 and 4).
+    real = cli.simulate
+
+    def noisy(*args: Any, **kwargs: Any) -> Any:
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "simulate", noisy)
+    assert main(["cluster", "--policy", "fifo", "--jobs", "4", "--nodes", "1", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["policy"] == "fifo"
+    assert "HighsMipSolverData" in err
+    # Standard output is back where it was.
+    os.write(1, b"after\n")
+    assert capfd.readouterr().out == "after\n"
 
 
 def test_compare_prints_every_policy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -264,6 +264,23 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
 
 
 @contextmanager
+def _native_stdout_to_stderr() -> Any:
+    """Point the process's standard output (file descriptor 1) at standard error
+    while it lasts: a native library may write there past Python (HiGHS, under the
+    adaptdl policy's integer program, prints a line of its own now and then), and
+    ``--json`` promises one JSON document on standard output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextmanager
 def _progress(enabled: bool, total: int) -> Any:
     if not enabled:
         yield lambda label: lambda done, n: None
@@ -315,7 +332,10 @@ def _cluster(args: argparse.Namespace) -> int:
     config = _config(args)
     show = not args.json and not args.no_progress and sys.stderr.isatty()
     results: dict[str, dict[str, SimResult]] = {}
-    with _progress(show, max(len(w) for w in workloads.values())) as track:
+    with (
+        _native_stdout_to_stderr(),
+        _progress(show, max(len(w) for w in workloads.values())) as track,
+    ):
         for wname, jobs in workloads.items():
             results[wname] = {}
             for policy in policies:
