@@ -313,13 +313,14 @@ def test_scalar_and_array_evaluation_agree(
         assert one == pytest.approx(many[0], rel=1e-12)
 
 
-@settings(max_examples=100, deadline=None)
-@given(p=perf_params, topology=topologies(max_replicas=64), bsz=st.integers(1, 10_000))
-def test_compute_and_optimiser_step_times_are_the_model(
-    p: PerfParams, topology: tuple[int, int], bsz: int
-) -> None:
-    nodes, replicas = topology
+def model_optim_time(
+    p: PerfParams, nodes: int, replicas: int, bsz: int, flat: int | None = None
+) -> float:
+    """The model's optimiser step time written out from its docstring (the network's
+    per-replica count stopped at ``flat`` replicas, if given)."""
     extra = max(replicas - 2, 0)
+    if flat is not None:
+        extra = min(extra, max(flat - 2, 0))
     if replicas == 1:
         network = 0.0
     elif nodes > 1:
@@ -327,7 +328,17 @@ def test_compute_and_optimiser_step_times_are_the_model(
     else:
         network = p.alpha_r + p.beta_r * extra
     compute = p.alpha_c + p.beta_c * bsz
-    optim = (compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma) + p.alpha_o
+    return float((compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma) + p.alpha_o)
+
+
+@settings(max_examples=100, deadline=None)
+@given(p=perf_params, topology=topologies(max_replicas=64), bsz=st.integers(1, 10_000))
+def test_compute_and_optimiser_step_times_are_the_model(
+    p: PerfParams, topology: tuple[int, int], bsz: int
+) -> None:
+    nodes, replicas = topology
+    compute = p.alpha_c + p.beta_c * bsz
+    optim = model_optim_time(p, nodes, replicas, bsz)
     assert compute_time(p, bsz) == pytest.approx(compute, rel=1e-12)
     assert optim_step_time(p, nodes, replicas, bsz) == pytest.approx(optim, rel=1e-9)
     # The goodput function's throughput runs on the same times.
@@ -355,14 +366,7 @@ def test_a_network_held_flat_past_a_count_is_the_model_up_to_it(
     plain = GoodputFunction(p, GRAD, 64)
     held = GoodputFunction(p, GRAD, 64, network_flat_beyond=flat)
     # The model's times with the per-replica count stopped at `flat`.
-    extra = min(max(replicas - 2, 0), max(flat - 2, 0))
-    network = (p.alpha_n + p.beta_n * extra) if nodes > 1 else (p.alpha_r + p.beta_r * extra)
-    compute = p.alpha_c + p.beta_c * bsz
-    optim = (
-        compute + p.alpha_o
-        if replicas == 1
-        else ((compute**p.gamma + network**p.gamma) ** (1.0 / p.gamma) + p.alpha_o)
-    )
+    optim = model_optim_time(p, nodes, replicas, bsz, flat)
     assert held.throughput(nodes, replicas, bsz, 0) == pytest.approx(replicas * bsz / optim)
     if replicas <= flat:
         assert held.evaluate(nodes, replicas, bsz, 2) == plain.evaluate(nodes, replicas, bsz, 2)
@@ -375,8 +379,9 @@ def test_a_network_held_flat_past_a_count_is_the_model_up_to_it(
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4"])
 def test_network_flat_beyond_must_be_a_count(bad: Any) -> None:
     with pytest.raises((ValueError, TypeError), match="network_flat_beyond"):
-        GoodputFunction(PerfParams(0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 1.0), GRAD, 64,
-                        network_flat_beyond=bad)  # fmt: skip
+        GoodputFunction(
+            PerfParams(0.1, 0.01, 0.2, 0.01, 0.1, 0.005, 1.0), GRAD, 64, network_flat_beyond=bad
+        )
 
 
 def test_step_times_reject_bad_configurations() -> None:

@@ -101,10 +101,12 @@ def test_a_slope_fitted_on_small_counts_does_not_keep_a_job_small() -> None:
     # every count past 4 look slower, so it was never tried (and never corrected) with
     # most of the cluster idle. Held flat past 4, the job is tried on 16.
     hints = _trapped_hints()
-    fn = goodput_fn_from_hints(hints, optimistic=True)
-    assert fn is not None and fn.network_flat_beyond == 4
-    assert goodput_fn_from_hints(hints) is not None
-    assert goodput_fn_from_hints(hints).network_flat_beyond is None  # type: ignore[union-attr]
+    held_fn, fitted_fn = (
+        goodput_fn_from_hints(hints, optimistic=True),
+        goodput_fn_from_hints(hints),
+    )
+    assert held_fn is not None and held_fn.network_flat_beyond == 4
+    assert fitted_fn is not None and fitted_fn.network_flat_beyond is None
     plain, _ = hints_speedup(hints, 16, 4)
     held, _ = hints_speedup(hints, 16, 4, optimistic=True)
     np.testing.assert_array_equal(held[:5], plain[:5])  # what was profiled is unchanged

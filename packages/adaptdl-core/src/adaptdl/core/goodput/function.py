@@ -132,8 +132,7 @@ class GoodputFunction:
             m0,
             nodes,
             replicas,
-            None,
-            self.network_flat_beyond,
+            flat_beyond=self.network_flat_beyond,
         )
         goodput, bsz, accum = best_config(prob, m_max, bmin, bmax, bool(accumulation))
         if one:
@@ -156,7 +155,7 @@ class GoodputFunction:
             nodes,
             replicas,
             m,
-            self.network_flat_beyond,
+            flat_beyond=self.network_flat_beyond,
         )
         with m.quiet():
             return _output(m, quantity(prob, bsz, micro))
