@@ -145,6 +145,13 @@ def train(
     if variant.kind == "preconditioned":  # the original's noise (Variant.of checked the rule)
         rule = AdamScale(preconditioned=True)
     adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
+    if cfg.get("measure_share") is not None:
+        from adaptdl.core.stats.statsbudget import MeasureBudget
+
+        # A fixed share of steps measured: the budget otherwise follows the measured
+        # cost, so which steps measure (and so the gains and the progress) would vary
+        # with the machine's load from run to run.
+        adp._steps.budget = MeasureBudget(fixed=cfg["measure_share"])
 
     target = cfg["progress_epochs"] * n / b0  # initial-batch steps
     steps: list[list[float]] = []
