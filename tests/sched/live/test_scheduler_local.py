@@ -150,6 +150,38 @@ def test_a_job_relaunched_at_a_new_size_keeps_it_until_it_steps_there(
     assert sched.job("a").failures == 0
 
 
+def test_a_relaunch_slower_than_the_stop_timeout_is_charged_what_it_took(
+    backend: LocalBackend, tmp_path: Path
+) -> None:
+    # Each launch of "a" takes 4 s before it can step (still starting), four times the
+    # stop timeout: past it, "a" is back in the rounds before it has stepped at its new
+    # size. The policy must then see a restart cost of at least the time that resize
+    # has taken (not the penalty, since no restart of "a" ever finished), and a resize
+    # that overtakes it must keep that time as one of the job's restart costs.
+    sched = Scheduler(
+        backend, tmp_path, interval=1.0, restart_penalty=1.0, stop_timeout=1.0, policy="pollux"
+    )
+    sched.submit(_spec("a", "--samples", "4096", "--epochs", "1", "--start-delay", "4"))
+    job = sched.job("a")
+    _run(sched, lambda: sum(e["event"] == "launch" for e in events(sched)) == 2)
+    since = sched._resize_from["a"]
+    _run(sched, lambda: time.time() - since > 2.0)
+    assert "a" in sched._resize_from and job.restart_costs == []  # not stepped at 2 yet
+    now = time.time()
+    assert sched._restart_cost(job, now) >= now - since > 2.0
+    # A newcomer: the round that starts it takes a GPU from "a" before "a" stepped.
+    sched.submit(_spec("b", "--samples", "64", "--epochs", "1", hi=1))
+    _run(sched, lambda: any(e["event"] == "resize-unfinished" for e in events(sched)))
+    unfinished = next(e for e in events(sched) if e["event"] == "resize-unfinished")
+    assert unfinished["job"] == "a" and unfinished["cost"] > 2.0
+    assert job.restart_costs == [unfinished["cost"]]
+    resize = next(e for e in events(sched) if e["event"] == "resize" and e["after"] == 1)
+    assert float(resize["why"].split("restart cost ")[1].split(" s")[0]) >= 2.0  # "%.1f"
+    _run(sched, lambda: job.status.done and sched.job("b").status.done, timeout=180.0)
+    assert job.status is Status.SUCCEEDED and job.failures == 0
+    _assert_exactly_once(sched, "a", 4096, 1)
+
+
 def test_a_job_killed_by_the_stop_before_its_handler_is_preempted_not_failed(
     backend: LocalBackend, tmp_path: Path
 ) -> None:

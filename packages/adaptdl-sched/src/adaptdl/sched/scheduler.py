@@ -495,7 +495,7 @@ class Scheduler:
                     min_replicas=job.spec.min_replicas,
                     max_replicas=job.spec.max_replicas,
                     requested_replicas=job.spec.max_replicas,
-                    restart_cost=job.measured_restart_cost(self.restart_penalty),
+                    restart_cost=self._restart_cost(job, now),
                     attained_service=job.attained_service,
                     run_time=job.run_time,
                 )
@@ -527,13 +527,21 @@ class Scheduler:
             why = (
                 f"{len(change.before)} -> {len(change.after)} GPUs "
                 f"(predicted speedup {speedups.get(job.name)}, restart cost "
-                f"{job.measured_restart_cost(self.restart_penalty):.1f} s)"
+                f"{self._restart_cost(job, now):.1f} s)"
             )
             logger.info("round %d: %s %s: %s", self.rounds, change.kind.value, job.name, why)
             if change.kind in (ChangeKind.START, ChangeKind.RESUME):
                 self._launch(job, target, now)
             else:
                 job.target = target
+                unfinished = self._resize_from.get(job.name)
+                if unfinished is not None:
+                    # Resized again before it stepped at its last size (a relaunch
+                    # slower than the stop timeout): that restart took at least this
+                    # long, and without this it would never count at all.
+                    cost = now - unfinished
+                    job.restart_costs.append(cost)
+                    self._event("resize-unfinished", job, cost=cost)
                 self._resize_from[job.name] = now
                 self._event(
                     "resize",
@@ -544,6 +552,15 @@ class Scheduler:
                     why=why,
                 )
                 self._request_stop(job, now, "resize")
+
+    def _restart_cost(self, job: JobRecord, now: float) -> float:
+        """What the policy charges ``job`` for a restart: the median of its measured
+        restart costs (the penalty before any), and at least the time its resize under
+        way has taken so far (a relaunch slower than the stop timeout is back in the
+        rounds before it has stepped, and its cost is already that high)."""
+        cost = job.measured_restart_cost(self.restart_penalty)
+        since = self._resize_from.get(job.name)
+        return cost if since is None else max(cost, now - since)
 
     def _predicted(
         self, state: ClusterState, allocation: Mapping[str, tuple[int, ...]]
