@@ -18,6 +18,10 @@ follows a cosine schedule over the *progress*, so that runs at different scales 
 the same schedule per unit of progress, and the scaling rule (``adascale``,
 ``adamscale`` or ``linear``) multiplies it at each step.
 
+``measure_share`` (optional) fixes the share of optimiser steps that measure the
+gradient statistics (core's `MeasureBudget`, which otherwise follows their measured
+cost): runs compared step by step then do not also differ by the machine's load.
+
 What the run changes from the library's default path is one declared choice,
 `experiments.harness.variants.Variant` (core's path, the loss floor, noise matching
 or AdamScale's preconditioned noise), read once from the config.
