@@ -44,9 +44,11 @@ def _install(session: nox.Session, *extra: str) -> None:
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
+    # The slowest tests in every log: a CI run that takes longer says where.
     session.run(
         "pytest",
         "--timeout=600",
+        "--durations=15",
         *args,
         env={**THREADS, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")},
     )
