@@ -62,6 +62,7 @@ from experiments.harness.estimators import smoothed
 from experiments.harness.launch import (
     FixedSplit,
     accumulated_step,
+    fix_measure_share,
     launch,
     rel_error,
     worker_config,
@@ -203,11 +204,8 @@ def worker() -> None:
         model.weight.copy_(torch.from_numpy(p["w0"]).float()[None, :])
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     adp = adl.AdaptiveDataParallel(model, optimizer)
-    if cfg.get("share") is not None:
-        from adaptdl.core.stats.statsbudget import MeasureBudget
-
-        # The share of steps measured, fixed: what sampling does to the estimate.
-        adp._steps.budget = MeasureBudget(fixed=cfg["share"])
+    # The share of steps measured, fixed: what sampling does to the estimate.
+    fix_measure_share(adp, cfg.get("share"))
 
     rows: list[list[float]] = []
     exact: list[list[float]] = []

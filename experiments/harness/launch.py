@@ -15,6 +15,7 @@ import numpy as np
 
 # Re-exported: the experiments import the fixed decision from here.
 from adaptdl.core.decide.batchsize import FixedSplit as FixedSplit
+from adaptdl.core.stats.statsbudget import MeasureBudget
 from adaptdl.core.stats.step import StepMeasurement
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,14 @@ def worker_config() -> dict[str, Any]:
     """The config a worker was launched with."""
     data: dict[str, Any] = json.loads(Path(os.environ["OUTCOME_CONFIG"]).read_text())
     return data
+
+
+def fix_measure_share(wrapper: Any, share: float | None) -> None:
+    """Have ``wrapper`` (an adaptive wrapper) measure the gradient statistics on a fixed
+    ``share`` of its steps (None: leave core's budget, which follows their measured
+    cost, so which steps measure varies with the machine's load from run to run)."""
+    if share is not None:
+        wrapper._steps.budget = MeasureBudget(fixed=share)
 
 
 def write_result(result: dict[str, Any]) -> None:

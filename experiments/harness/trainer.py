@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from experiments.harness import problems
-from experiments.harness.launch import FixedSplit, worker_config, write_result
+from experiments.harness.launch import FixedSplit, fix_measure_share, worker_config, write_result
 from experiments.harness.noisematch import check_config, extra_noise_weight, match_noise
 from experiments.harness.variants import Variant
 
@@ -149,13 +149,8 @@ def train(
     if variant.kind == "preconditioned":  # the original's noise (Variant.of checked the rule)
         rule = AdamScale(preconditioned=True)
     adp = adl.AdaptiveDataParallel(model, optimizer, scaling_rule=rule)
-    if cfg.get("measure_share") is not None:
-        from adaptdl.core.stats.statsbudget import MeasureBudget
-
-        # A fixed share of steps measured: the budget otherwise follows the measured
-        # cost, so which steps measure (and so the gains and the progress) would vary
-        # with the machine's load from run to run.
-        adp._steps.budget = MeasureBudget(fixed=cfg["measure_share"])
+    # Fixed, the gains and the progress of runs compared step by step do not vary with load.
+    fix_measure_share(adp, cfg.get("measure_share"))
 
     target = cfg["progress_epochs"] * n / b0  # initial-batch steps
     steps: list[list[float]] = []

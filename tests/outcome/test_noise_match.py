@@ -341,3 +341,20 @@ def test_a_noise_matched_sweep_prints_noise_matchs_table_not_the_sweeps(
     # Named as what it is; the sweep's table (which would call it "fixed 256") is not printed.
     assert "| fixed 256, noise at 0.5 | 0 (1) | 60 |" in out
     assert "Best fixed" not in out
+
+
+def test_a_fixed_measure_share_replaces_the_budget_and_none_keeps_it() -> None:
+    from types import SimpleNamespace
+
+    from experiments.harness.launch import fix_measure_share
+
+    from adaptdl.core.stats.statsbudget import MeasureBudget
+
+    budget = MeasureBudget()
+    wrapper = SimpleNamespace(_steps=SimpleNamespace(budget=budget))
+    fix_measure_share(wrapper, None)
+    assert wrapper._steps.budget is budget
+    fix_measure_share(wrapper, 0.25)
+    assert wrapper._steps.budget.fixed == 0.25 and wrapper._steps.budget.share == 0.25
+    with pytest.raises(ValueError, match="fixed"):
+        fix_measure_share(wrapper, 1.5)
